@@ -1,0 +1,127 @@
+"""HF transformers reference adapter: Qwen3 / Qwen3-MoE (and Llama/Qwen2-shaped models) -> canonical points.
+
+HF is the implementation users trust, so its mapping is deliberately direct: every point is a module output,
+a module input, or the output of `apply_rotary_pos_emb` (tapped in the model's own modeling module, since
+RoPE is a function call, not a module). Row r of a pass is batch b, position s, with r = b*S + s.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tic_trace.adapter import Adapter, PointMap
+
+_L = r"model\.layers\.(?P<layer>\d+)"
+_A = _L + r"\.self_attn"
+
+POINTS = (
+    PointMap("embed", r"model\.embed_tokens:out"),
+    PointMap("input", _L + r":in(\[0\]|\.hidden_states)", note="decoder layer input = residual stream"),
+    PointMap("attn_norm", _L + r"\.input_layernorm:out"),
+    PointMap("attn.q", _A + r"\.q_proj:out", "heads", opts={"heads": "q"}),
+    PointMap("attn.k", _A + r"\.k_proj:out", "heads", opts={"heads": "kv"}),
+    PointMap("attn.v", _A + r"\.v_proj:out", "heads", opts={"heads": "kv"}),
+    PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", opts={"heads": "q"}),
+    PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", opts={"heads": "kv"}),
+    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb:out\[0\]", "bhsd"),
+    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb:out\[1\]", "bhsd"),
+    PointMap("attn.core", _A + r"\.o_proj:in\[0\]", note="o_proj input = attention output"),
+    PointMap("attn.out", _A + r"\.o_proj:out"),
+    PointMap("mid", _L + r"\.post_attention_layernorm:in\[0\]", note="post-attention norm input = residual"),
+    PointMap("mlp_norm", _L + r"\.post_attention_layernorm:out"),
+    PointMap("moe.router_logits", _L + r"\.mlp\.gate:out\[0\]"),
+    PointMap("moe.topk_ids", _L + r"\.mlp\.gate:out\[2\]", "sorted_ids"),
+    PointMap("moe.topk_weights", _L + r"\.mlp\.gate:out\[1\]", "weights_by_sorted_ids",
+             also={"ids": "model.layers.{layer}.mlp.gate:out[2]"}),
+    PointMap("moe.experts_out", _L + r"\.mlp\.experts:out"),
+    PointMap("moe.shared_out", _L + r"\.mlp\.shared_expert:out"),
+    PointMap("mlp.out", _L + r"\.mlp:out(\[0\])?"),
+    PointMap("output", _L + r":out(\[0\])?"),
+    PointMap("final_norm", r"model\.norm:out"),
+    PointMap("logits", r"lm_head:out", "vocab"),
+)
+
+
+class HFAdapter(Adapter):
+    name = "hf"
+    points = POINTS
+
+    def prepare(self, tracer: Any, models: list) -> None:
+        tapped = set()
+        for model in models:
+            for name, mod in model.named_modules():
+                if name.endswith("self_attn"):
+                    ns = sys.modules.get(type(mod).__module__)
+                    if ns is not None and hasattr(ns, "apply_rotary_pos_emb") and ns.__name__ not in tapped:
+                        tracer.tap_function(ns, "apply_rotary_pos_emb")
+                        tapped.add(ns.__name__)
+        tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
+                                 "re:\\.post_attention_layernorm$"])
+
+    def describe(self, models: list) -> dict:
+        cfg = getattr(models[0], "config", None)
+        if cfg is None:
+            return {}
+        text = getattr(cfg, "get_text_config", lambda: cfg)()
+        heads = text.num_attention_heads
+        return {
+            "model_type": getattr(text, "model_type", None),
+            "num_layers": text.num_hidden_layers,
+            "hidden_size": text.hidden_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
+            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+            "vocab_size": text.vocab_size,
+            "num_experts": getattr(text, "num_experts", 0) or 0,
+            "num_experts_per_tok": getattr(text, "num_experts_per_tok", 0) or 0,
+            "shared_experts": bool(getattr(text, "shared_expert_intermediate_size", 0)),
+            "rms_norm_eps": getattr(text, "rms_norm_eps", None),
+            "rope_theta": _rope_theta(text),
+            "dtype": str(getattr(models[0], "dtype", "")).removeprefix("torch."),
+        }
+
+    def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None or not hasattr(ids, "shape") or ids.dim() != 2:
+            return None
+        b, s = ids.shape
+        pos = kwargs.get("position_ids")
+        mask = kwargs.get("attention_mask")
+        if pos is None and kwargs.get("cache_position") is not None:
+            pos = kwargs["cache_position"].reshape(1, -1).expand(b, -1)
+        if pos is None and mask is not None and mask.dim() == 2:
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
+        if pos is None:
+            import torch
+            pos = torch.arange(s).reshape(1, -1).expand(b, -1)
+        pos = pos.expand(b, -1)
+        keys = tracer.sample_keys or [f"s{i}" for i in range(b)]
+        valid = mask[:, -s:].bool() if mask is not None and mask.dim() == 2 else None
+        out_keys, out_pos, out_tok = [], [], []
+        ids_l, pos_l = ids.tolist(), pos.tolist()
+        valid_l = valid.tolist() if valid is not None else None
+        for i in range(b):
+            for j in range(s):
+                ok = valid_l is None or valid_l[i][j]
+                out_keys.append(keys[i] if ok else None)
+                out_pos.append(pos_l[i][j])
+                out_tok.append(ids_l[i][j])
+        return out_keys, out_pos, out_tok
+
+    def token_dims(self, record_name: str) -> int | None:
+        if "apply_rotary_pos_emb" in record_name:
+            return 0
+        if ".mlp.gate:" in record_name or ".mlp.experts:" in record_name:
+            return 1
+        return 2
+
+
+def _rope_theta(cfg) -> float | None:
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return theta
+
+
+ADAPTER = HFAdapter

@@ -1,0 +1,230 @@
+"""HF Qwen3 / Qwen3-MoE weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
+
+Pure torch; megatron is never imported. The result is the per-rank ``state_dict`` of a megatron-core
+``GPTModel`` built with the local layer spec (``get_gpt_layer_local_spec`` /
+``get_gpt_decoder_block_spec(..., use_transformer_engine=False)``), SwiGLU, QK-norm, no biases,
+``moe_grouped_gemm=False`` (``SequentialMLP`` experts), no pipeline parallelism.
+
+Layouts (``H`` hidden, ``NH`` query heads, ``NG`` KV heads / query groups, ``hn`` head dim, ``I`` dense
+FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
+
+* ``embedding.word_embeddings.weight`` ``[V/tp, H]``: rows ``tp_rank*V/tp ...`` of ``embed_tokens``
+  (``VocabParallelEmbedding``).
+* ``decoder.layers.{i}.input_layernorm.weight`` ``[H]`` <- ``input_layernorm``; replicated.
+* ``decoder.layers.{i}.self_attention.linear_qkv.weight`` ``[(NH+2NG)*hn/tp, H]``: the global weight is
+  interleaved per query group, ``[q heads of group 0; k_0; v_0; q heads of group 1; k_1; v_1; ...]``
+  (group ``g`` owns query heads ``g*NH/NG ... (g+1)*NH/NG-1``), and TP rank ``r`` holds the contiguous
+  ``r``-th 1/tp slice of those rows (whole groups when ``NG >= tp``). ``attention_bias`` models get
+  ``linear_qkv.bias`` in the same order.
+* ``...self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hn]`` <- ``q_norm`` / ``k_norm``.
+* ``...self_attention.linear_proj.weight`` ``[H, NH*hn/tp]``: column slice ``r`` of ``o_proj``
+  (``RowParallelLinear``; head order is preserved).
+* ``decoder.layers.{i}.pre_mlp_layernorm.weight`` ``[H]`` <- ``post_attention_layernorm``.
+* Dense MLP: ``mlp.linear_fc1.weight`` ``[2I/tp, H]`` is ``[gate_r; up_r]`` where ``gate_r`` / ``up_r``
+  are the ``r``-th 1/tp row slices of ``gate_proj`` / ``up_proj`` (``ColumnParallelLinear`` with
+  ``stride=2``; at tp=1 simply ``[gate; up]``). ``mlp.linear_fc2.weight`` ``[H, I/tp]`` is column slice
+  ``r`` of ``down_proj``.
+* MoE: ``mlp.router.weight`` ``[E, H]`` <- ``mlp.gate.weight``, replicated. Expert-parallel rank
+  ``ep_rank`` owns global experts ``ep_rank*E/ep ... (ep_rank+1)*E/ep - 1``; global expert ``e`` is
+  stored at local index ``k = e - ep_rank*E/ep`` as ``mlp.experts.local_experts.{k}.linear_fc1.weight``
+  ``[2F/etp, H]`` (``[gate_r; up_r]`` over the expert-TP rank, like dense fc1) and
+  ``...linear_fc2.weight`` ``[H, F/etp]``. transformers 5.x stores experts as 3D tensors
+  ``mlp.experts.gate_up_proj [E, 2F, H]`` (gate rows first, then up) and ``mlp.experts.down_proj
+  [E, H, F]``; transformers 4.x per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` is accepted too.
+  Expert-TP defaults to TP (megatron's default ``expert_tensor_parallel_size``).
+* ``decoder.final_layernorm.weight`` <- ``model.norm.weight``.
+* ``output_layer.weight`` ``[V/tp, H]`` <- ``lm_head.weight`` (row slice). With ``tie_word_embeddings``
+  megatron shares ``embedding.word_embeddings.weight`` (``share_embeddings_and_output_weights=True``) and
+  ``output_layer.weight`` is not a parameter, so it is not emitted.
+
+With ``padded_vocab_size`` the vocabulary rows are zero-padded before slicing (megatron-LM pads the vocab
+to a multiple of ``make_vocab_size_divisible_by * tp``); logits past the real vocab are then meaningless.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+__all__ = ["hf_to_megatron_state_dict", "load_into", "WeightLoadError"]
+
+
+class WeightLoadError(RuntimeError):
+    """The converted state dict does not fit the model (missing / unexpected keys, wrong shapes)."""
+
+
+def _cfg(hf_config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(name, default)
+    return getattr(hf_config, name, default)
+
+
+def _shard(t: torch.Tensor, rank: int, size: int, dim: int, what: str) -> torch.Tensor:
+    if size == 1:
+        return t
+    if t.shape[dim] % size:
+        raise ValueError(f"{what}: dim {dim} of shape {tuple(t.shape)} is not divisible by {size}")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def _glu_fc1(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int, what: str) -> torch.Tensor:
+    """``[gate_r; up_r]``: megatron's stride-2 ColumnParallelLinear layout for SwiGLU fc1."""
+    return torch.cat([_shard(gate, rank, size, 0, what + " gate"), _shard(up, rank, size, 0, what + " up")], 0)
+
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_groups: int,
+                    head_dim: int) -> torch.Tensor:
+    """``[NH*hn, ...]``, ``[NG*hn, ...]`` x2 -> per-group ``[q heads of g; k_g; v_g]`` (global layout)."""
+    if n_heads % n_groups:
+        raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_groups}")
+    tail = q.shape[1:]
+    qg = q.reshape(n_groups, (n_heads // n_groups) * head_dim, *tail)
+    kg = k.reshape(n_groups, head_dim, *tail)
+    vg = v.reshape(n_groups, head_dim, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def _pad_rows(t: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
+    if rows is None or rows == t.shape[0]:
+        return t
+    if rows < t.shape[0]:
+        raise ValueError(f"padded_vocab_size={rows} is smaller than the vocab {t.shape[0]}")
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
+
+
+def hf_to_megatron_state_dict(
+    hf_state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    *,
+    etp_rank: Optional[int] = None,
+    etp_size: Optional[int] = None,
+    padded_vocab_size: Optional[int] = None,
+) -> dict[str, torch.Tensor]:
+    """Convert a HF Qwen3 / Qwen3-MoE ``state_dict`` to one rank's megatron GPTModel ``state_dict``.
+
+    ``hf_state_dict`` may come from ``Qwen3(Moe)ForCausalLM`` (keys ``model.*`` and ``lm_head.weight``)
+    or from the bare ``Qwen3(Moe)Model`` (keys without the ``model.`` prefix; then there is no
+    ``lm_head`` and the embeddings must be tied). ``hf_config`` is the HF config object or a dict.
+    ``etp_rank``/``etp_size`` (expert tensor parallel) default to ``tp_rank``/``tp_size``.
+    Layer kinds are taken from the weights: a layer with ``mlp.gate.weight`` is MoE, else dense.
+    The returned tensors are fresh contiguous copies (the HF tensors are not aliased).
+    See the module docstring for the layouts.
+    """
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    etp_size = tp_size if etp_size is None else etp_size
+    for name, r, s in (("tp", tp_rank, tp_size), ("ep", ep_rank, ep_size), ("etp", etp_rank, etp_size)):
+        if not (s >= 1 and 0 <= r < s):
+            raise ValueError(f"bad {name} rank/size: {r}/{s}")
+
+    sd = {}
+    for key, value in hf_state_dict.items():
+        sd[key[len("model."):] if key.startswith("model.") else key] = value
+
+    def get(key: str) -> torch.Tensor:
+        try:
+            return sd[key]
+        except KeyError:
+            raise KeyError(f"HF state dict has no {key!r} (nor 'model.{key}')") from None
+
+    hidden = int(_cfg(hf_config, "hidden_size"))
+    n_heads = int(_cfg(hf_config, "num_attention_heads"))
+    n_groups = int(_cfg(hf_config, "num_key_value_heads") or n_heads)
+    head_dim = int(_cfg(hf_config, "head_dim") or hidden // n_heads)
+    n_layers = int(_cfg(hf_config, "num_hidden_layers"))
+    tied = bool(_cfg(hf_config, "tie_word_embeddings", False))
+
+    out: dict[str, torch.Tensor] = {}
+    embed = _pad_rows(get("embed_tokens.weight"), padded_vocab_size)
+    out["embedding.word_embeddings.weight"] = _shard(embed, tp_rank, tp_size, 0, "embed_tokens")
+
+    for i in range(n_layers):
+        src, dst = f"layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
+        attn = src + "self_attn."
+        qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
+                              get(attn + "v_proj.weight"), n_heads, n_groups, head_dim)
+        out[dst + "self_attention.linear_qkv.weight"] = _shard(qkv, tp_rank, tp_size, 0, f"layer {i} qkv")
+        if attn + "q_proj.bias" in sd:
+            qkv_b = _interleave_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"),
+                                    get(attn + "v_proj.bias"), n_heads, n_groups, head_dim)
+            out[dst + "self_attention.linear_qkv.bias"] = _shard(qkv_b, tp_rank, tp_size, 0, f"layer {i} qkv bias")
+        if attn + "q_norm.weight" in sd:
+            out[dst + "self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
+            out[dst + "self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
+        out[dst + "self_attention.linear_proj.weight"] = _shard(
+            get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"layer {i} o_proj")
+        out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
+
+        mlp = src + "mlp."
+        if mlp + "gate.weight" in sd:  # MoE layer
+            out[dst + "mlp.router.weight"] = get(mlp + "gate.weight")
+            n_experts = int(get(mlp + "gate.weight").shape[0])
+            if n_experts % ep_size:
+                raise ValueError(f"{n_experts} experts are not divisible by ep_size={ep_size}")
+            n_local = n_experts // ep_size
+            fused = mlp + "experts.gate_up_proj" in sd
+            for k in range(n_local):
+                e = ep_rank * n_local + k
+                if fused:
+                    gate, up = get(mlp + "experts.gate_up_proj")[e].chunk(2, dim=0)
+                    down = get(mlp + "experts.down_proj")[e]
+                else:
+                    gate = get(f"{mlp}experts.{e}.gate_proj.weight")
+                    up = get(f"{mlp}experts.{e}.up_proj.weight")
+                    down = get(f"{mlp}experts.{e}.down_proj.weight")
+                edst = f"{dst}mlp.experts.local_experts.{k}."
+                out[edst + "linear_fc1.weight"] = _glu_fc1(gate, up, etp_rank, etp_size, f"layer {i} expert {e} fc1")
+                out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
+            if mlp + "shared_expert.gate_proj.weight" in sd:
+                raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped yet")
+        else:  # dense layer
+            out[dst + "mlp.linear_fc1.weight"] = _glu_fc1(
+                get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight"), tp_rank, tp_size, f"layer {i} fc1")
+            out[dst + "mlp.linear_fc2.weight"] = _shard(
+                get(mlp + "down_proj.weight"), tp_rank, tp_size, 1, f"layer {i} down_proj")
+
+    out["decoder.final_layernorm.weight"] = get("norm.weight")
+    if not tied:
+        head = _pad_rows(get("lm_head.weight"), padded_vocab_size)
+        out["output_layer.weight"] = _shard(head, tp_rank, tp_size, 0, "lm_head")
+
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+_IGNORED_SUFFIXES = ("._extra_state",)
+
+
+def load_into(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load ``state_dict`` into ``model`` strictly, with a readable error.
+
+    Raises :class:`WeightLoadError` listing missing keys, unexpected keys and shape mismatches (all of
+    them, not just the first). ``*._extra_state`` entries (Transformer Engine / FP8 metadata) are not
+    required. Values are copied into the existing parameters (dtype converted to the parameter's).
+    """
+    expected = model.state_dict()
+    wanted = {k for k in expected if not k.endswith(_IGNORED_SUFFIXES)}
+    given = set(state_dict)
+    missing = sorted(wanted - given)
+    unexpected = sorted(given - set(expected))
+    mismatched = sorted(
+        f"{k}: model {tuple(expected[k].shape)} vs given {tuple(state_dict[k].shape)}"
+        for k in wanted & given
+        if tuple(expected[k].shape) != tuple(state_dict[k].shape)
+    )
+    if missing or unexpected or mismatched:
+        lines = [f"state dict does not fit {type(model).__name__}:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if items:
+                lines.append(f"  {title} ({len(items)}):")
+                lines.extend(f"    {item}" for item in items)
+        raise WeightLoadError("\n".join(lines))
+    with torch.no_grad():
+        result = model.load_state_dict(dict(state_dict), strict=False)
+    leftover = [k for k in result.missing_keys if not k.endswith(_IGNORED_SUFFIXES)]
+    if leftover or result.unexpected_keys:  # pragma: no cover - caught above
+        raise WeightLoadError(f"missing {leftover}, unexpected {result.unexpected_keys}")

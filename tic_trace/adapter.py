@@ -1,0 +1,238 @@
+"""Adapters as data: a table from a framework's record names to canonical points, plus named transforms.
+
+An adapter is mostly a list of `PointMap` rows. Each row says which record (a regex over record names, with a
+`(?P<layer>\\d+)` group for per-layer points) becomes which canonical point, how the shards of several ranks
+are put back together (`merge`), and how the result is laid out as `[rows, ...features]` (`transform`).
+Transforms and merges live in registries so a new model family is a new table, not new control flow.
+
+This module never imports a framework; adapters import theirs lazily, inside the methods that touch a model.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PointMap:
+    point: str                          # canonical point, e.g. "attn.q" or "embed"
+    record: str                         # regex over record names; per-layer points capture (?P<layer>\d+)
+    transform: str = "tokens"           # registered transform producing [rows, ...]
+    merge: str = "same"                 # registered merge of rank shards: same | sum | cat:<axis> | ...
+    opts: dict = field(default_factory=dict)
+    also: dict = field(default_factory=dict)   # extra named records, templates formatted with {layer}
+    note: str = ""                      # why this mapping is what it is (shown by `tic-trace inspect --points`)
+
+    def regex(self) -> re.Pattern:
+        return re.compile(self.record + r"$")
+
+
+@dataclass
+class TransformContext:
+    n_rows: int                         # rows of this record (after rows-mode selection)
+    config: dict                        # the trace manifest's model description
+    opts: dict
+    layer: int | None
+    extra: dict[str, np.ndarray]        # arrays of `PointMap.also`, merged and decoded like the primary
+
+
+_TRANSFORMS: dict[str, Callable[[np.ndarray, TransformContext], np.ndarray]] = {}
+_MERGES: dict[str, Callable[[list[np.ndarray], dict], np.ndarray]] = {}
+
+
+def register_transform(name: str):
+    def deco(fn):
+        _TRANSFORMS[name] = fn
+        return fn
+    return deco
+
+
+def register_merge(name: str):
+    def deco(fn):
+        _MERGES[name] = fn
+        return fn
+    return deco
+
+
+def transform(name: str) -> Callable[[np.ndarray, TransformContext], np.ndarray]:
+    try:
+        return _TRANSFORMS[name]
+    except KeyError:
+        raise KeyError(f"unknown transform {name!r}; registered: {sorted(_TRANSFORMS)}") from None
+
+
+def merge(name: str, arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    if len(arrays) == 1 and name != "sum":
+        return arrays[0]
+    if name.startswith("cat:"):
+        return np.concatenate(arrays, axis=int(name[4:]))
+    try:
+        fn = _MERGES[name]
+    except KeyError:
+        raise KeyError(f"unknown merge {name!r}; registered: {sorted(_MERGES)} or cat:<axis>") from None
+    return fn(arrays, config)
+
+
+# ---------------------------------------------------------------- generic transforms and merges
+
+@register_transform("tokens")
+def _tokens(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """Leading dims are the token rows in row-table order ([B,S,...] b-major or [S,B,...] s-major, as the
+    adapter's row table was built); features are flattened."""
+    return a.reshape(ctx.n_rows, -1)
+
+
+def _heads_of(ctx: TransformContext) -> tuple[int, int]:
+    which = ctx.opts.get("heads", "q")
+    cfg = ctx.config
+    n = cfg["num_attention_heads"] if which == "q" else cfg["num_key_value_heads"]
+    return n, cfg["head_dim"]
+
+
+@register_transform("heads")
+def _heads(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """[..rows.., heads*head_dim] or [..rows.., heads, head_dim] -> [rows, heads, head_dim]."""
+    n, hd = _heads_of(ctx)
+    return a.reshape(ctx.n_rows, n, hd)
+
+
+@register_transform("bhsd")
+def _bhsd(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """[B, heads, S, head_dim] (HF attention layout) -> [B*S, heads, head_dim]."""
+    b, h, s, d = a.shape
+    return np.ascontiguousarray(a.transpose(0, 2, 1, 3)).reshape(b * s, h, d)
+
+
+@register_transform("sorted_ids")
+def _sorted_ids(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    return np.sort(a.reshape(ctx.n_rows, -1), axis=-1)
+
+
+@register_transform("weights_by_sorted_ids")
+def _weights_by_sorted_ids(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """Top-k weights reordered to follow their expert ids in ascending order (slot order is an
+    implementation detail; the id -> weight pairing is not)."""
+    ids = ctx.extra["ids"].reshape(ctx.n_rows, -1)
+    order = np.argsort(ids, axis=-1, kind="stable")
+    return np.take_along_axis(a.reshape(ctx.n_rows, -1), order, axis=-1)
+
+
+@register_transform("dense_topk_ids")
+def _dense_topk_ids(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """[rows, E] routing map (bool or probabilities, zero off the top-k) -> [rows, k] sorted expert ids."""
+    k = int(ctx.config["num_experts_per_tok"])
+    m = a.reshape(ctx.n_rows, -1) != 0
+    idx = np.argsort(~m, axis=-1, kind="stable")[:, :k]
+    return np.sort(idx, axis=-1).astype(np.float64)
+
+
+@register_transform("dense_topk_weights")
+def _dense_topk_weights(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """[rows, E] probabilities (zero off the top-k) -> [rows, k] weights in ascending expert-id order."""
+    k = int(ctx.config["num_experts_per_tok"])
+    p = a.reshape(ctx.n_rows, -1)
+    m = ctx.extra["map"].reshape(ctx.n_rows, -1) != 0 if "map" in ctx.extra else p != 0
+    idx = np.sort(np.argsort(~m, axis=-1, kind="stable")[:, :k], axis=-1)
+    return np.take_along_axis(p, idx, axis=-1)
+
+
+@register_transform("vocab")
+def _vocab(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """Logits: rows x true vocabulary (padding columns cut)."""
+    v = int(ctx.config["vocab_size"])
+    return a.reshape(ctx.n_rows, -1)[:, :v]
+
+
+@register_merge("same")
+def _same(arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    return arrays[0]
+
+
+@register_merge("sum")
+def _sum(arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    out = arrays[0].astype(np.float64)
+    for a in arrays[1:]:
+        out = out + a
+    return out
+
+
+# ---------------------------------------------------------------- the adapter base
+
+class Adapter:
+    """Base adapter: override the table and the few hooks a framework needs."""
+    name = "base"
+    points: Sequence[PointMap] = ()
+
+    # --- trace time (these may import the framework)
+    def prepare(self, tracer: Any, models: list) -> None:
+        """Install taps and choose module inputs to record. Called once by `Tracer.start()`."""
+
+    def describe(self, models: list) -> dict:
+        """Model facts the transforms need (heads, head_dim, vocab, layers, experts, ...)."""
+        return {}
+
+    def parallel_layout(self) -> dict:
+        return {}
+
+    def rank_coords(self) -> dict:
+        return {}
+
+    def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """(keys, positions, tokens) of the rows of a root forward, when the inputs tell them."""
+        return None
+
+    def token_dims(self, record_name: str) -> int | None:
+        """How many leading dims of this record are token rows (1 or 2), 0 if it is not per token,
+        None if unknown (the tracer then guesses from the row count)."""
+        return None
+
+    # --- read time (pure numpy)
+    def rank_groups(self, ranks: list[int], rank_infos: dict[int, dict]) -> list[list[int]]:
+        """Ranks whose shards make up one full tensor (a model-parallel group), in merge order."""
+        return [sorted(ranks)]
+
+    def global_layer(self, local: int, rank_info: dict, config: dict) -> int:
+        return local
+
+    def promised_points(self, config: dict) -> list[str]:
+        """Canonical points this adapter promises for a model with this description."""
+        return sorted({p.point for p in self.points if self.applies(p, config)})
+
+    def applies(self, pm: PointMap, config: dict) -> bool:
+        if pm.point == "moe.shared_out":
+            return bool(config.get("num_experts")) and bool(config.get("shared_experts"))
+        if pm.point.startswith("moe."):
+            return bool(config.get("num_experts"))
+        return True
+
+
+_BUILTIN = {"hf": "tic_trace.adapters.hf", "megatron": "tic_trace.adapters.megatron",
+            "sglang": "tic_trace.adapters.sglang"}
+_INSTANCES: dict[str, Adapter] = {}
+
+
+def get_adapter(name: str | Adapter) -> Adapter:
+    """An adapter by name ('hf', 'megatron', 'sglang') or 'package.module:Class'."""
+    if isinstance(name, Adapter):
+        return name
+    if name in _INSTANCES:
+        return _INSTANCES[name]
+    modname = _BUILTIN.get(name)
+    try:
+        if modname is not None:
+            mod = importlib.import_module(modname)
+            cls = getattr(mod, "ADAPTER")
+        elif ":" in name:
+            modname, attr = name.split(":", 1)
+            cls = getattr(importlib.import_module(modname), attr)
+        else:
+            raise KeyError(name)
+    except (ImportError, KeyError, AttributeError) as e:
+        raise ValueError(f"unknown adapter {name!r} ({e}); use one of {sorted(_BUILTIN)} or 'module:Class'") from None
+    inst = cls() if isinstance(cls, type) else cls
+    _INSTANCES[name] = inst
+    return inst

@@ -1,0 +1,268 @@
+"""The canonical view of a trace, and row alignment between two views.
+
+`CanonicalView` indexes a trace (all ranks, all passes) by canonical point and layer without reading any
+tensor; `load()` materialises one point: rank shards merged, laid out as `[rows, ...]`, rows named by
+`(sample key, position)` and concatenated over passes (SGLang's prefill + decode steps meet Megatron's one
+packed pass here). Memory stays O(one point), never O(trace).
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from .adapter import Adapter, PointMap, TransformContext, get_adapter, merge, transform
+from .canonical import BY_NAME, key_name, order_key
+from .format import Pass, Record, Trace, open_trace
+
+RowId = tuple[str, int]
+
+
+@dataclass
+class _Entry:
+    group: int
+    pass_index: int
+    layer: int | None
+    pm: PointMap
+    names: dict[int, str]              # rank -> record name
+
+
+@dataclass
+class CanonicalTensor:
+    point: str
+    layer: int | None
+    rows: list[RowId]
+    values: np.ndarray | None          # [rows, ...features]; None when only statistics were recorded
+    dtype: str                         # dtype the framework computed in
+    stats: list[dict] = field(default_factory=list)   # per source record (stats-only comparison)
+    hashes: list[int | None] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # record names, for the report
+    duplicates: int = 0                # rows seen more than once (kept: the first)
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+
+class CanonicalView:
+    """One side of a comparison: a trace seen through its adapter."""
+
+    def __init__(self, trace: Trace | str, adapter: Adapter | str | None = None, *, include_recompute: bool = False):
+        self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
+        self.adapter = get_adapter(adapter or self.trace.manifest.get("framework", "hf"))
+        self.config = dict(self.trace.manifest.get("model") or {})
+        self.include_recompute = include_recompute
+        self._passes: dict[tuple[int, int], Pass] = {}
+        self.entries: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
+        self.unmapped: list[str] = []      # module-output records no table row claimed
+        self.tokens: dict[RowId, int] = {}
+        self.rows_total = 0
+        self._index()
+
+    # ------------------------------------------------------------ indexing
+    def _pass(self, rank: int, index: int) -> Pass:
+        key = (rank, index)
+        if key not in self._passes:
+            self._passes[key] = self.trace.open_pass(rank, index)
+        return self._passes[key]
+
+    def _index(self) -> None:
+        ranks = self.trace.ranks
+        infos = {r: self.trace.rank_info(r) for r in ranks}
+        groups = self.adapter.rank_groups(ranks, infos)
+        compiled = [(pm, pm.regex()) for pm in self.adapter.points if self.adapter.applies(pm, self.config)]
+        seen_rows: set[RowId] = set()
+        for gi, group in enumerate(groups):
+            lead = group[0]
+            for pidx in self.trace.pass_indices(lead):
+                per_rank = {r: self._pass(r, pidx) for r in group if pidx in self.trace.pass_indices(r)}
+                lead_pass = per_rank[lead]
+                rows = lead_pass.rows
+                if rows is not None:
+                    toks = rows.get("tokens")
+                    for i, (k, p) in enumerate(zip(rows["keys"], rows["positions"])):
+                        if k is None:
+                            continue
+                        if (k, p) not in seen_rows:
+                            seen_rows.add((k, p))
+                        if toks is not None:
+                            self.tokens.setdefault((k, p), toks[i])
+                claimed: set[str] = set()
+                for rec in lead_pass.records:
+                    if rec.phase != "forward" and not self.include_recompute:
+                        continue
+                    if rec.kind == "op":
+                        continue
+                    for pm, rx in compiled:
+                        m = rx.match(rec.name)
+                        if not m:
+                            continue
+                        layer = None
+                        if "layer" in rx.groupindex and m.group("layer") is not None:
+                            layer = self.adapter.global_layer(int(m.group("layer")), infos[lead], self.config)
+                        names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}
+                        self.entries[(pm.point, layer)].append(_Entry(gi, pidx, layer, pm, names))
+                        claimed.add(rec.name)
+                        break
+                self.unmapped.extend(r.name for r in lead_pass.records
+                                     if r.kind == "out" and r.name not in claimed)
+        self.rows_total = len(seen_rows)
+
+    # ------------------------------------------------------------ queries
+    def points(self) -> list[tuple[str, int | None]]:
+        keys = set(self.entries)
+        if ("logprobs", None) not in keys and ("logits", None) in keys and self.tokens:
+            keys.add(("logprobs", None))
+        return sorted(keys, key=lambda k: order_key(*k))
+
+    @property
+    def n_layers(self) -> int | None:
+        n = self.config.get("num_layers")
+        if n:
+            return int(n)
+        layers = [lay for (_, lay) in self.entries if lay is not None]
+        return max(layers) + 1 if layers else None
+
+    def load(self, point: str, layer: int | None, *, values: bool = True) -> CanonicalTensor:
+        if point == "logprobs" and ("logprobs", None) not in self.entries:
+            return self._derived_logprobs()
+        out_rows: list[RowId] = []
+        chunks: list[np.ndarray] = []
+        ct = CanonicalTensor(point, layer, out_rows, None, dtype="float32")
+        seen: set[RowId] = set()
+        for e in self.entries.get((point, layer), []):
+            ranks = sorted(e.names)
+            recs = [self._pass(r, e.pass_index).record(e.names[r]) for r in ranks]
+            lead = recs[0]
+            ct.dtype = lead.dtype
+            ct.sources.append(lead.name)
+            ct.stats.append(lead.stats or {})
+            ct.hashes.append(lead.hash)
+            p = self._pass(ranks[0], e.pass_index)
+            rows = _rows_of(p, lead)
+            if not values or not all(r.has_data for r in recs):
+                continue
+            arr = merge(e.pm.merge, [r.values() for r in recs], self.config)
+            extra = {}
+            for name, tmpl in e.pm.also.items():
+                local = _local_layer_text(lead.name, e.pm)
+                rn = tmpl.format(layer=local)
+                xs = [self._pass(r, e.pass_index).get(rn) for r in ranks]
+                if any(x is None or not x.has_data for x in xs):
+                    raise KeyError(f"{point}: companion record {rn!r} missing or stats-only")
+                extra[name] = merge(e.pm.merge, [x.values() for x in xs], self.config)
+            ctx = TransformContext(n_rows=len(rows), config=self.config, opts=e.pm.opts, layer=layer, extra=extra)
+            arr = transform(e.pm.transform)(arr, ctx)
+            keep = []
+            for i, rid in enumerate(rows):
+                if rid is None:
+                    continue
+                if rid in seen:
+                    ct.duplicates += 1
+                    continue
+                seen.add(rid)
+                keep.append(i)
+                out_rows.append(rid)
+            chunks.append(arr[keep] if len(keep) != len(rows) else arr)
+        if chunks:
+            ct.values = np.concatenate(chunks, axis=0)
+        return ct
+
+    def _derived_logprobs(self) -> CanonicalTensor:
+        """log-prob of the next token, from logits in float64, where the trace knows the next token."""
+        lg = self.load("logits", None)
+        ct = CanonicalTensor("logprobs", None, [], None, dtype="float32", sources=[s + " (log_softmax)" for s in lg.sources])
+        if lg.values is None:
+            return ct
+        keep, nxt = [], []
+        for i, (k, p) in enumerate(lg.rows):
+            t = self.tokens.get((k, p + 1))
+            if t is not None:
+                keep.append(i)
+                nxt.append(t)
+        if not keep:
+            return ct
+        x = lg.values[keep].astype(np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        lse = np.log(np.exp(x).sum(axis=-1))
+        ct.values = (x[np.arange(len(keep)), nxt] - lse)[:, None]
+        ct.rows = [lg.rows[i] for i in keep]
+        return ct
+
+    def ops_between(self, point: str, layer: int | None, after_seq: int | None = None) -> list[Record]:
+        """Dispatcher ops of the first pass that produced this point, from `after_seq` up to the point's record."""
+        es = self.entries.get((point, layer))
+        if not es:
+            return []
+        e = es[0]
+        rank = sorted(e.names)[0]
+        p = self._pass(rank, e.pass_index)
+        rec = p.record(e.names[rank])
+        lo = after_seq if after_seq is not None else -1
+        return [r for r in p.records if r.kind == "op" and lo < r.seq < rec.seq]
+
+    def seq_of(self, point: str, layer: int | None) -> int | None:
+        es = self.entries.get((point, layer))
+        if not es:
+            return None
+        e = es[0]
+        rank = sorted(e.names)[0]
+        return self._pass(rank, e.pass_index).record(e.names[rank]).seq
+
+
+def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
+    if p.rows is None:
+        # No row table: rows are positions of one anonymous sample, in order.
+        n = rec.shape[0] if rec.shape else 1
+        return [("?", i) for i in range(n)]
+    keys, pos = p.rows["keys"], p.rows["positions"]
+    idx = rec.row_index if rec.row_index is not None else range(len(keys))
+    return [None if keys[i] is None else (keys[i], int(pos[i])) for i in idx]
+
+
+def _local_layer_text(name: str, pm: PointMap) -> str:
+    m = re.match(pm.record, name)
+    return m.group("layer") if m and "layer" in m.re.groupindex else ""
+
+
+@dataclass
+class AlignedPair:
+    a: np.ndarray | None
+    b: np.ndarray | None
+    rows: list[RowId]
+    only_a: int
+    only_b: int
+
+
+def align_rows(ta: CanonicalTensor, tb: CanonicalTensor) -> AlignedPair:
+    """Rows present on both sides, in side A's order. Rows on one side only are counted, never compared."""
+    if ta.values is None or tb.values is None:
+        return AlignedPair(None, None, [], len(ta.rows), len(tb.rows))
+    where_b = {r: i for i, r in enumerate(tb.rows)}
+    ia, ib, rows = [], [], []
+    for i, r in enumerate(ta.rows):
+        j = where_b.get(r)
+        if j is not None:
+            ia.append(i)
+            ib.append(j)
+            rows.append(r)
+    return AlignedPair(ta.values[ia], tb.values[ib], rows, len(ta.rows) - len(rows), len(tb.rows) - len(rows))
+
+
+def common_points(va: CanonicalView, vb: CanonicalView) -> tuple[list, list, list]:
+    """(both, only in A, only in B) canonical point keys, in dataflow order."""
+    pa, pb = set(va.points()), set(vb.points())
+    key = lambda k: order_key(*k)  # noqa: E731
+    return sorted(pa & pb, key=key), sorted(pa - pb, key=key), sorted(pb - pa, key=key)
+
+
+def known_point(point: str) -> bool:
+    return point in BY_NAME
+
+
+def iter_loaded(va: CanonicalView, vb: CanonicalView, keys: Iterable[tuple[str, int | None]]):
+    for point, layer in keys:
+        yield point, layer, va.load(point, layer), vb.load(point, layer)

@@ -1,0 +1,42 @@
+"""Tiny HF Qwen3 / Qwen3-MoE models with random weights, built locally (no hub access)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_qwen3_config(moe: bool = True, **overrides):
+    """A small Qwen3 (dense) or Qwen3-MoE config: QK-norm, GQA, SwiGLU, RoPE; fp32, eager attention."""
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False)
+    if moe:
+        from transformers import Qwen3MoeConfig
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+        common.update(overrides)
+        cfg = Qwen3MoeConfig(**common)
+    else:
+        from transformers import Qwen3Config
+        common.update(overrides)
+        cfg = Qwen3Config(**common)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The causal-LM for `config` with deterministic random weights (std 0.05; norms near 1)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def sample_tokens(batch: int, seq: int, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)

@@ -1,0 +1,617 @@
+"""The tracer: a dispatch mode for every operator plus module hooks for boundaries and outputs.
+
+Shape borrowed from torch's FlopCounterMode: the public `Tracer` is a plain context manager that composes a
+private `TorchDispatchMode` and a module-scope tracker. Every public entry point is guarded: an exception
+inside the tracer is logged once, disables tracing, and never reaches the model's forward.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from . import __version__
+from .dtypes import torch_dtype_name, dtype_info
+from .filters import MODES, Filters
+from .format import PassWriter, Record, TraceWriter
+from .stats import device_hash, device_stats, stats_dict
+
+log = logging.getLogger("tic_trace")
+
+ROOT = "<root>"
+GLOBAL = "<global>"
+# Collectives: their outputs are filled asynchronously on another stream; reading them here would race.
+_SKIP_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler", "prims"}
+# Ops whose outputs are uninitialised memory or pure metadata.
+_SKIP_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+             "aten.resize_", "aten.set_", "aten.detach", "aten.lift_fresh", "aten.record_stream",
+             "aten._local_scalar_dense", "aten.alias", "aten.sym_size", "aten.sym_stride", "aten.sym_numel"}
+
+
+@dataclass
+class _Frame:
+    path: str
+    scope: str              # path, plus "#k" for the k-th call of the same module in this pass
+    call: int
+    ops: int = 0            # dispatcher ops directly in this frame (names op indices)
+    ops_region: int = 0     # dispatcher ops in this frame and its children
+    taps: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    record: Record
+    stat_slot: int | None = None
+    host: torch.Tensor | None = None   # device tensors copied asynchronously; written at pass end
+
+
+class _DispatchRecorder(TorchDispatchMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tr = self.tracer
+        if tr._live and not tr._busy:
+            tr._busy = True
+            try:
+                tr._on_op(func, args, kwargs or {}, out)
+            except Exception as e:  # noqa: BLE001 - the model's forward must never see tracer errors
+                tr._fail(e)
+            finally:
+                tr._busy = False
+        return out
+
+
+_OP_INFO_CACHE: dict[Any, tuple[str, bool, tuple[str, ...], bool]] = {}
+
+
+def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool]:
+    """(name 'aten.mm', skip?, names of written arguments, is_view)."""
+    info = _OP_INFO_CACHE.get(func)
+    if info is None:
+        schema = func._schema
+        name = schema.name.replace("::", ".")
+        ns = name.split(".", 1)[0]
+        is_view = bool(getattr(func, "is_view", False))
+        skip = ns in _SKIP_NAMESPACES or name in _SKIP_OPS
+        written = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+        info = (name, skip, written, is_view)
+        _OP_INFO_CACHE[func] = info
+    return info
+
+
+def _plain_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) \
+        and x.device.type != "meta"
+
+
+class Tracer:
+    """Records named tensors of a model's forward into a trace directory. See `trace()`."""
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLike | str, *,
+                 adapter: Any = None, mode: str = "stats", points_mode: str | None = None,
+                 filters: Filters | None = None, rank: int | None = None, record_views: bool = False,
+                 record_inputs: Iterable[str] | None = None, skip_recompute: bool = True,
+                 auto_step: bool = False, sample_rows: Sequence[int] | None = None,
+                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None):
+        if mode not in MODES or (points_mode is not None and points_mode not in MODES):
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}/{points_mode!r}")
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.out_dir = Path(out_dir)
+        self.mode = mode
+        self.points_mode = points_mode or mode
+        self.filters = filters or Filters()
+        self.record_views = record_views
+        self.skip_recompute = skip_recompute
+        self.auto_step = auto_step
+        self.sample_rows = list(sample_rows) if sample_rows is not None else None
+        self.sample_keys = list(sample_keys) if sample_keys is not None else None
+        self.tag = tag
+        self.extra_manifest = dict(manifest or {})
+        self.record_inputs = Filters(modules=list(record_inputs)) if record_inputs else None
+        self.record_input_kwargs: tuple[str, ...] = ("hidden_states",)
+        self._rank = rank
+        self.adapter = _resolve_adapter(adapter)
+        self.rows_provider: Callable[[tuple, dict], tuple | None] | None = None
+        # state
+        self._live = False            # recording right now
+        self._busy = False            # inside our own code: ops we run are not the model's
+        self.failed: BaseException | None = None
+        self._handles: list = []
+        self._undo: list[Callable[[], None]] = []
+        self._mode: _DispatchRecorder | None = None
+        self._writer: TraceWriter | None = None
+        self._pass: PassWriter | None = None
+        self._pass_count = 0
+        self._stack: list[_Frame] = []
+        self._calls: dict[str, int] = {}
+        self._pending: list[_Pending] = []
+        self._stat_rows: list[torch.Tensor] = []
+        self._hashes: list[torch.Tensor] = []
+        self._seq = 0
+        self._rows: dict | None = None
+        self._row_select: torch.Tensor | None = None
+        self._n_rows: int | None = None
+        self._notes: set[str] = set()
+        self._blind: list[str] = []
+        self.passes_written: list[Path] = []
+        self._paths: dict[int, str] = {}
+        self._activity = False
+
+    # ------------------------------------------------------------ public API
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            dist = torch.distributed
+            self._rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return self._rank
+
+    def start(self) -> "Tracer":
+        try:
+            if not self.filters.want_rank(self.rank):
+                return self
+            self._install()
+            self._mode = _DispatchRecorder(self)
+            self._mode.__enter__()
+            self._live = True
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        return self
+
+    def stop(self) -> None:
+        live, self._live = self._live, False
+        if self._mode is not None:
+            try:
+                self._mode.__exit__(None, None, None)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+            self._mode = None
+        if live:
+            self._live = True
+            self._guarded(self._end_pass)
+            self._live = False
+        self._uninstall()
+
+    def step(self, tag: str | None = None) -> None:
+        """Close the current pass (one engine forward) and start the next, optionally tagged."""
+        self._guarded(self._end_pass)
+        if tag is not None:
+            self.tag = tag
+
+    def set_rows(self, keys: Sequence[str | None], positions: Sequence[int],
+                 tokens: Sequence[int] | None = None) -> None:
+        """Name the token rows of the current pass: row i is position `positions[i]` of sample `keys[i]`
+        (None for padding). This is what lets passes of different engines meet row by row."""
+        try:
+            if len(keys) != len(positions) or (tokens is not None and len(tokens) != len(keys)):
+                raise ValueError("set_rows: keys, positions and tokens must have one entry per row")
+            self._rows = {"keys": [None if k is None else str(k) for k in keys],
+                          "positions": [int(p) for p in positions],
+                          "tokens": None if tokens is None else [int(t) for t in tokens]}
+            self._n_rows = len(keys)
+            if self.sample_rows is not None:
+                sel = [i for i in self.sample_rows if 0 <= i < self._n_rows]
+                self._row_select = torch.tensor(sel, dtype=torch.long)
+            else:
+                self._row_select = None
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def tap_function(self, namespace: Any, attr: str, label: str | None = None) -> None:
+        """Record the outputs of a plain function (e.g. `apply_rotary_pos_emb` in a modeling module) under the
+        module scope that calls it. Restored at `stop()`."""
+        orig = getattr(namespace, attr)
+        wrapper = self._tap_wrapper(orig, label or attr)
+        setattr(namespace, attr, wrapper)
+        self._undo.append(lambda: setattr(namespace, attr, orig))
+
+    def tap_method(self, obj: Any, attr: str, label: str | None = None) -> None:
+        """Record the outputs of a bound method of one object (e.g. Megatron's `router.gating`)."""
+        had = attr in vars(obj)
+        orig = getattr(obj, attr)
+        setattr(obj, attr, self._tap_wrapper(orig, label or attr))
+
+        def undo():
+            if had:
+                setattr(obj, attr, orig)
+            else:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+        self._undo.append(undo)
+
+    def record_inputs_of(self, patterns: Iterable[str]) -> None:
+        """Also record the positional inputs of modules matching these globs (`re:` for regexes)."""
+        have = list(self.record_inputs.modules or []) if self.record_inputs is not None else []
+        self.record_inputs = Filters(modules=have + list(patterns))
+
+    def __enter__(self) -> "Tracer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ failure
+    def _fail(self, e: BaseException) -> None:
+        if self.failed is None:
+            self.failed = e
+            log.warning("tic-trace: tracing disabled after an internal error (the model's forward is unaffected; "
+                        "passes already written stay readable): %s: %s\n%s", type(e).__name__, e,
+                        "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=4)))
+        self._live = False
+        if self._pass is not None:
+            try:
+                self._pass.abort()
+            except Exception:  # noqa: BLE001
+                pass
+            self._pass = None
+        self._pending.clear()
+        self._stat_rows.clear()
+        self._hashes.clear()
+
+    # ------------------------------------------------------------ installation
+    def _install(self) -> None:
+        multi = len(self.models) > 1
+        for ci, model in enumerate(self.models):
+            prefix = f"chunk{ci}." if multi else ""
+            root_name = f"chunk{ci}" if multi else ROOT
+            for name, mod in model.named_modules():
+                if mod is model:
+                    continue
+                path = prefix + name
+                self._paths[id(mod)] = path
+                self._handles.append(mod.register_forward_pre_hook(
+                    functools.partial(self._pre_hook, path), with_kwargs=True))
+                self._handles.append(mod.register_forward_hook(
+                    functools.partial(self._post_hook, path), with_kwargs=True, always_call=True))
+            # Engines such as SGLang call the root's `forward` directly, bypassing hooks: wrap the method.
+            self._wrap_root(model, root_name)
+        if self.adapter is not None:
+            self.adapter.prepare(self, self.models)
+        self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info())
+
+    def _wrap_root(self, model: torch.nn.Module, path: str) -> None:
+        had = "forward" in vars(model)
+        orig = model.forward
+        tracer = self
+
+        @functools.wraps(orig)
+        def forward(*args, **kwargs):
+            tracer._guarded(tracer._enter, path, args, kwargs, True)
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                tracer._guarded(tracer._exit, path, None, True)
+                raise
+            tracer._guarded(tracer._exit, path, out, True)
+            return out
+
+        model.forward = forward
+
+        def undo():
+            if had:
+                model.forward = orig
+            else:
+                try:
+                    del model.forward
+                except AttributeError:
+                    pass
+        self._undo.append(undo)
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles.clear()
+        for undo in reversed(self._undo):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001
+                pass
+        self._undo.clear()
+
+    def _manifest(self) -> dict:
+        versions = {"tic_trace": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                    "numpy": np.__version__}
+        for mod in ("transformers", "megatron.core", "sglang"):
+            m = sys.modules.get(mod)
+            if m is not None and getattr(m, "__version__", None):
+                versions[mod] = str(m.__version__)
+        m = {"framework": self.adapter.name if self.adapter is not None else "torch", "versions": versions,
+             "created": time.time(),
+             "tracer": {"mode": self.mode, "points_mode": self.points_mode, "record_views": self.record_views,
+                        "skip_recompute": self.skip_recompute, "sample_rows": self.sample_rows}}
+        if self.adapter is not None:
+            m["model"] = self.adapter.describe(self.models)
+            m["parallel"] = self.adapter.parallel_layout()
+        m.update(self.extra_manifest)
+        return m
+
+    def _rank_info(self) -> dict:
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        info = {"world_size": world, "hostname": socket.gethostname(), "pid": os.getpid()}
+        if self.adapter is not None:
+            info["coords"] = self.adapter.rank_coords()
+        return info
+
+    # ------------------------------------------------------------ hooks
+    def _guarded(self, fn, *args) -> None:
+        if not self._live or self._busy:
+            return
+        self._busy = True
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            self._busy = False
+
+    def _pre_hook(self, path, module, args, kwargs):
+        self._guarded(self._enter, path, args, kwargs, False)
+
+    def _post_hook(self, path, module, args, kwargs, output):
+        self._guarded(self._exit, path, output, False)
+
+    def _enter(self, path: str, args: tuple, kwargs: dict, is_root: bool) -> None:
+        if is_root and not self._stack and self.adapter is not None and self._rows is None:
+            rows = self.adapter.rows_from_forward(self, args, kwargs)
+            if rows is not None:
+                self.set_rows(*rows)
+        self._activity = True
+        call = self._calls.get(path, 0)
+        self._calls[path] = call + 1
+        frame = _Frame(path=path, scope=path if call == 0 else f"{path}#{call}", call=call)
+        self._stack.append(frame)
+        if self.record_inputs is not None and self.record_inputs.want_module(path) and self.filters.want_module(path):
+            # Positional inputs only: keyword inputs are masks, caches and rotary tables, rarely activations.
+            for i, a in enumerate(args):
+                self._capture_tree(f"{frame.scope}:in[{i}]", path, "in", None, call, a, self.points_mode)
+            for k in self.record_input_kwargs:
+                if k in kwargs:
+                    self._capture_tree(f"{frame.scope}:in.{k}", path, "in", None, call, kwargs[k], self.points_mode)
+
+    def _exit(self, path: str, output: Any, is_root: bool) -> None:
+        # Pop to the matching frame: an exception inside a child may have skipped its post-hook.
+        while self._stack and self._stack[-1].path != path:
+            self._stack.pop()
+        if not self._stack:
+            return
+        frame = self._stack.pop()
+        if self._stack:
+            self._stack[-1].ops_region += frame.ops_region
+        if self.filters.want_module(path) and output is not None:
+            self._capture_tree(f"{frame.scope}:out", path, "out", None, frame.call, output, self.points_mode,
+                               ops_in_region=frame.ops_region)
+        if frame.ops_region == 0 and self._pass is not None:
+            self._blind.append(frame.scope)
+        if is_root and not self._stack and self.auto_step:
+            self._end_pass()
+
+    def _tap_wrapper(self, orig: Callable, label: str) -> Callable:
+        tracer = self
+
+        @functools.wraps(orig)
+        def tapped(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            tracer._guarded(tracer._on_tap, label, out)
+            return out
+        return tapped
+
+    def _on_tap(self, label: str, out: Any) -> None:
+        frame = self._stack[-1] if self._stack else None
+        scope = frame.scope if frame else GLOBAL
+        path = frame.path if frame else GLOBAL
+        if not self.filters.want_module(path):
+            return
+        n = 0
+        if frame is not None:
+            n = frame.taps.get(label, 0)
+            frame.taps[label] = n + 1
+        name = f"{scope}/fn:{label}" + (f"#{n}" if n else "")
+        self._capture_tree(f"{name}:out", path, "tap", label, frame.call if frame else 0, out, self.points_mode)
+
+    def _on_op(self, func, args, kwargs, out) -> None:
+        name, skip, written, is_view = _op_info(func)
+        if skip or (is_view and not self.record_views):
+            return
+        frame = self._stack[-1] if self._stack else None
+        if frame is not None:
+            n = frame.ops
+            frame.ops += 1
+            frame.ops_region += 1
+            scope, path, call = frame.scope, frame.path, frame.call
+        else:
+            n, scope, path, call = self._seq, GLOBAL, GLOBAL, 0
+        if not (self.filters.want_op(name) and self.filters.want_module(path)):
+            return
+        base = f"{scope}/op{n}:{name}"
+        if out is None or (isinstance(out, (tuple, list)) and not any(isinstance(o, torch.Tensor) for o in out)):
+            # Mutating ops that return nothing (custom kernels, foreach): the written arguments are the output.
+            if written:
+                schema_args = [a.name for a in func._schema.arguments]
+                for i, a in enumerate(args):
+                    if i < len(schema_args) and schema_args[i] in written:
+                        self._capture_tree(f"{base}:arg.{schema_args[i]}", path, "op", name, call, a, self.mode)
+                for k, v in kwargs.items():
+                    if k in written:
+                        self._capture_tree(f"{base}:arg.{k}", path, "op", name, call, v, self.mode)
+            return
+        self._capture_tree(base, path, "op", name, call, out, self.mode)
+
+    # ------------------------------------------------------------ capture
+    def _capture_tree(self, base: str, path: str, kind: str, op: str | None, call: int, value: Any, mode: str,
+                      ops_in_region: int | None = None) -> None:
+        if isinstance(value, torch.Tensor):
+            leaves = [("", value)]
+        else:
+            try:
+                flat, _ = tree_flatten_with_path(value)
+            except Exception:  # noqa: BLE001 - unknown containers are simply not traced
+                return
+            leaves = [(keystr(p), v) for p, v in flat if isinstance(v, torch.Tensor)]
+        for key, t in leaves:
+            if not _plain_tensor(t):
+                if isinstance(t, torch.Tensor):
+                    self._notes.add(f"tensor subclass {type(t).__name__} not recorded")
+                continue
+            self._capture(base + key, path, kind, op, call, t, mode, ops_in_region)
+
+    def _open_pass(self) -> PassWriter:
+        if self._pass is None:
+            if self._writer is None:
+                raise RuntimeError("tracer not started")
+            self._pass = self._writer.begin_pass({})
+            self._pass_index = self._pass.index
+        return self._pass
+
+    def _capture(self, name: str, path: str, kind: str, op: str | None, call: int, t: torch.Tensor, mode: str,
+                 ops_in_region: int | None) -> None:
+        phase = "forward"
+        if torch._C._current_graph_task_id() != -1:
+            phase = "recompute"
+            if self.skip_recompute:
+                return
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._notes.add("CUDA graph capture in progress: ops inside captured graphs are not recorded; "
+                            "disable CUDA graphs to trace them (SGLang: --disable-cuda-graph)")
+            return
+        if not self.filters.want_pass(self._pass_count):
+            return
+        pw = self._open_pass()
+        mode = self.filters.mode_for(name, mode)
+        dtype = torch_dtype_name(t.dtype)
+        rec = Record(name=name, module=path, kind=kind, op=op, call=call, seq=self._seq, phase=phase, dtype=dtype,
+                     shape=tuple(t.shape), mode=mode, stats=None, hash=None, ops_in_region=ops_in_region)
+        self._seq += 1
+        x = t.detach()
+        pending = _Pending(rec, stat_slot=len(self._stat_rows))
+        with torch.no_grad():
+            self._stat_rows.append(device_stats(x))
+            self._hashes.append(device_hash(x))
+            if mode == "rows":
+                x = self._select_rows(x, rec)
+            if rec.mode in ("full", "rows"):
+                self._store(pw, x, pending)
+        pw.add(rec)
+        self._pending.append(pending)
+
+    def _select_rows(self, x: torch.Tensor, rec: Record) -> torch.Tensor:
+        n, sel = self._n_rows, self._row_select
+        if n is None or sel is None:
+            rec.mode = "stats"
+            return x
+        dims = self.adapter.token_dims(rec.name) if self.adapter is not None else None
+        if dims == 0:
+            rec.mode = "stats"
+            return x
+        if dims in (None, 1) and x.dim() >= 1 and x.shape[0] == n:
+            flat = x
+        elif dims in (None, 2) and x.dim() >= 2 and x.shape[0] * x.shape[1] == n:
+            flat = x.reshape(n, *x.shape[2:])
+            rec.extra["row_dims"] = 2
+        else:
+            rec.mode = "stats"     # not a per-token tensor: statistics only
+            return x
+        rec.row_index = sel.tolist()
+        return flat.index_select(0, sel.to(x.device))
+
+    def _store(self, pw: PassWriter, x: torch.Tensor, pending: _Pending) -> None:
+        rec = pending.record
+        storage = dtype_info(rec.dtype).storage
+        if x.is_cuda:
+            # Non-blocking copy into pinned memory now (the value as produced); bytes hit disk at pass end.
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host.copy_(x, non_blocking=True)
+            pending.host = host
+            return
+        arr = _as_storage(x.contiguous(), storage)
+        rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr)
+
+    def _end_pass(self) -> None:
+        pw = self._pass
+        self._stack.clear()
+        self._calls.clear()
+        if pw is None:
+            self._rows = None
+            if self._activity:
+                self._pass_count += 1
+            self._activity = False
+            return
+        if self._stat_rows:
+            # The one host sync of the pass: all statistics and hashes come over together.
+            stats_np = torch.stack(self._stat_rows).cpu().numpy()
+            hashes_np = torch.stack(self._hashes).cpu().numpy()
+        for p in self._pending:
+            if p.stat_slot is not None:
+                p.record.stats = stats_dict(stats_np[p.stat_slot])
+                p.record.hash = int(hashes_np[p.stat_slot])
+            if p.host is not None:   # the .cpu() above synchronised the stream: pinned copies are complete
+                arr = _as_storage(p.host, dtype_info(p.record.dtype).storage)
+                p.record.offset, p.record.nbytes, p.record.crc = pw.write_bytes(arr)
+        pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
+                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes))
+        self.passes_written.append(pw.close())
+        self._pass = None
+        self._pending.clear()
+        self._stat_rows.clear()
+        self._hashes.clear()
+        self._blind.clear()
+        self._notes.clear()
+        self._rows = None
+        self._row_select = None
+        self._n_rows = None
+        self._seq = 0
+        self._pass_count += 1
+        self._activity = False
+
+
+def _as_storage(x: torch.Tensor, storage: str) -> np.ndarray:
+    size = x.element_size()
+    if x.dtype == torch.bool:
+        return x.numpy()
+    if x.is_complex() or x.dtype in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                                     torch.int16, torch.int8, torch.uint8):
+        return x.numpy()
+    # bf16, fp8 and other dtypes numpy lacks: their bit patterns as unsigned ints of the same width
+    return x.view({1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[size]).numpy()
+
+
+def _resolve_adapter(adapter: Any):
+    if adapter is None or not isinstance(adapter, str):
+        return adapter
+    from .adapter import get_adapter
+    return get_adapter(adapter)
+
+
+def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLike | str, *,
+          adapter: Any = None, mode: str = "stats", points_mode: str | None = None,
+          filters: Filters | None = None, **kwargs: Any) -> Tracer:
+    """Trace `model`'s forward into `out_dir`.
+
+        with tic_trace.trace(model, "traces/hf", adapter="hf", points_mode="full"):
+            model(input_ids)
+
+    `mode` applies to dispatcher ops, `points_mode` (default: `mode`) to module inputs/outputs and taps, the
+    records adapters map to canonical points. Use `start()`/`stop()` instead of `with`, and `step()` between the
+    forwards of an engine (or `auto_step=True`: one pass per root forward).
+    """
+    return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)
