@@ -202,6 +202,12 @@ class Adapter:
         """Canonical points this adapter promises for a model with this description."""
         return sorted({p.point for p in self.points if self.applies(p, config)})
 
+    def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
+        """Whether a record matched by `pm` in this (global) layer really is that point. Default: always.
+        For layers where the module exists but computes something else (e.g. an identity stand-in for a
+        norm fused into the next GEMM)."""
+        return True
+
     def applies(self, pm: PointMap, config: dict) -> bool:
         if pm.point == "moe.shared_out":
             return bool(config.get("num_experts")) and bool(config.get("shared_experts"))

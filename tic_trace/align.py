@@ -96,17 +96,24 @@ class CanonicalView:
                         continue
                     if rec.kind == "op":
                         continue
+                    # One record may feed several points (a fused QKV output -> q, k, v); per point, the
+                    # first matching row of the table wins.
+                    got: set[str] = set()
                     for pm, rx in compiled:
+                        if pm.point in got:
+                            continue
                         m = rx.match(rec.name)
                         if not m:
                             continue
                         layer = None
                         if "layer" in rx.groupindex and m.group("layer") is not None:
                             layer = self.adapter.global_layer(int(m.group("layer")), infos[lead], self.config)
+                        if not self.adapter.keeps(pm, layer, self.config):
+                            continue
                         names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}
                         self.entries[(pm.point, layer)].append(_Entry(gi, pidx, layer, pm, names))
                         claimed.add(rec.name)
-                        break
+                        got.add(pm.point)
                 self.unmapped.extend(r.name for r in lead_pass.records
                                      if r.kind == "out" and r.name not in claimed)
         self.rows_total = len(seen_rows)
@@ -148,8 +155,7 @@ class CanonicalView:
             arr = merge(e.pm.merge, [r.values() for r in recs], self.config)
             extra = {}
             for name, tmpl in e.pm.also.items():
-                local = _local_layer_text(lead.name, e.pm)
-                rn = tmpl.format(layer=local)
+                rn = tmpl.format(**_name_fields(lead.name, e.pm))
                 xs = [self._pass(r, e.pass_index).get(rn) for r in ranks]
                 if any(x is None or not x.has_data for x in xs):
                     raise KeyError(f"{point}: companion record {rn!r} missing or stats-only")
@@ -174,7 +180,8 @@ class CanonicalView:
     def _derived_logprobs(self) -> CanonicalTensor:
         """log-prob of the next token, from logits in float64, where the trace knows the next token."""
         lg = self.load("logits", None)
-        ct = CanonicalTensor("logprobs", None, [], None, dtype="float32", sources=[s + " (log_softmax)" for s in lg.sources])
+        ct = CanonicalTensor("logprobs", None, [], None, dtype=lg.dtype,
+                             sources=[s + " (log_softmax)" for s in lg.sources])
         if lg.values is None:
             return ct
         keep, nxt = [], []
@@ -226,6 +233,15 @@ def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
 def _local_layer_text(name: str, pm: PointMap) -> str:
     m = re.match(pm.record, name)
     return m.group("layer") if m and "layer" in m.re.groupindex else ""
+
+
+def _name_fields(name: str, pm: PointMap) -> dict[str, str]:
+    """Named groups of the row's regex in this record name (`layer`, and e.g. a wrapper `prefix`), for
+    formatting `PointMap.also` templates; unmatched groups are empty strings."""
+    m = re.match(pm.record, name)
+    fields = {k: (v or "") for k, v in m.groupdict().items()} if m else {}
+    fields.setdefault("layer", "")
+    return fields
 
 
 @dataclass

@@ -12,6 +12,7 @@ index means its pass is complete, and a crash leaves earlier passes readable.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
 import zlib
@@ -131,7 +132,8 @@ class Record:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         if self.mode == "rows" and self.row_index is not None:
-            return (len(self.row_index), *self.shape[1:])
+            dims = int(self.extra.get("row_dims", 1)) if isinstance(self.extra, dict) else 1
+            return (len(self.row_index), *self.shape[max(1, min(dims, 2)):])
         return self.shape
 
     def raw(self, verify: bool = True) -> np.ndarray:
@@ -156,7 +158,17 @@ class Record:
         return d
 
 
+_MAX_DIMS = 32           # numpy 1.x's limit; no real activation has more
+_MAX_BYTES = 1 << 62     # a shape whose non-zero dims span more than this is not a tensor anyone wrote
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _record_from_wire(d: Any, path: Path, blob_size: int) -> Record:
+    """Validate one wire record. Every field is type-checked here, so a hostile index fails with a
+    TraceFormatError naming the file, never with a stray TypeError/OverflowError or a huge allocation."""
     def bad(problem: str):
         return TraceFormatError(path, f"record {d.get('name') if isinstance(d, dict) else '?'!r}: {problem}")
 
@@ -164,30 +176,57 @@ def _record_from_wire(d: Any, path: Path, blob_size: int) -> Record:
         raise TraceFormatError(path, "a record is not a map")
     try:
         name, dtype, shape = d["name"], d["dtype"], d["shape"]
-        offset, nbytes = int(d.get("offset", -1)), int(d.get("nbytes", 0))
-    except (KeyError, TypeError, ValueError) as e:
-        raise bad(f"missing or malformed field {e}") from None
-    if not isinstance(name, str) or not isinstance(dtype, str) or not known_dtype(dtype):
-        raise bad(f"unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise bad(f"malformed shape {shape!r}")
+    except KeyError as e:
+        raise bad(f"missing field {e}") from None
+    offset, nbytes, call, seq = d.get("offset", -1), d.get("nbytes", 0), d.get("call", 0), d.get("seq", 0)
+    for field_name, v in (("offset", offset), ("nbytes", nbytes), ("call", call), ("seq", seq)):
+        if not _is_int(v):
+            raise bad(f"malformed field {field_name!r}: {v!r:.80}")
+    if offset < -1 or nbytes < 0:
+        raise bad(f"negative offset {offset} or byte length {nbytes}")
+    if not isinstance(name, str):
+        raise bad(f"record name is not a string: {name!r:.80}")
+    if not isinstance(dtype, str) or not known_dtype(dtype):
+        raise bad(f"unknown dtype {dtype!r:.80}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_int(s) and s >= 0 for s in shape):
+        raise bad(f"malformed shape {shape!r:.200}")
     row_index = d.get("row_index")
-    if row_index is not None and (not isinstance(row_index, list) or not all(isinstance(i, int) for i in row_index)):
+    if row_index is not None and (not isinstance(row_index, list) or not all(_is_int(i) and i >= 0 for i in row_index)):
         raise bad("malformed row_index")
     stats = d.get("stats")
-    if stats is not None and not (isinstance(stats, dict) and all(k in stats for k in STAT_FIELDS)):
+    if stats is not None and not (isinstance(stats, dict) and all(
+            k in stats and isinstance(stats[k], (int, float)) for k in STAT_FIELDS)):
         raise bad("malformed stats")
+    extra = d.get("extra") or {}
+    if not isinstance(extra, dict) or ("row_dims" in extra and extra["row_dims"] not in (1, 2)):
+        raise bad("malformed extra")
+    for field_name in ("hash", "crc", "ops_in_region"):
+        if d.get(field_name) is not None and not _is_int(d[field_name]):
+            raise bad(f"malformed field {field_name!r}")
+    for field_name in ("op", "point"):
+        if d.get(field_name) is not None and not isinstance(d[field_name], str):
+            raise bad(f"malformed field {field_name!r}")
     mode = d.get("mode", "stats")
     rec = Record(name=name, module=str(d.get("module", "")), kind=str(d.get("kind", "op")), op=d.get("op"),
-                 call=int(d.get("call", 0)), seq=int(d.get("seq", 0)), phase=str(d.get("phase", "forward")),
+                 call=call, seq=seq, phase=str(d.get("phase", "forward")),
                  dtype=dtype, shape=tuple(shape), mode=str(mode), stats=stats, hash=d.get("hash"),
                  offset=offset, nbytes=nbytes, crc=d.get("crc"), row_index=row_index,
-                 ops_in_region=d.get("ops_in_region"), point=d.get("point"), extra=d.get("extra") or {})
+                 ops_in_region=d.get("ops_in_region"), point=d.get("point"), extra=extra)
+    itemsize = np.dtype(dtype_info(dtype).storage).itemsize
+    stored = rec.stored_shape
+    # Python ints: an int64 product of hostile dims would wrap (2**32 * 2**32 == 0) and pass the checks below.
+    span = 1
+    for s in stored:
+        span *= max(s, 1)
+    if span * itemsize > _MAX_BYTES:
+        raise bad(f"shape {list(stored)} of {dtype} is too large to be a stored tensor")
     if offset >= 0:
-        numel = int(np.prod(rec.stored_shape, dtype=np.int64)) if rec.stored_shape else 1
-        expect = numel * np.dtype(dtype_info(dtype).storage).itemsize
+        numel = 1
+        for s in stored:
+            numel *= s
+        expect = numel * itemsize
         if nbytes != expect:
-            raise bad(f"byte length {nbytes} does not match shape {list(rec.stored_shape)} of {dtype} ({expect})")
+            raise bad(f"byte length {nbytes} does not match shape {list(stored)} of {dtype} ({expect})")
         if offset + nbytes > blob_size:
             raise bad(f"data [{offset}, {offset + nbytes}) lies beyond the blob's {blob_size} bytes (truncated blob?)")
     return rec
@@ -283,13 +322,23 @@ class Pass:
             raise TraceFormatError(index_path, "pass index has no record list")
         self.meta = meta
         blob_name = meta.get("blob")
-        if not isinstance(blob_name, str) or "/" in blob_name or "\\" in blob_name or blob_name.startswith("."):
-            raise TraceFormatError(index_path, f"bad blob file name {blob_name!r}")
+        if not isinstance(blob_name, str) or not blob_name or "/" in blob_name or "\\" in blob_name \
+                or "\x00" in blob_name or blob_name.startswith(".") or len(blob_name) > 255:
+            raise TraceFormatError(index_path, f"bad blob file name {blob_name!r:.300}")
+        if not _is_int(meta.get("index", 0)):
+            raise TraceFormatError(index_path, "malformed pass index number")
+        if meta.get("tag") is not None and not isinstance(meta["tag"], str):
+            raise TraceFormatError(index_path, "malformed pass tag")
         self.blob_path = index_path.parent / blob_name
         try:
-            self.blob_size = self.blob_path.stat().st_size
+            st = self.blob_path.stat()
         except FileNotFoundError:
             raise TraceFormatError(self.blob_path, "missing blob file for this pass index") from None
+        except OSError as e:
+            raise TraceFormatError(self.blob_path, f"cannot read blob: {e}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceFormatError(self.blob_path, "blob is not a regular file")
+        self.blob_size = st.st_size
         declared = meta.get("blob_nbytes")
         if declared != self.blob_size:
             raise TraceFormatError(self.blob_path, f"blob is {self.blob_size} bytes, its index declares {declared} (truncated?)")
@@ -304,6 +353,16 @@ class Pass:
                 raise TraceFormatError(index_path, "malformed row identity table")
             if len(rows["keys"]) != len(rows["positions"]):
                 raise TraceFormatError(index_path, "row identity table: keys and positions differ in length")
+            tokens = rows.get("tokens")
+            if not all(k is None or isinstance(k, str) for k in rows["keys"]) \
+                    or not all(_is_int(p) for p in rows["positions"]) \
+                    or (tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(rows["keys"])
+                                                or not all(_is_int(t) for t in tokens))):
+                raise TraceFormatError(index_path, "malformed row identity table")
+            n_rows = len(rows["keys"])
+            for r in self.records:
+                if r.row_index is not None and any(i >= n_rows for i in r.row_index):
+                    raise TraceFormatError(index_path, f"record {r.name!r}: row_index beyond the {n_rows} rows of the pass")
         self.rows = rows
 
     @property
@@ -324,7 +383,10 @@ class Pass:
         if self._mm is None:
             if self.blob_size == 0:
                 return np.zeros(rec.stored_shape, dtype=dtype_info(rec.dtype).storage)
-            self._mm = np.memmap(self.blob_path, dtype=np.uint8, mode="r")
+            try:
+                self._mm = np.memmap(self.blob_path, dtype=np.uint8, mode="r")
+            except (OSError, ValueError) as e:
+                raise TraceFormatError(self.blob_path, f"cannot map blob: {e}") from None
         if rec.offset + rec.nbytes > self._mm.shape[0]:
             raise TraceFormatError(self.blob_path, f"record {rec.name!r} lies beyond the end of the blob")
         buf = self._mm[rec.offset: rec.offset + rec.nbytes]

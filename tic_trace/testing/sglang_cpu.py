@@ -191,7 +191,10 @@ def init_sglang_distributed(
             raise ValueError("TP>1 needs an explicit port shared by all ranks")
         port = find_free_port()
     kwargs = dict(
-        model_path="tic-trace-cpu-dummy",
+        # "dummy" is ServerArgs' own model-less short circuit
+        # (arg_groups/pipeline.py run_resolution_pipeline): no config download, no
+        # model-dependent resolution. Any other name is resolved on the HF hub.
+        model_path="dummy",
         device="cpu",
         attention_backend="torch_native",
         sampling_backend="pytorch",

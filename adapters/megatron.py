@@ -1,0 +1,449 @@
+"""Megatron-core ``GPTModel`` adapter: records of a (local-spec or Transformer-Engine-spec) GPTModel ->
+canonical points, rank shards -> one tensor, ``[s, b]`` / packed THD / context-parallel rows -> (sample, position).
+
+Record names (module paths of the model given to the tracer; wrappers ``module.`` from DDP/Float16Module and
+``chunk{i}.`` from a list of virtual-pipeline chunks are allowed in front of every name):
+
+* Every Megatron activation is ``[s, b, h]`` (packed THD: ``[t, 1, h]``), so row ``r`` of a pass is
+  sequence index ``r // B``, batch index ``r % B`` (s-major); :meth:`MegatronAdapter.rows_from_forward`
+  builds the row table in that order.
+* Residual stream: decoder-layer input (``decoder.layers.i`` is called with ``hidden_states=`` as a keyword),
+  the input of ``pre_mlp_layernorm`` (``mid``; the norm is an ``IdentityOp`` for TE dense layers, whose input is
+  still the residual), and ``decoder.layers.i`` output ``[0]``. The residual add is a plain function
+  (``self_attn_bda`` / ``mlp_bda``) that under ``no_grad`` adds *in place* into the attention / MLP output
+  tensor; the tracer copies values when the module returns, before that add, so ``attn.out`` and
+  ``mlp.out`` are the pre-residual values.
+* ``linear_qkv`` output ``[s, b, ng/tp * (np/ng + 2) * hn]`` is interleaved per query group
+  ``[q heads of g | k_g | v_g]``; the ``megatron_qkv`` transform splits it (``[q | gate | k | v]`` with
+  ``attention_output_gate``). TP shards are contiguous slices of the global layout: ``cat:-1``.
+* RoPE is a function inside ``SelfAttention.forward``; its outputs are the positional inputs 0 and 1 of
+  ``core_attention`` (``[s, b, heads/tp, hn]``, THD ``[t, heads/tp, hn]``).
+* Router: logits are the output of the ``router.gating`` method (tapped), ``[s, b, E]``; the router module
+  returns ``(probs [T, E] zero off the top-k, routing_map [T, E] bool)`` with ``T = s*B + b``.
+* ``moe.experts_out``: the routed experts' combined output in token order is the output of the token
+  dispatcher's ``combine_postprocess`` (tapped; every dispatcher ends with it: un-permute, reshape to
+  ``[s, b, h]``), before ``MoELayer.postprocess`` adds the shared-expert output. It is what
+  HF's ``mlp.experts`` output is (probabilities are applied inside Megatron's experts, so it is already the
+  weighted sum). Not the ``experts`` module output, which is in dispatched (expert-major) order. With
+  ``moe_shared_expert_overlap`` the alltoall dispatcher adds the shared output inside ``combine_postprocess``
+  and ``shared_experts`` never fires: both MoE-output points are then not promised.
+* Logits: ``output_layer`` output ``[0]`` ``[s, b, V_pad/tp]``: ``cat:-1``, then the padding columns are cut
+  (``vocab``). Megatron only knows the padded vocabulary: pass the tokenizer's size as
+  ``MegatronAdapter(vocab_size=...)`` when the model's vocabulary is padded.
+
+Transformer Engine spec: same module names; ``input_layernorm`` is an ``IdentityOp`` (the norm is fused into
+``linear_qkv``, ``TELayerNormColumnParallelLinear``, which never returns the normalised input), and so is
+``pre_mlp_layernorm`` of dense layers (fused into ``mlp.linear_fc1``). Those layers' ``attn_norm`` /
+``mlp_norm`` are not produced (reported "not comparable", never taken from the identity's output). The
+downstream points (``attn.q`` ...) are compared as usual.
+
+Shards: ranks with the same (pp, dp, cp) coordinates form one group, ordered by TP rank. Column-parallel
+outputs are concatenated (QKV, heads, core attention, logits); row-parallel outputs are already reduced
+(one rank), or reduce-scattered along the sequence with sequence parallelism (``seq`` merge: ``cat:0`` when
+SP, else one rank). Expert-parallel ranks are data-parallel ranks for everything outside the experts, and
+after the combine each holds its own tokens' MoE output: nothing to merge. Layers: ``layer_number - 1``
+(global) = local index + the stage's offset, recorded per rank in ``rank_coords()["layer_offset"]``.
+
+Activation recompute re-runs forwards inside backward; the tracer tags those records ``recompute`` and skips
+them by default.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from tic_trace.adapter import Adapter, PointMap, TransformContext, register_merge, register_transform
+
+# Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
+_P = r"(?P<prefix>(?:chunk\d+\.)?(?:module\.)*)"
+_L = _P + r"decoder\.layers\.(?P<layer>\d+)"
+_A = _L + r"\.self_attention"
+_M = _L + r"\.mlp"
+
+POINTS = (
+    PointMap("embed", _P + r"embedding:out", merge="seq"),
+    PointMap("input", _L + r":in(\[0\]|\.hidden_states)", merge="seq",
+             note="decoder layer input (called with hidden_states=...) = residual stream"),
+    PointMap("attn_norm", _L + r"\.input_layernorm:out", merge="seq",
+             note="TE spec: IdentityOp (norm fused into linear_qkv) -> not produced"),
+    PointMap("attn.q", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "q"},
+             note="per-query-group interleaved [q_g | k_g | v_g] split; TP slices concatenated"),
+    PointMap("attn.k", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "k"}),
+    PointMap("attn.v", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "v"}),
+    PointMap("attn.q_norm", _A + r"\.q_layernorm:out", "heads", "heads", opts={"heads": "q"}),
+    PointMap("attn.k_norm", _A + r"\.k_layernorm:out", "heads", "kv_heads", opts={"heads": "kv"}),
+    PointMap("attn.q_rope", _A + r"\.core_attention:in\[0\]", "heads", "heads", opts={"heads": "q"},
+             note="core_attention's query input: post-RoPE"),
+    PointMap("attn.k_rope", _A + r"\.core_attention:in\[1\]", "heads", "kv_heads", opts={"heads": "kv"},
+             note="core_attention's key input: post-RoPE, before any GQA expansion"),
+    PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
+    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
+             note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
+    PointMap("mid", _L + r"\.pre_mlp_layernorm:in\[0\]", merge="seq", note="pre-MLP norm input = residual"),
+    PointMap("mlp_norm", _L + r"\.pre_mlp_layernorm:out", merge="seq",
+             note="TE spec dense layers: IdentityOp (norm fused into linear_fc1) -> not produced"),
+    PointMap("moe.router_logits", _M + r"\.router/fn:gating:out", merge="seq", note="tapped router.gating"),
+    PointMap("moe.topk_ids", _M + r"\.router:out\[1\]", "dense_topk_ids", "seq", note="routing_map [T, E]"),
+    PointMap("moe.topk_weights", _M + r"\.router:out\[0\]", "dense_topk_weights", "seq",
+             also={"map": "{prefix}decoder.layers.{layer}.mlp.router:out[1]"}, note="probs [T, E] at the map"),
+    PointMap("moe.experts_out", _M + r"/fn:combine_postprocess:out", merge="seq",
+             note="tapped token_dispatcher.combine_postprocess: routed experts combined, token order"),
+    PointMap("moe.shared_out", _M + r"\.shared_experts:out", merge="seq"),
+    PointMap("mlp.out", _M + r":out\[0\]", merge="seq"),
+    PointMap("output", _L + r":out\[0\]", merge="seq"),
+    PointMap("final_norm", _P + r"decoder\.final_(?:layernorm|norm):out", merge="seq"),
+    PointMap("logits", _P + r"output_layer:out\[0\]", "vocab", "cat:-1", note="vocab shards; padding cut"),
+)
+
+
+# ---------------------------------------------------------------- transforms and merges
+
+@register_transform("megatron_qkv")
+def _megatron_qkv(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """Fused QKV ``[..rows.., ng * (np/ng + 2) * hn]`` (per query group ``[q heads | k | v]``, or
+    ``[q heads | gate heads | k | v]`` with ``attention_output_gate``) -> q ``[rows, np, hn]`` or
+    k / v ``[rows, ng, hn]`` (opts ``part``)."""
+    cfg = ctx.config
+    nq, ng, hd = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]), int(cfg["head_dim"])
+    qpg = nq // ng
+    x = a.reshape(ctx.n_rows, ng, -1, hd)
+    kv = qpg * (2 if cfg.get("attention_output_gate") else 1)
+    if x.shape[2] != kv + 2:
+        raise ValueError(f"linear_qkv output: {x.shape[2]} head slots per group, expected {kv + 2}")
+    part = ctx.opts.get("part", "q")
+    if part == "q":
+        return np.ascontiguousarray(x[:, :, :qpg]).reshape(ctx.n_rows, nq, hd)
+    j = kv if part == "k" else kv + 1
+    return np.ascontiguousarray(x[:, :, j])
+
+
+@register_merge("seq")
+def _merge_seq(arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    """Sequence-parallel pieces ``[s/tp, b, ...]`` (or ``[t/tp, ...]``) in TP-rank order: ``cat:0`` when the
+    model runs with sequence parallelism, else every rank holds the whole tensor (take the first)."""
+    if config.get("sequence_parallel"):
+        return np.concatenate(arrays, axis=0)
+    return arrays[0]
+
+
+@register_merge("heads")
+def _merge_heads(arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    """Per-rank heads ``[..., heads/tp, hn]`` concatenated along the head axis (SBHD or squeezed THD)."""
+    return np.concatenate(arrays, axis=-2)
+
+
+@register_merge("kv_heads")
+def _merge_kv_heads(arrays: list[np.ndarray], config: dict) -> np.ndarray:
+    """KV heads: like ``heads``, but with fewer query groups than TP ranks each group's head is replicated
+    on ``tp/ng`` consecutive ranks: keep one rank per group."""
+    ng = int(config.get("num_key_value_heads") or 0)
+    tp = len(arrays)
+    if ng and tp > ng and tp % ng == 0:
+        arrays = arrays[:: tp // ng]
+    return np.concatenate(arrays, axis=-2)
+
+
+# ---------------------------------------------------------------- rows
+
+def _ints(x: Any) -> list[int]:
+    if x is None:
+        return []
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return [int(v) for v in x]
+
+
+def zigzag_position(p: int, length: int, cp_size: int, cp_rank: int) -> int:
+    """Global position of local offset ``p`` on context-parallel rank ``cp_rank`` for a sequence of (padded)
+    ``length``: the sequence is cut into ``2*cp_size`` pieces and rank ``r`` holds pieces ``r`` and
+    ``2*cp_size-1-r`` (Megatron's load-balanced causal split, SBHD and THD alike)."""
+    if cp_size == 1:
+        return p
+    seg = length // (2 * cp_size)
+    return cp_rank * seg + p if p < seg else length - (cp_rank + 1) * seg + (p - seg)
+
+
+def rows_from_packed(packed_seq_params: Any, sample_keys: Sequence[str | None] | None = None, cp_size: int = 1,
+                     cp_rank: int = 0, *, n_rows: int | None = None,
+                     position_offsets: Sequence[int] | None = None) -> tuple[list[str | None], list[int]]:
+    """Row identity of a packed THD micro-batch on one context-parallel rank.
+
+    ``packed_seq_params``: a megatron ``PackedSeqParams`` (``cu_seqlens_q`` = real lengths, optional
+    ``cu_seqlens_q_padded`` = the layout of the packed tensor; both global, i.e. before the CP split).
+    Segment ``i`` gets sample key ``sample_keys[i]`` (default ``s{i}``; ``None`` marks a padding segment).
+    With ``cp_size > 1`` this rank holds, of every segment of padded length ``L``, the pieces ``cp_rank`` and
+    ``2*cp_size-1-cp_rank`` of length ``L/(2*cp_size)`` (``thd_get_partitioned_indices``), concatenated
+    segment after segment. Returns ``(keys, positions)`` with one entry per local row; rows past a
+    segment's real length (padding) and past the last segment (``n_rows`` beyond the packed total) get key
+    ``None``. ``position_offsets[i]`` is added to segment ``i``'s positions (a continued sample).
+    """
+    cu_real = _ints(getattr(packed_seq_params, "cu_seqlens_q", None))
+    cu_pad = _ints(getattr(packed_seq_params, "cu_seqlens_q_padded", None)) or cu_real
+    if len(cu_real) < 2 or len(cu_pad) != len(cu_real):
+        raise ValueError(f"packed_seq_params: need cu_seqlens_q (and cu_seqlens_q_padded) of equal length >= 2, "
+                         f"got {cu_real} / {cu_pad}")
+    n_seg = len(cu_real) - 1
+    if sample_keys is not None and len(sample_keys) < n_seg:
+        raise ValueError(f"{n_seg} packed segments but {len(sample_keys)} sample keys")
+    keys: list[str | None] = []
+    pos: list[int] = []
+    for i in range(n_seg):
+        length = cu_pad[i + 1] - cu_pad[i]
+        real = cu_real[i + 1] - cu_real[i]
+        if real > length:
+            raise ValueError(f"segment {i}: real length {real} exceeds its padded length {length}")
+        if length % (2 * cp_size if cp_size > 1 else 1):
+            raise ValueError(f"segment {i}: padded length {length} is not a multiple of 2*cp_size={2 * cp_size}")
+        key = f"s{i}" if sample_keys is None else sample_keys[i]
+        off = int(position_offsets[i]) if position_offsets is not None else 0
+        for p in range(length // cp_size):
+            g = zigzag_position(p, length, cp_size, cp_rank)
+            keys.append(None if key is None or g >= real else str(key))
+            pos.append(g + off)
+    if n_rows is not None:
+        if n_rows < len(keys):
+            raise ValueError(f"packed_seq_params describe {len(keys)} rows on this rank, the batch has {n_rows}")
+        keys.extend([None] * (n_rows - len(keys)))
+        pos.extend([0] * (n_rows - len(pos)))
+    return keys, pos
+
+
+def rows_from_sbhd(batch: int, seq: int, sample_keys: Sequence[str | None] | None = None, cp_size: int = 1,
+                   cp_rank: int = 0) -> tuple[list[str | None], list[int]]:
+    """Rows of a ``[s, b]`` micro-batch (s-major: row ``r`` = ``s*B + b``): sample ``sample_keys[b]``
+    (default ``s{b}``), position ``s`` (with context parallelism: the zigzag global position of local index
+    ``s`` on ``cp_rank``, the local sequence being ``seq = S/cp_size``). RoPE in GPTModel uses exactly these
+    positions (``position_ids`` are ignored for RoPE)."""
+    if sample_keys is not None and len(sample_keys) < batch:
+        raise ValueError(f"batch of {batch} but {len(sample_keys)} sample keys")
+    total = seq * cp_size
+    keys, pos = [], []
+    for s in range(seq):
+        g = zigzag_position(s, total, cp_size, cp_rank)
+        for b in range(batch):
+            k = f"s{b}" if sample_keys is None else sample_keys[b]
+            keys.append(None if k is None else str(k))
+            pos.append(g)
+    return keys, pos
+
+
+# ---------------------------------------------------------------- model inspection (imports nothing)
+
+def _unwrap(model: Any) -> Any:
+    """GPTModel inside DDP / Float16Module wrappers (their `.module`)."""
+    seen = 0
+    while not hasattr(model, "decoder") and hasattr(model, "module") and seen < 8:
+        model = model.module
+        seen += 1
+    return model
+
+
+def _cls(m: Any) -> str:
+    return type(m).__name__ if m is not None else "None"
+
+
+def _is_identity(m: Any) -> bool:
+    return m is None or _cls(m) in ("IdentityOp", "Identity")
+
+
+def _moe_pattern(cfg: Any) -> list[int]:
+    n = int(cfg.num_layers)
+    if not getattr(cfg, "num_moe_experts", None):
+        return [0] * n
+    freq = getattr(cfg, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(n)]
+    return [int(x) for x in list(freq)[:n]]
+
+
+def _torch_dtype_name(dt: Any) -> str:
+    return str(dt).removeprefix("torch.") if dt is not None else ""
+
+
+class MegatronAdapter(Adapter):
+    """``adapter="megatron"``, or ``MegatronAdapter(vocab_size=V)`` when the model's vocabulary is padded."""
+    name = "megatron"
+    points = POINTS
+
+    def __init__(self, vocab_size: int | None = None):
+        self.true_vocab_size = vocab_size
+        self._layer_offsets: list[int] = []
+        self._sp = False
+
+    # ------------------------------------------------------------ trace time
+    def prepare(self, tracer: Any, models: list) -> None:
+        self._layer_offsets = []
+        for model in models:
+            root = _unwrap(model)
+            self._sp = bool(getattr(getattr(root, "config", None), "sequence_parallel", False))
+            layers = getattr(getattr(root, "decoder", None), "layers", None)
+            off = 0
+            if layers is not None and len(layers):
+                off = int(getattr(layers[0], "layer_number", 1)) - 1
+            self._layer_offsets.append(off)
+            for name, mod in root.named_modules():
+                if name.endswith(".mlp.router") and hasattr(mod, "gating"):
+                    tracer.tap_method(mod, "gating")
+                disp = getattr(mod, "token_dispatcher", None)
+                if disp is not None and hasattr(disp, "combine_postprocess"):
+                    tracer.tap_method(disp, "combine_postprocess")
+        tracer.record_inputs_of([r"re:(^|\.)decoder\.layers\.\d+$", r"re:\.self_attention\.core_attention$",
+                                 r"re:\.pre_mlp_layernorm$"])
+
+    def describe(self, models: list) -> dict:
+        root = _unwrap(models[0])
+        cfg = getattr(root, "config", None)
+        if cfg is None:
+            return {}
+        layers = list(getattr(getattr(root, "decoder", None), "layers", []) or [])
+        heads = int(cfg.num_attention_heads)
+        te = any(_cls(m).startswith("TE") for m in root.modules())
+        fused_input = bool(layers) and _is_identity(getattr(layers[0], "input_layernorm", None))
+        dense = [lay for lay in layers if not hasattr(getattr(lay, "mlp", None), "router")]
+        if dense:
+            fused_dense_mlp_norm = _is_identity(getattr(dense[0], "pre_mlp_layernorm", None))
+        else:   # this stage has no dense layer: the TE spec fuses dense layers' pre-MLP norm into fc1
+            fused_dense_mlp_norm = te
+        pattern = _moe_pattern(cfg)
+        padded = int(getattr(root, "vocab_size", 0) or 0)
+        attn0 = getattr(layers[0], "self_attention", None) if layers else None
+        qk = bool(getattr(cfg, "qk_layernorm", False)) and not _is_identity(getattr(attn0, "q_layernorm", None))
+        rope = getattr(root, "rotary_pos_emb", None)
+        theta = None
+        if rope is not None and getattr(rope, "inv_freq", None) is not None and rope.inv_freq.numel() > 1:
+            inv = rope.inv_freq.detach().double().cpu()
+            dim = 2 * inv.numel()
+            theta = float(round((1.0 / float(inv[1])) ** (dim / 2.0), 3))
+        n_exp = int(getattr(cfg, "num_moe_experts", 0) or 0)
+        shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) is not None
+        return {
+            "model_type": "megatron-gpt",
+            "spec": "te" if te else "local",
+            "num_layers": int(cfg.num_layers),
+            "hidden_size": int(cfg.hidden_size),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(cfg, "num_query_groups", None) or heads),
+            "head_dim": int(getattr(cfg, "kv_channels", None) or cfg.hidden_size // heads),
+            "attention_output_gate": bool(getattr(cfg, "attention_output_gate", False)),
+            "qk_layernorm": qk,
+            "vocab_size": int(self.true_vocab_size or padded),
+            "padded_vocab_size": padded,
+            "num_experts": n_exp,
+            "num_experts_per_tok": int(getattr(cfg, "moe_router_topk", 0) or 0) if n_exp else 0,
+            "shared_experts": shared,
+            "moe_shared_expert_overlap": bool(getattr(cfg, "moe_shared_expert_overlap", False)),
+            "moe_layers": [i for i, x in enumerate(pattern) if x],
+            "moe_token_dispatcher_type": getattr(cfg, "moe_token_dispatcher_type", None) if n_exp else None,
+            "fused_input_norm": fused_input,
+            "fused_dense_mlp_norm": bool(fused_dense_mlp_norm),
+            "rms_norm_eps": float(getattr(cfg, "layernorm_epsilon", 0.0)),
+            "normalization": getattr(cfg, "normalization", None),
+            "rope_theta": theta,
+            "sequence_parallel": bool(getattr(cfg, "sequence_parallel", False)),
+            "tensor_model_parallel_size": int(getattr(cfg, "tensor_model_parallel_size", 1) or 1),
+            "expert_model_parallel_size": int(getattr(cfg, "expert_model_parallel_size", 1) or 1),
+            "context_parallel_size": int(getattr(cfg, "context_parallel_size", 1) or 1),
+            "pipeline_model_parallel_size": int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1),
+            "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
+        }
+
+    def parallel_layout(self) -> dict:
+        c = self.rank_coords()
+        return {k: c[k] for k in ("tp_size", "pp_size", "ep_size", "etp_size", "cp_size", "dp_size", "sp")
+                if k in c}
+
+    def rank_coords(self) -> dict:
+        out: dict[str, Any] = {"sp": self._sp, "layer_offset": self._layer_offsets[0] if self._layer_offsets else 0,
+                               "layer_offsets": list(self._layer_offsets)}
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError:
+            return out
+        if not ps.model_parallel_is_initialized():
+            return out
+        getters = {
+            "tp": ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+            "pp": ("get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+            "ep": ("get_expert_model_parallel_rank", "get_expert_model_parallel_world_size"),
+            "etp": ("get_expert_tensor_parallel_rank", "get_expert_tensor_parallel_world_size"),
+            "cp": ("get_context_parallel_rank", "get_context_parallel_world_size"),
+            "dp": ("get_data_parallel_rank", "get_data_parallel_world_size"),
+        }
+        for k, (r, s) in getters.items():
+            try:
+                out[f"{k}_rank"] = int(getattr(ps, r)())
+                out[f"{k}_size"] = int(getattr(ps, s)())
+            except Exception:  # noqa: BLE001 - a group that this setup does not have
+                pass
+        return out
+
+    def _cp(self) -> tuple[int, int]:
+        try:
+            from megatron.core import parallel_state as ps
+            if ps.model_parallel_is_initialized():
+                return int(ps.get_context_parallel_world_size()), int(ps.get_context_parallel_rank())
+        except Exception:  # noqa: BLE001
+            pass
+        return 1, 0
+
+    _FORWARD_ARGS = ("input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+                     "inference_context", "packed_seq_params")
+
+    def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
+        bound = dict(zip(self._FORWARD_ARGS, args))
+        bound.update(kwargs)
+        ids = bound.get("input_ids")
+        if ids is None or not hasattr(ids, "dim") or ids.dim() != 2:
+            return None    # e.g. a middle pipeline stage: the caller names the rows with tracer.set_rows
+        cp_size, cp_rank = self._cp()
+        psp = bound.get("packed_seq_params")
+        if psp is not None and getattr(psp, "qkv_format", None) == "thd":
+            keys, pos = rows_from_packed(psp, tracer.sample_keys, cp_size, cp_rank, n_rows=int(ids.shape[1]))
+            return keys, pos, ids[0].tolist()
+        b, s = (int(x) for x in ids.shape)
+        keys, pos = rows_from_sbhd(b, s, tracer.sample_keys, cp_size, cp_rank)
+        tokens = ids.t().reshape(-1).tolist()      # s-major, like the rows
+        return keys, pos, tokens
+
+    def token_dims(self, record_name: str) -> int | None:
+        if record_name.endswith(":in[3]") or "rotary_pos_emb:" in record_name:
+            return 0        # attention mask, rotary table
+        return None         # [s, b, ...], [t, 1, ...], [t, heads, hn] and [T, E]: the tracer's row-count guess
+
+    # ------------------------------------------------------------ read time
+    def rank_groups(self, ranks: list[int], rank_infos: dict[int, dict]) -> list[list[int]]:
+        groups: dict[tuple, list[int]] = {}
+        for r in sorted(ranks):
+            c = (rank_infos.get(r) or {}).get("coords") or {}
+            key = (c.get("pp_rank", 0), c.get("dp_rank", r if "tp_rank" not in c else 0), c.get("cp_rank", 0))
+            groups.setdefault(key, []).append(r)
+        out = []
+        for key in sorted(groups):
+            g = groups[key]
+            out.append(sorted(g, key=lambda r: ((rank_infos.get(r) or {}).get("coords") or {}).get("tp_rank", 0)))
+        return out
+
+    def global_layer(self, local: int, rank_info: dict, config: dict) -> int:
+        return local + int((rank_info.get("coords") or {}).get("layer_offset", 0) or 0)
+
+    def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
+        if pm.point == "attn_norm":
+            return not config.get("fused_input_norm")
+        if pm.point == "mlp_norm" and config.get("fused_dense_mlp_norm"):
+            return layer in set(config.get("moe_layers") or [])
+        return True
+
+    def applies(self, pm: PointMap, config: dict) -> bool:
+        if pm.point == "attn_norm" and config.get("fused_input_norm"):
+            return False
+        if pm.point == "mlp_norm" and config.get("fused_dense_mlp_norm") and not config.get("moe_layers"):
+            return False
+        if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_layernorm", True):
+            return False
+        if pm.point in ("moe.experts_out", "moe.shared_out") and config.get("moe_shared_expert_overlap"):
+            return False
+        return super().applies(pm, config)
+
+
+ADAPTER = MegatronAdapter

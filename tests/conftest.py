@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+# Determinism across the suite: single-threaded intra-op by default; tests that vary threads do so explicitly.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def hf_moe_config():
+    from tic_trace.testing.hf_models import tiny_qwen3_config
+    return tiny_qwen3_config(moe=True)
+
+
+@pytest.fixture(scope="session")
+def hf_dense_config():
+    from tic_trace.testing.hf_models import tiny_qwen3_config
+    return tiny_qwen3_config(moe=False)
+
+
+def trace_hf(model, out_dir, ids, **kw):
+    """Trace one HF forward with canonical points in full; returns (logits, tracer)."""
+    import tic_trace
+    kw.setdefault("points_mode", "full")
+    with tic_trace.trace(model, out_dir, adapter="hf", **kw) as t, torch.no_grad():
+        logits = model(ids).logits
+    assert t.failed is None, t.failed
+    return logits, t

@@ -1,0 +1,160 @@
+"""Planted faults: small, realistic numerical bugs planted in the *computation* of one side.
+
+Each fault is one `Fault` entry: the canonical point where it must be found, and per framework a function
+`plant(model, layer)` that changes how that model computes (an attribute, a weight, or a forward), never what
+a trace records. Adapters' test suites reuse this table: adding a framework means adding its planter to the
+entries it supports.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    point: str                   # canonical point where the finder must report it
+    layered: bool                # found at the planted layer (else a global point)
+    what: str
+    plant: dict = field(default_factory=dict)   # framework -> fn(model, layer)
+    moe_only: bool = False
+
+
+FAULTS: dict[str, Fault] = {}
+
+
+def fault(name: str, point: str, what: str, *, layered: bool = True, moe_only: bool = False):
+    """Register a planter for `framework` under fault `name` (decorator: @fault(...).on("hf"))."""
+    class _Reg:
+        @staticmethod
+        def on(framework: str):
+            def deco(fn: Callable):
+                f = FAULTS.get(name) or Fault(name, point, layered, what, {}, moe_only)
+                FAULTS[name] = Fault(f.name, f.point, f.layered, f.what, {**f.plant, framework: fn}, f.moe_only)
+                return fn
+            return deco
+    return _Reg
+
+
+def plant(model, framework: str, name: str, layer: int) -> Fault:
+    f = FAULTS[name]
+    if framework not in f.plant:
+        raise KeyError(f"fault {name!r} has no planter for {framework!r} (has: {sorted(f.plant)})")
+    f.plant[framework](model, layer)
+    return f
+
+
+def _hf_layer(model, layer):
+    return model.model.layers[layer]
+
+
+def _wrap_forward(module, new_forward):
+    module.forward = types.MethodType(new_forward, module)
+
+
+# ---------------------------------------------------------------- HF planters
+
+@fault("rmsnorm_eps", "attn_norm", "input RMSNorm epsilon 1e-6 -> 1e-2").on("hf")
+def _hf_rmsnorm_eps(model, layer):
+    _hf_layer(model, layer).input_layernorm.variance_epsilon = 1e-2
+
+
+@fault("rope_theta", "attn.q_rope", "RoPE base 10000 -> 5000 in one layer's attention").on("hf")
+def _hf_rope_theta(model, layer):
+    attn = _hf_layer(model, layer).self_attn
+    head_dim = attn.head_dim
+    inv = 1.0 / (5000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+    def pre(mod, args, kwargs):
+        cos, sin = kwargs["position_embeddings"]
+        s = cos.shape[-2]
+        pos = kwargs.get("position_ids")
+        pos = pos.float() if pos is not None else torch.arange(s, dtype=torch.float32)[None]
+        freqs = pos[..., None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        kwargs["position_embeddings"] = (emb.cos().to(cos.dtype), emb.sin().to(sin.dtype))
+        return args, kwargs
+    attn.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+@fault("softmax_scale", "attn.core", "attention softmax scale x1.05").on("hf")
+def _hf_softmax_scale(model, layer):
+    _hf_layer(model, layer).self_attn.scaling *= 1.05
+
+
+@fault("qk_norm_weight", "attn.k_norm", "one K-norm weight element x1.05").on("hf")
+def _hf_qk_norm(model, layer):
+    with torch.no_grad():
+        _hf_layer(model, layer).self_attn.k_norm.weight[3] *= 1.05
+
+
+@fault("o_proj_weight", "attn.out", "output projection weight nudged by 1%").on("hf")
+def _hf_o_proj(model, layer):
+    with torch.no_grad():
+        w = _hf_layer(model, layer).self_attn.o_proj.weight
+        w.add_(0.01 * w.abs().mean() * torch.sign(w))
+
+
+@fault("residual_bf16", "mid", "post-attention residual add done in bf16").on("hf")
+def _hf_residual_bf16(model, layer):
+    lay = _hf_layer(model, layer)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        residual = hidden_states
+        h = self.input_layernorm(hidden_states)
+        h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        h = (residual.bfloat16() + h.bfloat16()).to(residual.dtype)   # the fault
+        residual = h
+        h = self.post_attention_layernorm(h)
+        h = self.mlp(h)
+        return residual + h
+    _wrap_forward(lay, forward)
+
+
+@fault("mlp_norm_weight", "mlp_norm", "pre-MLP norm weight x1.02").on("hf")
+def _hf_mlp_norm(model, layer):
+    with torch.no_grad():
+        _hf_layer(model, layer).post_attention_layernorm.weight.mul_(1.02)
+
+
+@fault("router_bf16", "moe.router_logits", "router GEMM in bf16", moe_only=True).on("hf")
+def _hf_router_bf16(model, layer):
+    gate = _hf_layer(model, layer).mlp.gate
+    orig = gate.forward
+
+    def forward(self, hidden_states):
+        hs = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hs.bfloat16(), self.weight.bfloat16()).to(hs.dtype)   # the fault
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+    del orig
+    _wrap_forward(gate, forward)
+
+
+@fault("expert_weight", "moe.experts_out", "expert 1's down-projection x1.02", moe_only=True).on("hf")
+def _hf_expert_weight(model, layer):
+    with torch.no_grad():
+        _hf_layer(model, layer).mlp.experts.down_proj[1].mul_(1.02)
+
+
+@fault("lm_head_bf16", "logits", "lm_head GEMM in bf16", layered=False).on("hf")
+def _hf_lm_head_bf16(model, layer):
+    head = model.lm_head
+
+    def forward(self, x):
+        return F.linear(x.bfloat16(), self.weight.bfloat16()).to(x.dtype)   # the fault
+    _wrap_forward(head, forward)
+
+
+def hf_faults(moe: bool) -> list[str]:
+    return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only)]
