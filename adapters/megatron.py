@@ -46,6 +46,15 @@ after the combine each holds its own tokens' MoE output: nothing to merge. Layer
 
 Activation recompute re-runs forwards inside backward; the tracer tags those records ``recompute`` and skips
 them by default.
+
+Verified on CPU with megatron-core 0.16.1 (``tests/test_megatron_adapter.py``): local spec, dense and MoE
+(alltoall), TP=1 vs HF, TP=2, TP=2+SP, TP=4 with 2 query groups, EP=2, pipeline chunks, full recompute,
+padded vocabulary, a shared expert, packed THD (with a per-segment stand-in for TE's attention kernel), and a
+TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``). Not runnable on CPU,
+so checked by name / pure function only, to be verified on GPU: real Transformer Engine modules
+(``TEDotProductAttention``, ``TEGroupedMLP``, fused RoPE / permute / router), context parallelism (the
+zigzag row mapping is checked against megatron's own SBHD split and a re-implementation of TE's THD
+partition), the flex (DeepEP) dispatcher.
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ import numpy as np
 from tic_trace.adapter import Adapter, PointMap, TransformContext, register_merge, register_transform
 
 # Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
-_P = r"(?P<prefix>(?:chunk\d+\.)?(?:module\.)*)"
+_P = r"(?P<prefix>(?:chunk(?P<chunk>\d+)\.)?(?:module\.)*)"
 _L = _P + r"decoder\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attention"
 _M = _L + r"\.mlp"
@@ -314,7 +323,7 @@ class MegatronAdapter(Adapter):
         if rope is not None and getattr(rope, "inv_freq", None) is not None and rope.inv_freq.numel() > 1:
             inv = rope.inv_freq.detach().double().cpu()
             dim = 2 * inv.numel()
-            theta = float(round((1.0 / float(inv[1])) ** (dim / 2.0), 3))
+            theta = float(f"{(1.0 / float(inv[1])) ** (dim / 2.0):.6g}")
         n_exp = int(getattr(cfg, "num_moe_experts", 0) or 0)
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) is not None
         return {
@@ -425,7 +434,14 @@ class MegatronAdapter(Adapter):
         return out
 
     def global_layer(self, local: int, rank_info: dict, config: dict) -> int:
-        return local + int((rank_info.get("coords") or {}).get("layer_offset", 0) or 0)
+        """``layer_number - 1``: the local index plus this stage's offset (of virtual-pipeline chunk
+        ``rank_info["chunk"]`` when the record name says which chunk)."""
+        coords = rank_info.get("coords") or {}
+        chunk = rank_info.get("chunk")
+        offsets = coords.get("layer_offsets") or []
+        if chunk is not None and chunk < len(offsets):
+            return local + int(offsets[chunk])
+        return local + int(coords.get("layer_offset", 0) or 0)
 
     def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
         if pm.point == "attn_norm":

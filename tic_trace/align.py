@@ -107,7 +107,10 @@ class CanonicalView:
                             continue
                         layer = None
                         if "layer" in rx.groupindex and m.group("layer") is not None:
-                            layer = self.adapter.global_layer(int(m.group("layer")), infos[lead], self.config)
+                            info = infos[lead]
+                            if "chunk" in rx.groupindex and m.group("chunk") is not None:
+                                info = {**info, "chunk": int(m.group("chunk"))}   # virtual-pipeline chunk
+                            layer = self.adapter.global_layer(int(m.group("layer")), info, self.config)
                         if not self.adapter.keeps(pm, layer, self.config):
                             continue
                         names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}

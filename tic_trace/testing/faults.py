@@ -158,3 +158,163 @@ def _hf_lm_head_bf16(model, layer):
 
 def hf_faults(moe: bool) -> list[str]:
     return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only)]
+
+
+# ---------------------------------------------------------------- Megatron planters
+# `model` is a megatron-core GPTModel, possibly inside DDP / Float16Module wrappers (`.module`), or a list of
+# virtual-pipeline chunks. `layer` is the global 0-based layer (`layer_number - 1`); a pipeline stage that
+# does not hold it is left unchanged.
+
+def _mg_roots(model) -> list:
+    out = []
+    for m in (model if isinstance(model, (list, tuple)) else [model]):
+        depth = 0
+        while not hasattr(m, "decoder") and hasattr(m, "module") and depth < 8:
+            m, depth = m.module, depth + 1
+        out.append(m)
+    return out
+
+
+def _mg_layer(model, layer):
+    """The TransformerLayer with global index `layer` on this rank, or None."""
+    for root in _mg_roots(model):
+        for lay in getattr(getattr(root, "decoder", None), "layers", []) or []:
+            if int(getattr(lay, "layer_number", 0)) - 1 == layer:
+                return lay
+    return None
+
+
+def _mg_set(module, attr: str, value) -> None:
+    """Set a plain attribute even where nn.Module.__setattr__ would object (a child module's name)."""
+    object.__setattr__(module, attr, value)
+
+
+@fault("rmsnorm_eps", "attn_norm", "input RMSNorm epsilon 1e-6 -> 1e-2").on("megatron")
+def _mg_rmsnorm_eps(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    norm = lay.input_layernorm
+    if hasattr(norm, "eps"):               # torch.nn.RMSNorm (local spec), TE / apex norms
+        norm.eps = 1e-2
+    else:                                  # TE spec: the norm lives inside linear_qkv
+        lay.self_attention.linear_qkv.eps = 1e-2
+
+
+@fault("rope_theta", "attn.q_rope", "RoPE base 10000 -> 5000 in one layer's attention").on("megatron")
+def _mg_rope_theta(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    rope = _mg_roots(model)[0].rotary_pos_emb
+    inv_old = rope.inv_freq.detach().double().cpu()
+    dim = 2 * inv_old.numel()
+    inv_new = 1.0 / (5000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ratio = torch.cat([inv_new / inv_old, inv_new / inv_old])      # rotate-half layout [f | f]
+
+    def rescale(freqs):
+        # freqs [..., rot_dim] = position * inv_freq, whatever the positions (SBHD, THD, CP): rescale columns
+        return (freqs.double() * ratio.to(freqs.device)).to(freqs.dtype)
+
+    def pre(mod, args, kwargs):
+        emb = kwargs.get("rotary_pos_emb")
+        if emb is None:
+            return None
+        kwargs["rotary_pos_emb"] = tuple(rescale(e) for e in emb) if isinstance(emb, tuple) else rescale(emb)
+        return args, kwargs
+    lay.self_attention.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+@fault("softmax_scale", "attn.core", "attention softmax scale x1.05").on("megatron")
+def _mg_softmax_scale(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        lay.self_attention.core_attention.softmax_scale *= 1.05
+
+
+@fault("qk_norm_weight", "attn.k_norm", "one K-norm weight element x1.05").on("megatron")
+def _mg_qk_norm(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        with torch.no_grad():
+            lay.self_attention.k_layernorm.weight[3] *= 1.05
+
+
+@fault("o_proj_weight", "attn.out", "output projection weight nudged by 1%").on("megatron")
+def _mg_o_proj(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        with torch.no_grad():
+            w = lay.self_attention.linear_proj.weight
+            w.add_(0.01 * w.abs().mean() * torch.sign(w))
+
+
+@fault("residual_bf16", "mid", "post-attention residual add done in bf16").on("megatron")
+def _mg_residual_bf16(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+
+    def bda(training, fused):
+        def add(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            return (residual.bfloat16() + x.bfloat16()).to(residual.dtype)   # the fault
+        return add
+    _mg_set(lay, "self_attn_bda", bda)
+
+
+@fault("mlp_norm_weight", "mlp_norm", "pre-MLP norm weight x1.02").on("megatron")
+def _mg_mlp_norm(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    norm = lay.pre_mlp_layernorm
+    w = getattr(norm, "weight", None)
+    if w is None:                          # TE spec dense layer: the norm lives inside linear_fc1
+        w = lay.mlp.linear_fc1.layer_norm_weight
+    with torch.no_grad():
+        w.mul_(1.02)
+
+
+@fault("router_bf16", "moe.router_logits", "router GEMM in bf16", moe_only=True).on("megatron")
+def _mg_router_bf16(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+
+    def gating(self, input):
+        return F.linear(input.bfloat16(), self.weight.bfloat16()).to(input.dtype)   # the fault
+    lay.mlp.router.gating = types.MethodType(gating, lay.mlp.router)
+
+
+@fault("expert_weight", "moe.experts_out", "expert 1's down-projection x1.02", moe_only=True).on("megatron")
+def _mg_expert_weight(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    experts = lay.mlp.experts
+    if 1 in lay.mlp.local_expert_indices:            # the expert-parallel rank holding global expert 1
+        k = lay.mlp.local_expert_indices.index(1)
+        with torch.no_grad():
+            experts.local_experts[k].linear_fc2.weight.mul_(1.02)
+
+
+@fault("lm_head_bf16", "logits", "lm_head GEMM in bf16", layered=False).on("megatron")
+def _mg_lm_head_bf16(model, layer):
+    for root in _mg_roots(model):
+        head = getattr(root, "output_layer", None)
+        if head is None:
+            continue
+        orig = head.forward
+
+        def forward(input_, weight=None, runtime_gather_output=None, _orig=orig, _head=head):
+            w = _head.weight if weight is None else weight
+            out, bias = _orig(input_.bfloat16(), weight=w.bfloat16(), runtime_gather_output=runtime_gather_output)
+            return out.to(input_.dtype), bias                              # the fault
+        head.forward = forward
+
+
+def megatron_faults(moe: bool) -> list[str]:
+    return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only)]
