@@ -38,9 +38,15 @@ kernels (FlashInfer / FA3 / triton fused MoE / fused add-RMSNorm in place).
 Use this to test naming, row identity, sharding and alignment logic.
 
 Shims (each is a function below with the upstream file/function it bypasses):
-  * ``_shim_stub_vllm_custom_ops``
-  * ``_shim_gloo_groups_without_pynccl``
-No ``SGLANG_USE_CPU_ENGINE``: that path needs the CPU sgl-kernel build.
+  * ``_shim_stub_vllm_custom_ops``       (installed by ``install_cpu_shims``)
+  * ``_shim_gloo_groups_without_pynccl`` (installed by ``install_cpu_shims``)
+  * ``disable_torch_compile``            (opt-in, for spawned TP>1 workers: speed only)
+plus one setting, not a patch: ``SGLANG_CPU_OMP_THREADS_BIND`` gets one entry per
+rank (see ``init_sglang_distributed``). No ``SGLANG_USE_CPU_ENGINE``: that path needs
+the CPU sgl-kernel build.
+
+Light packages SGLang's import graph needs beyond torch/transformers are pinned in
+``requirements/sglang-light.txt``.
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ __all__ = [
     "find_free_port",
     "init_sglang_distributed",
     "destroy_sglang_distributed",
+    "disable_torch_compile",
+    "spawn_ranks",
+    "row_rids_of",
     "sglang_model_class",
     "hf_checkpoint_weights",
     "build_sglang_model",
@@ -80,6 +89,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 _SHIMS_INSTALLED = False
+_ENV_BEFORE: Dict[str, Optional[str]] = {}
 
 
 def _shim_stub_vllm_custom_ops() -> None:
@@ -142,6 +152,24 @@ def _shim_gloo_groups_without_pynccl() -> None:
     ps.init_model_parallel_group = init_model_parallel_group
 
 
+def disable_torch_compile() -> None:
+    """Make SGLang's ``@torch.compile``-decorated helpers run eagerly in this process.
+
+    Bypasses: ``sglang/srt/layers/vocab_parallel_embedding.py``
+    ``get_masked_input_and_mask`` (0.5.23), decorated
+    ``@torch.compile(dynamic=True, backend=get_compiler_backend())``. With TP>1,
+    ``VocabParallelEmbedding.forward`` calls it on the first forward, and inductor
+    builds a C++ kernel: 15-20 s on 2 cores with a cold ``/tmp/torchinductor_$USER``
+    cache (an assumption that compile time is amortised over a long-lived GPU server).
+    It only masks/offsets integer token ids, so eager gives identical results.
+    Process-global (``torch._dynamo.config.disable``): meant for spawned TP workers,
+    not for a shared pytest process. Not part of ``install_cpu_shims``.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 def install_cpu_shims() -> None:
     """Install every shim (idempotent). Call before importing SGLang model modules."""
     global _SHIMS_INSTALLED
@@ -176,15 +204,24 @@ def init_sglang_distributed(
 ):
     """Publish SGLang server args for this process and build its TP groups on gloo.
 
-    Mirrors what a scheduler process does at start-up: ``runtime_context.publish``
-    (``role="scheduler"``, with ``SpawnRanks``), ``init_distributed_environment``,
-    ``initialize_model_parallel()``. Every rank of a TP group calls this with the same
+    Does what a scheduler process does at start-up, with SGLang's own functions:
+    ``runtime_context.publish(server_args, role="scheduler", ranks=SpawnRanks(...))``
+    then ``distributed.bootstrap.init_parallel_runtime`` (gloo for device "cpu",
+    ``init_distributed_environment`` + ``initialize_model_parallel`` +
+    ``initialize_dp_attention``). Every rank of a TP group calls this with the same
     ``tp_size`` and ``port``. Returns the ``ServerArgs``.
     """
     install_cpu_shims()
     from sglang.srt import runtime_context as rc
-    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
     from sglang.srt.server_args import ServerArgs
+
+    if torch.distributed.is_initialized():
+        # SGLang's init_distributed_environment would silently adopt it.
+        raise RuntimeError(
+            "a torch.distributed process group already exists; destroy it first "
+            "(destroy_sglang_distributed / the other harness's teardown)"
+        )
 
     if port is None:
         if tp_size != 1:
@@ -196,32 +233,81 @@ def init_sglang_distributed(
         # model-dependent resolution. Any other name is resolved on the HF hub.
         model_path="dummy",
         device="cpu",
+        host="127.0.0.1",
         attention_backend="torch_native",
         sampling_backend="pytorch",
         tp_size=tp_size,
         disable_cuda_graph=True,
         disable_radix_cache=True,
         disable_overlap_schedule=True,
+        disable_custom_all_reduce=True,
     )
     kwargs.update(server_args_overrides)
+    # bootstrap._bind_threads_if_cpu -> numa_utils.init_threads_binding asserts
+    # "one rank per NUMA node" unless this is set. The value is only consumed by the
+    # sgl-kernel CPU engine (AMX/arm64 thread pinning), which is not used here, so any
+    # per-rank entry works; give each rank one core id. (An inherited value with too
+    # few entries, e.g. from a TP=1 parent of spawned TP=2 workers, is replaced.)
+    bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+    _ENV_BEFORE.setdefault("SGLANG_CPU_OMP_THREADS_BIND", bind)
+    if bind is None or bind == "all" or len(bind.split("|")) < tp_size:
+        ncpu = os.cpu_count() or 1
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(i % ncpu) for i in range(tp_size)
+        )
     server_args = ServerArgs(**kwargs)
     rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank, gpu_id=rank))
-    ps.init_distributed_environment(
-        backend="gloo",
-        world_size=tp_size,
-        rank=rank,
-        local_rank=rank,
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-    )
-    ps.initialize_model_parallel()
+    init_parallel_runtime(server_args=server_args, device="cpu", dist_port=port)
     return server_args
 
 
 def destroy_sglang_distributed() -> None:
+    """Tear down SGLang's groups and the default process group; restore env vars."""
     from sglang.srt.distributed import parallel_state as ps
 
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    try:
+        ps.destroy_model_parallel()
+    finally:
+        ps.destroy_distributed_environment()
+        for k, v in _ENV_BEFORE.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _ENV_BEFORE.clear()
+
+
+def spawn_ranks(
+    fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0
+) -> None:
+    """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes (spawn) and wait.
+
+    ``fn`` must be a top-level importable function; it calls
+    ``init_sglang_distributed(world, rank, port)`` itself. A failing rank raises
+    ``torch.multiprocessing.ProcessRaisedException`` carrying its traceback (other
+    ranks are terminated); ranks still alive after ``timeout_s`` are killed and
+    ``TimeoutError`` is raised. Hand results back through files, not tensors on a
+    queue (a rank that exits before the parent unpickles breaks fd sharing).
+    """
+    import time
+
+    import torch.multiprocessing as tmp
+
+    port = find_free_port()
+    ctx = tmp.start_processes(
+        fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in ctx.processes:
+                proc.join(5)
+            raise TimeoutError(
+                f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s}s"
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -263,7 +349,17 @@ def _hf_checkpoint_dir(hf_model_or_dir) -> Iterator[str]:
         # save_pretrained writes the *checkpoint* layout (transformers 5 keeps fused
         # expert tensors in memory but reverts them to experts.{e}.{gate,up,down}_proj
         # on save), which is the layout SGLang's load_weights expects.
-        hf_model_or_dir.save_pretrained(d, safe_serialization=True)
+        # transformers' save_pretrained writes only on torch.distributed rank 0
+        # (PreTrainedModel.should_save_on_this_rank); every TP rank here needs its own
+        # private copy, so let this instance write on any rank.
+        model = hf_model_or_dir
+        had_attr = "should_save_on_this_rank" in vars(model)
+        model.should_save_on_this_rank = lambda is_main_process=True: True
+        try:
+            model.save_pretrained(d, safe_serialization=True)
+        finally:
+            if not had_attr:
+                del model.should_save_on_this_rank
         yield d
 
 
