@@ -111,6 +111,9 @@ class CanonicalView:
                             if "chunk" in rx.groupindex and m.group("chunk") is not None:
                                 info = {**info, "chunk": int(m.group("chunk"))}   # virtual-pipeline chunk
                             layer = self.adapter.global_layer(int(m.group("layer")), info, self.config)
+                        layer = _table_layer(pm, layer, self.config)
+                        if layer is not None and layer < 0:
+                            continue
                         if not self.adapter.keeps(pm, layer, self.config):
                             continue
                         names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}
@@ -231,6 +234,24 @@ def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
     keys, pos = p.rows["keys"], p.rows["positions"]
     idx = rec.row_index if rec.row_index is not None else range(len(keys))
     return [None if keys[i] is None else (keys[i], int(pos[i])) for i in idx]
+
+
+def _table_layer(pm: PointMap, layer: int | None, config: dict) -> int | None:
+    """The canonical layer of a record matched by `pm`, from the (global) layer its regex captured and two
+    optional table opts: `layer_offset` (added: a record that belongs to the previous layer, e.g. SGLang's
+    residual stream leaving layer N-1 is an output of layer N's input norm) and `layer` (a fixed layer for a
+    record without a layer group; negative counts from the model's last layer, e.g. -1: SGLang's final
+    norm's residual output is the stream leaving the last layer). A result below 0 means "no such layer"."""
+    if layer is None and "layer" in pm.opts:
+        layer = int(pm.opts["layer"])
+        if layer < 0:
+            n = config.get("num_layers")
+            if not n:
+                return -1
+            layer += int(n)
+    if layer is not None and pm.opts.get("layer_offset"):
+        layer += int(pm.opts["layer_offset"])
+    return layer
 
 
 def _local_layer_text(name: str, pm: PointMap) -> str:

@@ -6,12 +6,16 @@ inside the tracer is logged once, disables tracing, and never reaches the model'
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import platform
+import re
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -58,6 +62,11 @@ class _Pending:
     host: torch.Tensor | None = None   # device tensors copied asynchronously; written at pass end
 
 
+# Depth of tracer-internal code on this thread, over all tracers: the ops one tracer runs itself (statistics,
+# copies, pass bookkeeping) are not the model's, also for another tracer active at the same time.
+_INTERNAL = threading.local()
+
+
 class _DispatchRecorder(TorchDispatchMode):
     def __init__(self, tracer: "Tracer"):
         super().__init__()
@@ -66,14 +75,16 @@ class _DispatchRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tr = self.tracer
-        if tr._live and not tr._busy:
+        if tr._live and not tr._busy and not getattr(_INTERNAL, "depth", 0):
             tr._busy = True
+            _INTERNAL.depth = 1
             try:
                 tr._on_op(func, args, kwargs or {}, out)
             except Exception as e:  # noqa: BLE001 - the model's forward must never see tracer errors
                 tr._fail(e)
             finally:
                 tr._busy = False
+                _INTERNAL.depth = 0
         return out
 
 
@@ -146,6 +157,9 @@ class Tracer:
         self._seq = 0
         self._rows: dict | None = None
         self._row_select: torch.Tensor | None = None
+        self._record_rows: list[tuple[re.Pattern, list[int]]] = []
+        self._mode_entered = False
+        self._paused = False
         self._n_rows: int | None = None
         self._notes: set[str] = set()
         self._blind: list[str] = []
@@ -168,18 +182,22 @@ class Tracer:
             self._install()
             self._mode = _DispatchRecorder(self)
             self._mode.__enter__()
+            self._mode_entered = True
             self._live = True
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         return self
 
     def stop(self) -> None:
-        live, self._live = self._live, False
+        live, self._live = self._live or (self._paused and self.failed is None), False
+        self._paused = False
         if self._mode is not None:
             try:
-                self._mode.__exit__(None, None, None)
+                if self._mode_entered:
+                    self._mode.__exit__(None, None, None)
             except Exception as e:  # noqa: BLE001
                 self._fail(e)
+            self._mode_entered = False
             self._mode = None
         if live:
             self._live = True
@@ -192,6 +210,60 @@ class Tracer:
         self._guarded(self._end_pass)
         if tag is not None:
             self.tag = tag
+
+    def pause(self) -> None:
+        """Stop recording until `resume()`, at no cost to the model: hooks return at once and the dispatch
+        mode is left, so ops no longer pass through Python. For engines that trace only some of their
+        forwards (e.g. SGLang passes without a selected request). Call between passes, in the thread that
+        runs the forwards; several tracers pause in the reverse order they resumed."""
+        try:
+            if self._paused or self._mode is None:
+                return
+            self._paused = True
+            self._live = False
+            if self._mode_entered:
+                self._mode_entered = False
+                self._mode.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def resume(self) -> None:
+        """Record again after `pause()` (not after a failure or `stop()`)."""
+        try:
+            if not self._paused or self._mode is None or self.failed is not None:
+                return
+            self._paused = False
+            self._mode.__enter__()
+            self._mode_entered = True
+            self._live = True
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @contextlib.contextmanager
+    def pausing(self):
+        """`with tracer.pausing(): ...` runs the block untraced."""
+        was = self._paused
+        self.pause()
+        try:
+            yield self
+        finally:
+            if not was:
+                self.resume()
+
+    def set_record_rows(self, pattern: str, rows: Sequence[int]) -> None:
+        """For the current pass: records whose name matches the regex `pattern` (`re.fullmatch`) hold not
+        every row of the pass's row table but `rows[j]` in their leading position `j` (e.g. an engine's
+        logits, computed for the last row of each request only). `-1` marks an entry that is no row of the
+        table: it is not stored. Such records store their rows' values (mode `rows`, `row_index` = the
+        rows), so readers join them like any other record. Cleared when the pass ends."""
+        try:
+            self._record_rows.append((re.compile(pattern), [int(r) for r in rows]))
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def set_rows(self, keys: Sequence[str | None], positions: Sequence[int],
                  tokens: Sequence[int] | None = None) -> None:
@@ -358,12 +430,15 @@ class Tracer:
         if not self._live or self._busy:
             return
         self._busy = True
+        depth = getattr(_INTERNAL, "depth", 0)
+        _INTERNAL.depth = depth + 1
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         finally:
             self._busy = False
+            _INTERNAL.depth = depth
 
     def _pre_hook(self, path, module, args, kwargs):
         self._guarded(self._enter, path, args, kwargs, False)
@@ -459,7 +534,7 @@ class Tracer:
 
     # ------------------------------------------------------------ capture
     def _capture_tree(self, base: str, path: str, kind: str, op: str | None, call: int, value: Any, mode: str,
-                      ops_in_region: int | None = None) -> None:
+                      ops_in_region: int | None = None, depth: int = 0) -> None:
         if isinstance(value, torch.Tensor):
             leaves = [("", value)]
         else:
@@ -467,7 +542,19 @@ class Tracer:
                 flat, _ = tree_flatten_with_path(value)
             except Exception:  # noqa: BLE001 - unknown containers are simply not traced
                 return
-            leaves = [(keystr(p), v) for p, v in flat if isinstance(v, torch.Tensor)]
+            leaves = []
+            for p, v in flat:
+                if isinstance(v, torch.Tensor):
+                    leaves.append((keystr(p), v))
+                elif kind in ("out", "tap") and depth < 3 and dataclasses.is_dataclass(v) and not isinstance(v, type):
+                    # An output dataclass pytree does not know (SGLang's LogitsProcessorOutput): its tensor
+                    # fields, named like named-tuple fields: `{base}.{field}`. Inputs are not expanded
+                    # (an engine's batch descriptor would be recorded at every module).
+                    for f in dataclasses.fields(v):
+                        fv = getattr(v, f.name, None)
+                        if fv is not None:
+                            self._capture_tree(f"{base}{keystr(p)}.{f.name}", path, kind, op, call, fv, mode,
+                                               ops_in_region, depth + 1)
         for key, t in leaves:
             if not _plain_tensor(t):
                 if isinstance(t, torch.Tensor):
@@ -504,15 +591,46 @@ class Tracer:
         self._seq += 1
         x = t.detach()
         pending = _Pending(rec, stat_slot=len(self._stat_rows))
+        subset = self._subset_for(name, x) if self._record_rows and kind != "op" else None
         with torch.no_grad():
             self._stat_rows.append(device_stats(x))
             self._hashes.append(device_hash(x))
-            if mode == "rows":
+            if subset is not None:
+                x = self._select_subset(x, rec, subset)
+            elif mode == "rows":
                 x = self._select_rows(x, rec)
             if rec.mode in ("full", "rows"):
                 self._store(pw, x, pending)
         pw.add(rec)
         self._pending.append(pending)
+
+    def _subset_for(self, name: str, x: torch.Tensor) -> list[int] | None:
+        for rx, rows in self._record_rows:
+            if rx.fullmatch(name):
+                if x.dim() >= 1 and x.shape[0] == len(rows):
+                    return rows
+                self._notes.add(f"{name}: {tuple(x.shape)} does not have the {len(rows)} rows set_record_rows named")
+                return None
+        return None
+
+    def _select_subset(self, x: torch.Tensor, rec: Record, subset: list[int]) -> torch.Tensor:
+        """A record holding `subset[j]` of the pass's rows at position j (see `set_record_rows`): keep the
+        entries that are rows (and, in rows mode, selected rows); stored as mode `rows`."""
+        if rec.mode == "stats":
+            return x
+        if rec.mode == "rows":
+            if self._row_select is None:
+                rec.mode = "stats"
+                return x
+            want = set(self._row_select.tolist())
+        else:
+            want = None
+        keep = [j for j, r in enumerate(subset) if r >= 0 and (want is None or r in want)]
+        rec.mode = "rows"
+        rec.row_index = [subset[j] for j in keep]
+        if len(keep) == x.shape[0]:
+            return x
+        return x.index_select(0, torch.tensor(keep, dtype=torch.long, device=x.device))
 
     def _select_rows(self, x: torch.Tensor, rec: Record) -> torch.Tensor:
         n, sel = self._n_rows, self._row_select
@@ -552,6 +670,7 @@ class Tracer:
         self._calls.clear()
         if pw is None:
             self._rows = None
+            self._record_rows = []
             if self._activity:
                 self._pass_count += 1
             self._activity = False
@@ -578,6 +697,7 @@ class Tracer:
         self._notes.clear()
         self._rows = None
         self._row_select = None
+        self._record_rows = []
         self._n_rows = None
         self._seq = 0
         self._pass_count += 1

@@ -4,7 +4,11 @@
 fault, if any, goes into side B) and returns the two adapter names. Pairs live in `_PAIRS`.
 
 Megatron runs on CPU through `tic_trace.testing.megatron_cpu` (test support: it monkeypatches megatron-core
-for CPU/gloo while the demo runs and removes the patches afterwards).
+for CPU/gloo while the demo runs and removes the patches afterwards). SGLang runs its real model code on CPU
+through `tic_trace.testing.sglang_cpu` (a stand-in scheduler over SGLang's model, KV pools and torch-native
+attention): side B of the `*-sglang` pairs is a rollout, a prefill of both prompts (different lengths) then
+SGLANG_DECODE_STEPS decode steps fed with the sequences' own next tokens, so its rows meet side A's full
+sequences per (request, position).
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from rich.console import Console
 
 BATCH, SEQ = 2, 12
 SAMPLE_KEYS = ["req-0", "req-1"]
+SGLANG_PROMPT_LENS = (7, 5)       # prompt lengths of the two requests; the rest of each sequence is the response
+SGLANG_DECODE_STEPS = 4
 
 
 def _hf_model():
@@ -84,8 +90,66 @@ def _hf_megatron(a: Path, b: Path, fault: str | None, layer: int, console: Conso
     return "hf", "megatron"
 
 
+def trace_sglang_rollout(out: Path, hf_model, ids, fault: str | None = None, layer: int = 0,
+                         console: Console | None = None) -> None:
+    """The HF weights in SGLang's own model class (TP1, one process, CPU), run as a rollout of the two
+    requests (prefill, then SGLANG_DECODE_STEPS decode steps fed with the sequences' next tokens) and traced
+    with the sglang adapter, one pass per forward; `fault` planted first."""
+    import torch
+
+    from tic_trace.adapters.sglang import trace_forwards
+    from tic_trace.testing import sglang_cpu as sc
+    from tic_trace.testing.faults import plant
+
+    prompts = {k: ids[b, :n].tolist() for b, (k, n) in enumerate(zip(SAMPLE_KEYS, SGLANG_PROMPT_LENS))}
+    forced = {k: ids[b, n:].tolist() for b, (k, n) in enumerate(zip(SAMPLE_KEYS, SGLANG_PROMPT_LENS))}
+    sc.init_sglang_distributed(tp_size=1)
+    try:
+        model = sc.build_sglang_model(hf_model.config, hf_model)
+        if fault:
+            f = plant(model, "sglang", fault, layer)
+            if console is not None:
+                console.print(f"planted fault [bold]{fault}[/] in layer {layer} of the SGLang model: {f.what}")
+        eng = sc.SGLangRollout(model)
+        # one pass per model forward; the engine's KV bookkeeping between forwards is not traced
+        with trace_forwards(model, out, points_mode="full") as t, torch.no_grad():
+            eng.generate(prompts, SGLANG_DECODE_STEPS, forced_tokens=forced)
+        if t.failed:
+            raise RuntimeError(f"tracing SGLang failed: {t.failed}")
+    finally:
+        sc.destroy_sglang_distributed()
+
+
+def _sglang_side(b: Path, hf, ids, fault, layer, console) -> None:
+    console.print(f"running the same weights as an SGLang rollout (real SGLang model code, CPU): prompts of "
+                  f"{SGLANG_PROMPT_LENS[0]} and {SGLANG_PROMPT_LENS[1]} tokens, prefill + {SGLANG_DECODE_STEPS} "
+                  f"decode steps, as side B -> {b}")
+    trace_sglang_rollout(b, hf, ids, fault, layer, console)
+
+
+def _megatron_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
+    cfg, hf = _hf_model()
+    ids = _tokens(cfg)
+    console.print(f"tracing a tiny random Qwen3-MoE in megatron-core GPTModel (local spec, TP1, CPU), one forward "
+                  f"over the full sequences, as side A -> {a}")
+    trace_megatron_tp1(a, cfg, hf.state_dict(), ids)
+    _sglang_side(b, hf, ids, fault, layer, console)
+    return "megatron", "sglang"
+
+
+def _hf_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
+    cfg, hf = _hf_model()
+    ids = _tokens(cfg)
+    console.print(f"tracing a tiny random Qwen3-MoE (HF transformers), full sequences, as side A -> {a}")
+    trace_hf(a, hf, ids)
+    _sglang_side(b, hf, ids, fault, layer, console)
+    return "hf", "sglang"
+
+
 _PAIRS: dict[str, Callable[[Path, Path, str | None, int, Console], tuple[str, str]]] = {
     "hf-megatron": _hf_megatron,
+    "megatron-sglang": _megatron_sglang,
+    "hf-sglang": _hf_sglang,
 }
 
 

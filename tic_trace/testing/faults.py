@@ -318,3 +318,152 @@ def _mg_lm_head_bf16(model, layer):
 
 def megatron_faults(moe: bool) -> list[str]:
     return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only)]
+
+
+# ---------------------------------------------------------------- SGLang planters
+# `model` is an SGLang `*ForCausalLM` (real SGLang model code, e.g. from `tic_trace.testing.sglang_cpu`);
+# `layer` is the global 0-based layer. With pipeline parallelism a stage without the layer is left unchanged.
+# The planters change the computation SGLang's native (forward_native / torch_native attention) path runs.
+
+def _sg_layer(model, layer):
+    layers = model.model.layers
+    if layer >= len(layers):
+        return None
+    lay = layers[layer]
+    return lay if hasattr(lay, "self_attn") else None     # PPMissingLayer on other pipeline stages
+
+
+@fault("rmsnorm_eps", "attn_norm", "input RMSNorm epsilon 1e-6 -> 1e-2").on("sglang")
+def _sg_rmsnorm_eps(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        lay.input_layernorm.variance_epsilon = 1e-2
+
+
+@fault("rope_theta", "attn.q_rope", "RoPE base 10000 -> 5000 in one layer's attention").on("sglang")
+def _sg_rope_theta(model, layer):
+    import copy
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    attn = lay.self_attn
+    # SGLang shares ONE rotary_emb module between all layers: give this layer its own copy with base 5000
+    rope = copy.deepcopy(attn.rotary_emb)
+    old = rope.cos_sin_cache
+    rope.base = 5000.0
+    rope.cos_sin_cache = rope._compute_cos_sin_cache().to(device=old.device, dtype=old.dtype)
+    attn.rotary_emb = rope
+
+
+@fault("softmax_scale", "attn.core", "attention softmax scale x1.05").on("sglang")
+def _sg_softmax_scale(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        lay.self_attn.attn.scaling *= 1.05          # RadixAttention.scaling, read by the attention backend
+
+
+@fault("qk_norm_weight", "attn.k_norm", "one K-norm weight element x1.05").on("sglang")
+def _sg_qk_norm(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        with torch.no_grad():
+            lay.self_attn.k_norm.weight[3] *= 1.05
+
+
+@fault("o_proj_weight", "attn.out", "output projection weight nudged by 1%").on("sglang")
+def _sg_o_proj(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        with torch.no_grad():
+            w = lay.self_attn.o_proj.weight
+            w.add_(0.01 * w.abs().mean() * torch.sign(w))
+
+
+@fault("residual_bf16", "mid", "post-attention residual add done in bf16").on("sglang")
+def _sg_residual_bf16(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    norm = lay.post_attention_layernorm
+    orig = norm.forward        # post_attention_layernorm(attn_out, residual) -> (normed, residual + attn_out)
+
+    def forward(x, residual=None, *args, **kwargs):
+        if residual is None:
+            return orig(x, *args, **kwargs)
+        mid = (residual.bfloat16() + x.bfloat16()).to(residual.dtype)   # the fault
+        return orig(mid.to(x.dtype)), mid
+    norm.forward = forward
+
+
+@fault("mlp_norm_weight", "mlp_norm", "pre-MLP norm weight x1.02").on("sglang")
+def _sg_mlp_norm(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        with torch.no_grad():
+            lay.post_attention_layernorm.weight.mul_(1.02)
+
+
+@fault("router_bf16", "moe.router_logits", "router GEMM in bf16", moe_only=True).on("sglang")
+def _sg_router_bf16(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "gate"):
+        return
+    gate = lay.mlp.gate
+
+    def forward(x):
+        logits = F.linear(x.bfloat16(), gate.weight.bfloat16()).to(x.dtype)   # the fault
+        return logits, None                  # ReplicatedLinear returns (output, bias)
+    gate.forward = forward
+
+
+@fault("expert_weight", "moe.experts_out", "expert 1's down-projection x1.02", moe_only=True).on("sglang")
+def _sg_expert_weight(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "experts"):
+        return
+    experts = lay.mlp.experts
+    local = experts.moe_ep_rank * experts.num_local_experts if hasattr(experts, "moe_ep_rank") else 0
+    if local <= 1 < local + experts.num_local_experts:             # the expert-parallel rank holding expert 1
+        with torch.no_grad():
+            experts.w2_weight[1 - local].mul_(1.02)                   # w2 [E_local, H, I]: down_proj
+
+
+@fault("lm_head_bf16", "logits", "lm_head GEMM in bf16", layered=False).on("sglang")
+def _sg_lm_head_bf16(model, layer):
+    lp = model.logits_processor
+    orig = lp._get_logits      # LogitsProcessor's lm-head matmul (lm_head is never called as a module)
+
+    def _get_logits(hidden_states, lm_head, logits_metadata, *args, **kwargs):
+        w = lm_head.weight
+        saved = w.data
+        w.data = saved.bfloat16().to(saved.dtype)                      # the fault: bf16 operands
+        try:
+            return orig(hidden_states.bfloat16().to(hidden_states.dtype), lm_head, logits_metadata, *args, **kwargs)
+        finally:
+            w.data = saved
+    lp._get_logits = _get_logits
+
+
+@fault("decode_only_scale", "attn.core", "attention softmax scale x1.05 in decode steps only "
+                                         "(a decode kernel that differs from the prefill kernel)").on("sglang")
+def _sg_decode_only_scale(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    attn = lay.self_attn.attn
+    orig = attn.forward
+
+    def forward(q, k, v, forward_batch, *args, **kwargs):
+        if not forward_batch.forward_mode.is_decode():
+            return orig(q, k, v, forward_batch, *args, **kwargs)
+        saved = attn.scaling
+        attn.scaling = saved * 1.05                                    # the fault, decode only
+        try:
+            return orig(q, k, v, forward_batch, *args, **kwargs)
+        finally:
+            attn.scaling = saved
+    attn.forward = forward
+
+
+def sglang_faults(moe: bool) -> list[str]:
+    return [n for n, f in FAULTS.items() if "sglang" in f.plant and (moe or not f.moe_only)]

@@ -1,0 +1,611 @@
+"""The SGLang adapter on real SGLang 0.5.23 model code (CPU): an SGLang rollout (prefill + decode steps, two
+requests of different lengths batched, responses forced to fixed tokens) meets one Megatron forward over
+the full sequences and an HF forward, row by row per (request, position), at every canonical point both
+sides have; planted faults on the SGLang side (including one that only exists in decode steps) are found at
+their point and layer; chunked prefill and a partly cached prefix still align; TP=2 traces (two gloo ranks,
+traced through SGLang's own ``--forward-hooks`` mechanism) reassemble to TP=1; the hook factory and the
+slime-facing ``forward_hooks_spec`` (per-rollout directories, chosen samples only); name tables of
+DeepSeek-V2/V3 and GLM-4-MoE on module trees built on the meta device.
+
+Order matters in this process: the Megatron reference trace is made first (megatron's gloo group is torn
+down again) and then SGLang's distributed state is initialised for the rest of the module.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="SGLang model code is not installed (see requirements/sglang-light.txt)")
+pytest.importorskip("megatron.core")
+
+import tic_trace  # noqa: E402
+from tic_trace.adapter import get_adapter  # noqa: E402
+from tic_trace.adapters import sglang as sga  # noqa: E402
+from tic_trace.adapters.megatron import MegatronAdapter  # noqa: E402
+from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
+from tic_trace.adapters.sglang import (  # noqa: E402
+    ARCH_MODULES, ARCH_OF_CLASS, POINTS, SGLangAdapter, close_sessions, forward_hooks_spec, record_module,
+    tracing_problems)
+from tic_trace.align import CanonicalView, align_rows  # noqa: E402
+from tic_trace.canonical import key_name  # noqa: E402
+from tic_trace.diverge import DEFAULT_TOL, find_divergence  # noqa: E402
+from tic_trace.testing import megatron_cpu as mc  # noqa: E402
+from tic_trace.testing import sglang_cpu as sc  # noqa: E402
+from tic_trace.testing.faults import FAULTS, hf_faults, plant, sglang_faults  # noqa: E402
+from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402
+
+PROMPTS = {"req-a": [3, 5, 7, 9, 11], "req-b": [2, 4, 6, 8, 10, 12, 14, 16]}
+RESPONSES = {"req-a": [20, 21, 22, 23, 24], "req-b": [30, 31, 32, 33, 34]}
+DECODE = 4                       # decode steps: response tokens 0..3 are fed, token 4 is sampled, never fed
+FAULT_LAYER = 1
+SEQS = {rid: PROMPTS[rid] + RESPONSES[rid] for rid in PROMPTS}
+N_PROMPT = sum(len(p) for p in PROMPTS.values())                    # 13 prompt rows
+SG_ROWS = N_PROMPT + DECODE * len(PROMPTS)                          # 21 rows SGLang computes
+MG_ROWS = sum(len(s) for s in SEQS.values())                        # 23 rows of the full sequences
+SG_LOGIT_ROWS = (1 + DECODE) * len(PROMPTS)                         # last prompt row + each decode row
+SG_LOGPROB_ROWS = DECODE * len(PROMPTS)                             # ... whose next token SGLang was fed
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers (also used in the spawned TP ranks)
+# ------------------------------------------------------------------------------------------------
+
+def moe_cfg():
+    return tiny_qwen3_config(moe=True)
+
+
+@contextlib.contextmanager
+def traced_engine(model, out, eng=None, **trace_kw):
+    """An SGLang engine over `model` whose forwards (and only those: not the engine's KV bookkeeping between
+    them) are traced into `out`, one pass each."""
+    trace_kw.setdefault("points_mode", "full")
+    eng = eng or sc.SGLangRollout(model)
+    with sga.trace_forwards(model, out, **trace_kw) as t:
+        yield t, eng
+    assert t.failed is None, t.failed
+    assert "forward" not in vars(model)
+
+
+def rollout(model, out, *, chunked=None, fault=None, **trace_kw):
+    """One traced SGLang rollout (prefill + DECODE decode steps, forced responses) of `model` into `out`."""
+    if fault is not None:
+        plant(model, "sglang", fault, FAULT_LAYER)
+    with traced_engine(model, out, **trace_kw) as (_, eng):
+        res = eng.generate(PROMPTS, DECODE, forced_tokens=RESPONSES, chunked_prefill_size=chunked)
+    assert res.outputs == RESPONSES
+    return res
+
+
+def trace_megatron(out, cfg, hf_sd, seqs):
+    """One Megatron forward (local spec, TP1, SBHD ``[s, b]`` with one batch column per sample, right-padded;
+    the padding rows get no key) over the full prompt+response sequences."""
+    keys = list(seqs)
+    length = max(len(s) for s in seqs.values())
+    ids = torch.zeros(len(keys), length, dtype=torch.long)
+    for b, k in enumerate(keys):
+        ids[b, :len(seqs[k])] = torch.tensor(seqs[k])
+    rk, rp, rt = [], [], []
+    for s in range(length):                         # megatron rows are s-major
+        for b, k in enumerate(keys):
+            rk.append(k if s < len(seqs[k]) else None)
+            rp.append(s)
+            rt.append(int(ids[b, s]))
+    mc.init_parallel(0, 1)
+    try:
+        model = mc.build_gpt_model(cfg)
+        load_into(model, hf_to_megatron_state_dict(hf_sd, cfg))
+        pos = torch.arange(length).unsqueeze(0).expand(len(keys), -1)
+        with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size),
+                             points_mode="full") as t, torch.no_grad():
+            t.set_rows(rk, rp, rt)                  # causal attention: right padding cannot reach real rows
+            model(ids, pos, attention_mask=None)
+        assert t.failed is None, t.failed
+    finally:
+        mc.destroy(remove_patches=True)
+
+
+def _detail(rep):
+    return [(p.key, p.status, p.error) for p in rep.points if p.status != "ok"]
+
+
+def _promised(v: CanonicalView) -> set[str]:
+    return set(v.adapter.promised_points(v.config)) | {"logprobs"}
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf():
+    return build_hf_model(moe_cfg(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("sglang_adapter")
+
+
+@pytest.fixture(scope="module")
+def mg_trace(root, hf):
+    out = root / "megatron"
+    trace_megatron(out, hf.config, hf.state_dict(), SEQS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_trace(root, hf):
+    out = root / "hf"
+    with tic_trace.trace(hf, out, adapter="hf", points_mode="full") as t, torch.no_grad():
+        for rid, seq in SEQS.items():
+            t.sample_keys = [rid]
+            hf(torch.tensor([seq]))
+            t.step()
+    assert t.failed is None
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang_env(mg_trace):
+    """SGLang TP=1 in this process (after the Megatron trace: one torch.distributed group at a time)."""
+    sc.init_sglang_distributed(tp_size=1)
+    yield
+    close_sessions()
+    sc.destroy_sglang_distributed()
+
+
+@pytest.fixture(scope="module")
+def weights(sglang_env, hf):
+    return sc.hf_checkpoint_weights(hf)
+
+
+@pytest.fixture
+def new_model(weights):
+    return lambda: sc.build_sglang_model(moe_cfg(), weights)
+
+
+@pytest.fixture(scope="module")
+def sg_trace(root, weights):
+    out = root / "sglang"
+    res = rollout(sc.build_sglang_model(moe_cfg(), weights), out)
+    return out, res
+
+
+# ------------------------------------------------------------------------------------------------
+# SGLang rollout vs Megatron / HF, fp32
+# ------------------------------------------------------------------------------------------------
+
+def test_sglang_vs_megatron_consistent_at_every_point(mg_trace, sg_trace):
+    va, vb = CanonicalView(str(mg_trace)), CanonicalView(str(sg_trace[0]))
+    rep = find_divergence(va, vb)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.not_comparable == []
+    assert {p.point for p in rep.points} == _promised(va) == _promised(vb)
+    n_layers = vb.n_layers
+    layered = {pm.point for pm in POINTS} & _promised(vb) - {"embed", "final_norm", "logits", "logprobs"}
+    assert len(rep.points) == len(layered) * n_layers + 4
+    # rows: SGLang computes every prompt row and one row per decode step; Megatron also the last response
+    # token (sampled by SGLang, never fed back)
+    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS}
+    for p in rep.points:
+        if p.point == "logits":         # SGLang's LogitsProcessor: last prompt row + decode rows only
+            assert (p.rows, p.only_a, p.only_b) == (SG_LOGIT_ROWS, MG_ROWS - SG_LOGIT_ROWS, 0), p.key
+        elif p.point == "logprobs":     # ... and of those, rows whose next token was fed back
+            assert (p.rows, p.only_a, p.only_b) == (SG_LOGPROB_ROWS, MG_ROWS - len(PROMPTS) - SG_LOGPROB_ROWS, 0)
+        else:
+            assert (p.rows, p.only_a, p.only_b) == (SG_ROWS, MG_ROWS - SG_ROWS, 0), p.key
+    assert max(p.error for p in rep.points) < 1e-5
+
+
+def test_sglang_vs_hf_consistent(hf_trace, sg_trace):
+    rep = find_divergence(str(hf_trace), str(sg_trace[0]))
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.not_comparable == []
+    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS}
+    assert max(p.error for p in rep.points) < 1e-5
+
+
+def test_rows_passes_and_residual_identities(sg_trace):
+    out, res = sg_trace
+    v = CanonicalView(str(out))
+    assert v.adapter.name == "sglang" and v.config["attention"] == "mha" and v.config["qk_norm"]
+    assert {p for p, _ in v.points()} == _promised(v)           # promises only what it produces
+    # the row table of every pass is the engine's (request, position) per row; tokens are the fed ids
+    assert v.trace.pass_indices(0) == list(range(1 + DECODE))
+    for i, rec in enumerate(res.records):
+        rows = v.trace.open_pass(0, i).rows
+        assert list(zip(rows["keys"], rows["positions"])) == rec.row_keys
+        assert rows["tokens"] == rec.input_ids.tolist()
+    # logits rows: the last prompt row of each request, then each decode row
+    want = sorted((rid, len(p) - 1 + j) for rid, p in PROMPTS.items() for j in range(DECODE + 1))
+    lg = v.load("logits", None)
+    assert sorted(lg.rows) == want and lg.values.shape == (SG_LOGIT_ROWS, 128)
+    by_pos = res.next_token_logits_by_position()
+    for i, r in enumerate(lg.rows):
+        np.testing.assert_array_equal(lg.values[i], by_pos[r].numpy())
+    # the residual stream taken from the norms' second outputs adds up
+    for lay in range(2):
+        inp, att, mid, mlp, out_ = (v.load(p, lay).values for p in ("input", "attn.out", "mid", "mlp.out", "output"))
+        np.testing.assert_allclose(inp + att, mid, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(mid + mlp, out_, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(v.load("output", 0).values, v.load("input", 1).values)
+    np.testing.assert_array_equal(v.load("input", 0).values, v.load("embed", None).values)
+
+
+def test_dense_qwen3_consistent_with_hf(tmp_path, sglang_env):
+    cfg = tiny_qwen3_config(moe=False)
+    hf = build_hf_model(cfg, seed=3)
+    with tic_trace.trace(hf, tmp_path / "hf", adapter="hf", points_mode="full") as t, torch.no_grad():
+        for rid, seq in SEQS.items():
+            t.sample_keys = [rid]
+            hf(torch.tensor([seq]))
+            t.step()
+    model = sc.build_sglang_model(cfg, hf)
+    rollout(model, tmp_path / "sg")
+    vb = CanonicalView(str(tmp_path / "sg"))
+    assert not any(p.startswith("moe.") for p in vb.adapter.promised_points(vb.config))
+    assert {p for p, _ in vb.points()} == _promised(vb)
+    rep = find_divergence(str(tmp_path / "hf"), vb)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.not_comparable == [] and rep.rows["matched"] == SG_ROWS
+
+
+# ------------------------------------------------------------------------------------------------
+# planted faults on the SGLang side
+# ------------------------------------------------------------------------------------------------
+
+def test_every_hf_fault_has_an_sglang_planter():
+    assert set(hf_faults(moe=True)) <= set(sglang_faults(moe=True))
+    assert "decode_only_scale" in sglang_faults(moe=False)
+
+
+@pytest.mark.parametrize("fault", sglang_faults(moe=True))
+def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_model, fault):
+    f = FAULTS[fault]
+    rollout(new_model(), tmp_path / "sg", fault=fault)
+    va, vb = CanonicalView(str(mg_trace)), CanonicalView(str(tmp_path / "sg"))
+    rep = find_divergence(va, vb)
+    assert rep.verdict == "divergent"
+    assert rep.first["key"] == key_name(f.point, FAULT_LAYER if f.layered else None), rep.first["key"]
+    if fault == "decode_only_scale":
+        # only the decode rows diverge at the point: prefill rows are bitwise what they were
+        pair = align_rows(va.load(f.point, FAULT_LAYER), vb.load(f.point, FAULT_LAYER))
+        err = np.linalg.norm((pair.a - pair.b).reshape(len(pair.rows), -1), axis=1) / \
+            np.linalg.norm(pair.a.reshape(len(pair.rows), -1), axis=1)
+        bad = {r for r, e in zip(pair.rows, err) if e > DEFAULT_TOL["float32"]}
+        decode_rows = {(rid, len(p) + j) for rid, p in PROMPTS.items() for j in range(DECODE)}
+        assert bad == decode_rows
+        assert rep.first["rows"] == SG_ROWS
+
+
+# ------------------------------------------------------------------------------------------------
+# chunked prefill, a partly cached prefix, input logprobs
+# ------------------------------------------------------------------------------------------------
+
+def test_chunked_prefill_aligns(tmp_path, mg_trace, new_model):
+    res = rollout(new_model(), tmp_path / "sg", chunked=6)
+    ext = [r for r in res.records if r.is_extend]
+    assert [(r.rids, r.extend_prefix_lens, r.extend_seq_lens) for r in ext] == [
+        (["req-a", "req-b"], [0, 0], [5, 1]), (["req-b"], [1], [6]), (["req-b"], [7], [1])]
+    vb = CanonicalView(str(tmp_path / "sg"))
+    rep = find_divergence(str(mg_trace), vb)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.not_comparable == [] and rep.rows["matched"] == SG_ROWS
+    # each chunk's last row has logits too (real logits of a prompt row): (b,0) and (b,6) on top
+    lg = next(p for p in rep.points if p.point == "logits")
+    assert lg.rows == SG_LOGIT_ROWS + 2
+    assert {("req-b", 0), ("req-b", 6)} <= set(vb.load("logits", None).rows)
+
+
+def test_partly_cached_prefix_aligns(tmp_path, mg_trace, new_model):
+    """req-b's first 3 prompt tokens are in the KV cache before the traced passes (as after a radix-cache
+    hit): its traced prefill has extend_prefix_lens 3 and its first rows exist nowhere in the trace."""
+    model = new_model()
+    eng = sc.SGLangRollout(model)
+    for rid, p in PROMPTS.items():
+        eng.add_request(rid, p)
+    eng.extend([("req-b", 3)])                                     # before tracing: the cached prefix
+    with traced_engine(model, tmp_path / "sg", eng) as (t, _):
+        rec = eng.extend([("req-a", 5), ("req-b", 5)])
+        for j in range(DECODE):
+            eng.decode({rid: RESPONSES[rid][j] for rid in PROMPTS})
+    assert rec.extend_prefix_lens == [0, 3]
+    vb = CanonicalView(str(tmp_path / "sg"))
+    assert len(vb.trace.pass_indices(0)) == 1 + DECODE
+    assert vb.trace.open_pass(0, 0).rows["positions"] == list(range(5)) + list(range(3, 8))
+    rep = find_divergence(str(mg_trace), vb)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS - 3, "matched": SG_ROWS - 3}
+
+
+def test_input_token_logprobs_when_asked(tmp_path, mg_trace, new_model):
+    """Re-scoring (the RL recipe: prompt+response as the prompt, input logprobs from 0): with
+    SGLangAdapter(input_logprobs=True) the logprobs point is SGLang's own input_token_logprobs."""
+    with traced_engine(new_model(), tmp_path / "sg") as (_, eng):
+        res = eng.generate(SEQS, 0, return_logprob=True, logprob_start_len=0, chunked_prefill_size=9)
+    ext = [(r.rids, r.extend_seq_lens) for r in res.records]
+    assert ext == [(["req-a"], [9]), (["req-a", "req-b"], [1, 8]), (["req-b"], [5])]
+    vb = CanonicalView(str(tmp_path / "sg"), SGLangAdapter(input_logprobs=True))
+    lp = vb.load("logprobs", None)
+    assert "input_token_logprobs" in lp.sources[0]
+    # every prompt row but the last one of each request in each pass (4 request-chunks end in a pass)
+    ends = sum(len(rids) for rids, _ in ext)
+    assert ends == 4 and len(lp.rows) == MG_ROWS - ends
+    assert ("req-a", 8) not in lp.rows and ("req-a", 9) not in lp.rows and ("req-b", 7) not in lp.rows
+    rep = find_divergence(str(mg_trace), vb)
+    assert rep.verdict == "consistent", _detail(rep)
+    p = next(p for p in rep.points if p.point == "logprobs")
+    assert p.rows == MG_ROWS - ends and p.error < 1e-5
+    # the default adapter derives logprobs from the (last-row) logits instead
+    assert "log_softmax" in CanonicalView(str(tmp_path / "sg")).load("logprobs", None).sources[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# --forward-hooks: the factory in an unmodified model, rollout selection, TP=2 through the hooks
+# ------------------------------------------------------------------------------------------------
+
+def test_forward_hooks_factory_traces_through_sglangs_registration(tmp_path, sg_trace, new_model):
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    model = new_model()
+    spec = forward_hooks_spec(str(tmp_path / "hooks"), None, mode="full")
+    assert spec[0]["hook_factory"] == "tic_trace.adapters.sglang:forward_hook_factory"
+    assert json.loads(json.dumps(spec)) == spec
+    register_forward_hooks(model, spec)
+    session = sga._SESSIONS[-1]
+    assert session.root is model and "forward" in vars(model)
+    assert len(model.model.embed_tokens._forward_hooks) == 1
+    sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
+    assert session.passes_traced == 1 + DECODE and list(session.tracers) == [None]
+    close_sessions()
+    assert "forward" not in vars(model) and not model.model.embed_tokens._forward_hooks
+    v = CanonicalView(str(tmp_path / "hooks"))
+    assert v.trace.manifest["framework"] == "sglang" and v.trace.ranks == [0]
+    assert {p for p, _ in v.points()} == _promised(v)
+    rep = find_divergence(str(sg_trace[0]), v)
+    assert rep.verdict == "consistent" and rep.not_comparable == []
+    assert rep.rows["matched"] == SG_ROWS and max(p.error for p in rep.points) == 0.0
+
+
+def test_hook_finds_the_model_when_the_factory_could_not(tmp_path, new_model):
+    """A factory called outside register_forward_hooks: the hook (on embed_tokens) finds the model during
+    the first forward; tracing starts at the next one."""
+    m = new_model()
+    hook = sga.forward_hook_factory(forward_hooks_spec(str(tmp_path / "late"), None, mode="full")[0]["config"])
+    session = hook.tic_trace_session
+    assert session.root is None
+    m.model.embed_tokens.register_forward_hook(hook)
+    sc.SGLangRollout(m).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
+    assert session.root is m
+    close_sessions()
+    v = CanonicalView(str(tmp_path / "late"))
+    assert len(v.trace.pass_indices(0)) == DECODE          # the prefill ran before the model was found
+    assert v.rows_total == DECODE * len(PROMPTS)
+
+
+def test_forward_hooks_spec_traces_only_chosen_samples_per_rollout(tmp_path, sg_trace, new_model):
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    model = new_model()
+    out = tmp_path / "slime"
+    register_forward_hooks(model, forward_hooks_spec(str(out), [3, 5], max_samples=2, mode="rows"))
+    eng = sc.SGLangRollout(model)
+    like = {"3-0": "req-a", "3-1": "req-b", "3-2": "req-a", "4-0": "req-b", "5-1": "req-a"}
+    prompts = {rid: PROMPTS[src] for rid, src in like.items()}
+    forced = {rid: RESPONSES[src] for rid, src in like.items()}
+    eng.generate(prompts, DECODE, forced_tokens=forced)
+    session = sga._SESSIONS[-1]
+    before = dict(session.tracers)
+    eng.generate({"4-1": PROMPTS["req-a"], "3-7": PROMPTS["req-b"], "x": [1, 2]}, 2)   # nothing chosen
+    assert session.tracers == before and session.passes_traced == 1 + DECODE
+    close_sessions()
+    assert sorted(os.listdir(out)) == ["rollout_00003", "rollout_00005"]
+    assert os.listdir(out / "rollout_00003") == ["sglang"]
+    ref = CanonicalView(str(sg_trace[0]))
+    for rollout_id, rids in ((3, ["3-0", "3-1"]), (5, ["5-1"])):
+        v = CanonicalView(str(out / f"rollout_{rollout_id:05d}" / "sglang"))
+        assert len(v.trace.pass_indices(0)) == 1 + DECODE
+        assert v.rows_total == sum(len(prompts[r]) + DECODE for r in rids)
+        assert {k for k, _ in v.tokens} == set(rids)
+        p0 = v.trace.open_pass(0, 0)
+        keys = p0.rows["keys"]
+        assert {k for k in keys if k is not None} == set(rids) and len(keys) == sum(map(len, prompts.values()))
+        emb = p0.record("model.embed_tokens:out")
+        assert emb.mode == "rows" and emb.row_index == [i for i, k in enumerate(keys) if k is not None]
+        assert {p for p, _ in v.points()} == _promised(v)
+        # values: the chosen samples' rows equal the same samples in the full trace of a 2-request batch
+        for point, layer in v.points():
+            got, want = v.load(point, layer), ref.load(point, layer)
+            where = {r: i for i, r in enumerate(want.rows)}
+            assert got.rows, (point, layer)
+            idx = [where[(like[k], p)] for k, p in got.rows]
+            np.testing.assert_allclose(got.values, want.values[idx], rtol=0, atol=1e-5,
+                                       err_msg=f"{point} L{layer}")
+
+
+def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_model):
+    gpu = types.SimpleNamespace(device="cuda", cuda_graph_config=None, disable_cuda_graph=False,
+                                enable_torch_compile=True)
+    problems = tracing_problems(gpu)
+    text = " ".join(problems)
+    assert len(problems) == 3
+    for flag in ("--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled",
+                 "--disable-cuda-graph", "--enable-torch-compile"):
+        assert flag in text
+    off = types.SimpleNamespace(device="cuda", cuda_graph_config={"decode": {"backend": "disabled"},
+                                                                  "prefill": {"backend": "disabled"}})
+    assert tracing_problems(off) == []
+    assert tracing_problems() == []            # this process: CPU, graphs off, no compile
+    # attaching to a server with such arguments logs them; a compiled forward is not traced
+    monkeypatch.setattr(sga, "tracing_problems", lambda server_args=None: problems)
+    m = new_model()
+    with caplog.at_level(logging.WARNING, logger="tic_trace.sglang"):
+        session = sga._HookSession({"out_dir": "unused", "mode": "full"})
+        session.attach(m)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        sc.SGLangRollout(m).generate({"x": [1, 2, 3]}, 1)
+    session.close()
+    assert "--enable-torch-compile" in caplog.text and "--cuda-graph-backend-decode=disabled" in caplog.text
+    assert session.passes_seen == 2 and session.passes_traced == 0 and not session.tracers
+    # a bad configuration never takes a server down: the factory logs it and registers nothing
+    with pytest.raises(ValueError):
+        forward_hooks_spec("x", None, mode="everything")
+    assert sga.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
+
+
+def _tp2_worker(rank, world, port, out_dir):
+    """One spawned TP rank: SGLang TP=2 over gloo, traced through SGLang's own register_forward_hooks."""
+    torch.set_num_threads(1)
+    sc.disable_torch_compile()
+    sc.init_sglang_distributed(tp_size=world, rank=rank, port=port)
+    try:
+        from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+        cfg = moe_cfg()
+        model = sc.build_sglang_model(cfg, build_hf_model(cfg, seed=0))
+        register_forward_hooks(model, forward_hooks_spec(out_dir, None, mode="full"))
+        sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
+        close_sessions()
+    finally:
+        sc.destroy_sglang_distributed()
+
+
+def test_tp2_traces_reassemble_to_tp1(tmp_path, sg_trace):
+    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"),), timeout_s=240)
+    v = CanonicalView(str(tmp_path / "tp2"))
+    assert v.trace.ranks == [0, 1]
+    infos = {r: v.trace.rank_info(r) for r in v.trace.ranks}
+    assert [infos[r]["coords"]["tp_rank"] for r in (0, 1)] == [0, 1]
+    assert v.adapter.rank_groups([0, 1], infos) == [[0, 1]]
+    assert v.config["tp_partial"] == {"attn.out": [0, 1], "moe.experts_out": [0, 1], "moe.shared_out": [],
+                                      "mlp.out": [0, 1]}
+    rep = find_divergence(str(sg_trace[0]), v)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.not_comparable == [] and rep.rows["matched"] == SG_ROWS
+    assert {p.point for p in rep.points} == _promised(v)
+    assert max(p.error for p in rep.points) < 1e-5
+    # the shards really were shards: per-rank [q_local | k_local | v_local] and heads; partial o_proj sums
+    p0, p1 = v.trace.open_pass(0, 0), v.trace.open_pass(1, 0)
+    assert p0.record("model.layers.0.self_attn.qkv_proj:out[0]").shape == (N_PROMPT, (2 + 1 + 1) * 16)
+    assert p0.record("model.layers.0.self_attn.attn:out").shape == (N_PROMPT, 2 * 16)
+    o0, o1 = (p.record("model.layers.0.self_attn.o_proj:out[0]").values() for p in (p0, p1))
+    full = CanonicalView(str(sg_trace[0])).trace.open_pass(0, 0).record("model.layers.0.self_attn.o_proj:out[0]")
+    assert np.abs(o0 - full.values()).max() > 1e-3
+    np.testing.assert_allclose(o0 + o1, full.values(), rtol=0, atol=1e-5)
+
+
+def test_sglang_merges_units():
+    from tic_trace.adapter import TransformContext, merge, transform
+
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3}
+    rng = np.random.default_rng(0)
+    n = 5
+    q, k, v = rng.normal(size=(n, 12)), rng.normal(size=(n, 6)), rng.normal(size=(n, 6))
+    glob = np.concatenate([q, k, v], -1)
+    for tp in (2, 4):             # tp=4 > 2 KV heads: each KV head lives on two ranks
+        ql, kvl = 12 // tp, max(1, 2 // tp) * 3
+        shards = []
+        for r in range(tp):
+            kv_head = r * 2 // tp
+            shards.append(np.concatenate([q[:, r * ql:(r + 1) * ql], k[:, kv_head * kvl:(kv_head + 1) * kvl],
+                                          v[:, kv_head * kvl:(kv_head + 1) * kvl]], -1))
+        np.testing.assert_array_equal(merge("sgl_qkv", shards, cfg), glob)
+        np.testing.assert_array_equal(merge("sgl_heads_q", [s[:, :ql] for s in shards], cfg),
+                                      q.reshape(n, 4, 3))
+        np.testing.assert_array_equal(merge("sgl_heads_kv", [s[:, ql:ql + kvl] for s in shards], cfg),
+                                      k.reshape(n, 2, 3))
+    for part, want, h in (("q", q, 4), ("k", k, 2), ("v", v, 2)):
+        got = transform("sgl_qkv")(glob, TransformContext(n, cfg, {"part": part}, 0, {}))
+        np.testing.assert_array_equal(got, want.reshape(n, h, 3))
+    # the q_norm module's [T*heads, hd] layout merges like [T, heads*hd]
+    np.testing.assert_array_equal(merge("sgl_heads_q", [q[:, :6].reshape(-1, 3), q[:, 6:].reshape(-1, 3)], cfg),
+                                  q.reshape(n, 4, 3))
+    assert get_adapter("sglang").name == "sglang"
+
+
+# ------------------------------------------------------------------------------------------------
+# name tables: DeepSeek-V2/V3, GLM-4-MoE (and the Qwen families) on the meta device
+# ------------------------------------------------------------------------------------------------
+
+def _meta_models():
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=256)
+    moe = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               first_k_dense_replace=1, n_group=1, topk_group=1)
+    yarn = {"rope_type": "yarn", "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    out = {}
+    for name, cls_name, lora in (("DeepseekV2ForCausalLM", transformers.DeepseekV2Config, None),
+                                 ("DeepseekV3ForCausalLM", transformers.DeepseekV3Config, 24)):
+        c = cls_name(**common, **moe, num_key_value_heads=4, q_lora_rank=lora, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, architectures=[name])
+        # fields SGLang reads that the hub configs carry (trust_remote_code) and transformers' lack
+        c.rope_scaling = yarn
+        c.moe_layer_freq, c.routed_scaling_factor, c.norm_topk_prob, c.ep_size = 1, 1.0, True, 1
+        c.scoring_func, c.topk_method = ("softmax", "greedy") if lora is None else ("sigmoid", "noaux_tc")
+        out[name] = c
+    out["Glm4MoeForCausalLM"] = transformers.Glm4MoeConfig(
+        **common, **moe, num_key_value_heads=2, head_dim=16, use_qk_norm=True, architectures=["Glm4MoeForCausalLM"])
+    out["Qwen3MoeForCausalLM"] = moe_cfg()
+    out["Qwen3ForCausalLM"] = tiny_qwen3_config(moe=False)
+    out["Qwen2ForCausalLM"] = transformers.Qwen2Config(**common, num_key_value_heads=2)
+    return out
+
+
+def _build_on_meta(name, cfg):
+    """The SGLang model class built on the meta device (module tree only, no weights)."""
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    if name.startswith("Deepseek"):
+        from sglang.srt.models import deepseek_v2 as mod
+        cls = getattr(mod, name)
+    elif name.startswith("Glm4"):
+        from sglang.srt.models import glm4_moe as mod
+        cls = getattr(mod, name)
+    else:
+        cls = sc.sglang_model_class(cfg)
+    with set_default_torch_dtype(torch.float32), torch.device("meta"):
+        return cls(cfg)
+
+
+def test_name_tables_on_meta_module_trees(sglang_env):
+    ad = SGLangAdapter()
+    seen = set()
+    for name, cfg in _meta_models().items():
+        model = _build_on_meta(name, cfg)
+        assert type(model).__name__ == name
+        names = [n for n, _ in model.named_modules()]
+        arch = ARCH_OF_CLASS[name]
+        seen.add(arch)
+        for pat in ARCH_MODULES[arch]:
+            rx = pat.replace(".", r"\.").replace("N", r"\d+")
+            assert any(re.fullmatch(rx, n) for n in names), (name, pat)
+        config = ad.describe([model])
+        assert config["arch_table"] == arch
+        assert config["attention"] == ("mla" if arch == "deepseek_mla" else "mha")
+        promised = ad.promised_points(config)
+        if arch == "deepseek_mla":
+            assert not set(promised) & set(sga.MHA_POINTS)
+        if arch in ("deepseek_mla", "glm4_moe"):
+            assert {"moe.router_logits", "moe.topk_ids", "moe.shared_out"} <= set(promised)
+        # every table row the adapter applies to this model names a module the model has
+        for pm in POINTS:
+            if not ad.applies(pm, config):
+                continue
+            rx = record_module(pm).replace("(?P<layer>\\d+)", r"\d+")
+            assert any(re.fullmatch(rx, n) for n in names), (name, pm.point, pm.record)
+            if "/fn:apply_qk_norm" in pm.record:      # the tapped function is where the adapter taps it
+                attn = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
+                assert callable(getattr(__import__(type(attn).__module__, fromlist=["x"]), "apply_qk_norm"))
+    assert seen == set(ARCH_MODULES)
+
