@@ -62,7 +62,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tic_trace.adapter import Adapter, PointMap, TransformContext, register_merge, register_transform
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import as_ints as _ints
 
 # Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
 _P = r"(?P<prefix>(?:chunk(?P<chunk>\d+)\.)?(?:module\.)*)"
@@ -154,14 +155,6 @@ def _merge_kv_heads(arrays: list[np.ndarray], config: dict) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- rows
-
-def _ints(x: Any) -> list[int]:
-    if x is None:
-        return []
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    return [int(v) for v in x]
-
 
 def zigzag_position(p: int, length: int, cp_size: int, cp_rank: int) -> int:
     """Global position of local offset ``p`` on context-parallel rank ``cp_rank`` for a sequence of (padded)

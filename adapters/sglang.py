@@ -70,7 +70,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tic_trace.adapter import Adapter, PointMap, TransformContext, register_merge, register_transform
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import as_ints as _ints
 
 log = logging.getLogger("tic_trace.sglang")
 
@@ -232,14 +233,6 @@ def _merge_sgl_heads_kv(arrays: list[np.ndarray], config: dict) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- rows
-
-def _ints(x: Any) -> list[int]:
-    if x is None:
-        return []
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    return [int(v) for v in x]
-
 
 def _rids(fb: Any) -> list[str]:
     rids = getattr(fb, "rids", None)

@@ -697,7 +697,7 @@ def slime_report(args, console) -> int:
     compared."""
     from tic_trace.align import CanonicalView
     from tic_trace.diverge import find_divergence
-    from tic_trace.report import render_terminal, write_json
+    from tic_trace.report import render_terminal, write_reports
     from tic_trace.tools.cli import _tolerance
 
     base = Path(args.dir)
@@ -737,13 +737,7 @@ def slime_report(args, console) -> int:
     console.print(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}")
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
-    if getattr(args, "json", None):
-        write_json(report, args.json)
-        console.print(f"JSON report: {args.json}")
-    if getattr(args, "html", None):
-        from tic_trace.html import render_html
-        Path(args.html).write_text(render_html(report), encoding="utf-8")
-        console.print(f"HTML report: {args.html}")
+    write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
     if report["verdict"] == "not_comparable" or not (report.get("rows") or {}).get("matched"):
         console.print("[bold yellow]nothing compared:[/] the two sides share no (sample, position) row. Rows are "
                       "keyed '<rollout>-<sample index>': check that SGLang requests carried that rid (tic_trace"

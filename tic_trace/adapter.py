@@ -160,6 +160,16 @@ def _sum(arrays: list[np.ndarray], config: dict) -> np.ndarray:
     return out
 
 
+def as_ints(x: Any) -> list[int]:
+    """A tensor, array or sequence (or None) as a list of Python ints: for the CPU-side index fields of a
+    framework's batch metadata."""
+    if x is None:
+        return []
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return [int(v) for v in x]
+
+
 # ---------------------------------------------------------------- the adapter base
 
 class Adapter:

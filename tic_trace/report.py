@@ -208,6 +208,17 @@ def pair_ops(a: list[dict], b: list[dict]) -> list[tuple[dict | None, dict | Non
     return out
 
 
+def write_reports(report: dict, console: Console, json_path: str | None = None, html_path: str | None = None) -> None:
+    """Write the JSON and/or HTML report where asked, and say where."""
+    if json_path:
+        write_json(report, json_path)
+        console.print(f"JSON report: {json_path}")
+    if html_path:
+        from .html import render_html
+        Path(html_path).write_text(render_html(report), encoding="utf-8")
+        console.print(f"HTML report: {html_path}")
+
+
 def write_json(report: dict, path: os.PathLike | str) -> None:
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")

@@ -47,15 +47,9 @@ def _run_compare(args, console: Console) -> dict:
 
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
-    from tic_trace.report import render_terminal, write_json
+    from tic_trace.report import render_terminal, write_reports
     render_terminal(report, console, all_points=all_points)
-    if getattr(args, "json", None):
-        write_json(report, args.json)
-        console.print(f"JSON report: {args.json}")
-    if getattr(args, "html", None):
-        from tic_trace.html import render_html
-        Path(args.html).write_text(render_html(report), encoding="utf-8")
-        console.print(f"HTML report: {args.html}")
+    write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
     return 1 if report["verdict"] == "divergent" else 0
 
 

@@ -24,6 +24,8 @@ See ``/work/shared/notes/megatron-internals.md`` §5 for how the recipe was foun
 
 from __future__ import annotations
 
+from tic_trace.testing.spawn import free_port, spawn_ranks  # noqa: F401 - re-exported for tests
+
 import contextlib
 import copy
 import datetime
@@ -320,13 +322,6 @@ def apply_all() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (pick it in the parent and hand it to every rank)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(
     rank: int,
     world: int,
@@ -377,30 +372,6 @@ def init_parallel(
     _STATE.clear()
     _STATE.update(rank=rank, world=world, tp=tp, ep=ep, etp=etp or tp, sp=sp)
 
-
-def spawn_ranks(fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes (spawn context) and wait.
-
-    ``fn`` must be a top-level, importable function. A free port is picked here and handed to every
-    rank. A failing rank raises ``torch.multiprocessing.ProcessRaisedException`` (with the rank's
-    traceback) here, and the other ranks are terminated; ranks still running after ``timeout_s``
-    seconds are killed and ``TimeoutError`` is raised.
-    """
-    import time
-
-    import torch.multiprocessing as tmp
-
-    port = free_port()
-    ctx = tmp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            for proc in ctx.processes:
-                proc.join(5)
-            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s}s")
 
 
 def destroy(remove_patches: bool = False) -> None:

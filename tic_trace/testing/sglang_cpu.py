@@ -51,6 +51,8 @@ Light packages SGLang's import graph needs beyond torch/transformers are pinned 
 
 from __future__ import annotations
 
+from tic_trace.testing.spawn import free_port, spawn_ranks  # noqa: F401 - re-exported for tests
+
 import contextlib
 import dataclasses
 import glob
@@ -68,7 +70,7 @@ SGLANG_VERSION = "0.5.23"
 __all__ = [
     "SGLANG_VERSION",
     "install_cpu_shims",
-    "find_free_port",
+    "free_port",
     "init_sglang_distributed",
     "destroy_sglang_distributed",
     "disable_torch_compile",
@@ -190,12 +192,6 @@ def install_cpu_shims() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_sglang_distributed(
     tp_size: int = 1,
     rank: int = 0,
@@ -226,7 +222,7 @@ def init_sglang_distributed(
     if port is None:
         if tp_size != 1:
             raise ValueError("TP>1 needs an explicit port shared by all ranks")
-        port = find_free_port()
+        port = free_port()
     kwargs = dict(
         # "dummy" is ServerArgs' own model-less short circuit
         # (arg_groups/pipeline.py run_resolution_pipeline): no config download, no
@@ -275,39 +271,6 @@ def destroy_sglang_distributed() -> None:
             else:
                 os.environ[k] = v
         _ENV_BEFORE.clear()
-
-
-def spawn_ranks(
-    fn: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 300.0
-) -> None:
-    """Run ``fn(rank, world, port, *args)`` in ``world`` fresh processes (spawn) and wait.
-
-    ``fn`` must be a top-level importable function; it calls
-    ``init_sglang_distributed(world, rank, port)`` itself. A failing rank raises
-    ``torch.multiprocessing.ProcessRaisedException`` carrying its traceback (other
-    ranks are terminated); ranks still alive after ``timeout_s`` are killed and
-    ``TimeoutError`` is raised. Hand results back through files, not tensors on a
-    queue (a rank that exits before the parent unpickles breaks fd sharing).
-    """
-    import time
-
-    import torch.multiprocessing as tmp
-
-    port = find_free_port()
-    ctx = tmp.start_processes(
-        fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            for proc in ctx.processes:
-                proc.join(5)
-            raise TimeoutError(
-                f"{getattr(fn, '__name__', fn)} on {world} ranks did not finish in {timeout_s}s"
-            )
 
 
 # --------------------------------------------------------------------------------------
