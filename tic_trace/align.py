@@ -151,7 +151,8 @@ class CanonicalView:
             recs = [self._pass(r, e.pass_index).record(e.names[r]) for r in ranks]
             lead = recs[0]
             ct.dtype = lead.dtype
-            ct.sources.append(lead.name)
+            if lead.name not in ct.sources:   # one name per record, however many passes hold it
+                ct.sources.append(lead.name)
             ct.stats.append(lead.stats or {})
             ct.hashes.append(lead.hash)
             p = self._pass(ranks[0], e.pass_index)
