@@ -10,6 +10,7 @@ the documented full run is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -814,6 +815,8 @@ class ModelCase:
     build: Callable[[], tuple[torch.nn.Module, Callable[[torch.nn.Module], Any]]]
     adapter: str | None
     sample_rows: tuple[int, ...] = (0, 3, 13)
+    trace_kw: dict = dataclasses.field(default_factory=dict)
+    teardown: Callable[[], None] = lambda: None
 
 
 def _hf_case(moe: bool, dtype: torch.dtype) -> ModelCase:
@@ -824,11 +827,52 @@ def _hf_case(moe: bool, dtype: torch.dtype) -> ModelCase:
     return ModelCase(f"hf-{'moe' if moe else 'dense'}-{str(dtype)[6:]}", build, "hf")
 
 
+def _megatron_case(moe: bool) -> ModelCase:
+    """Real megatron-core GPTModel (local spec, TP1) with the HF test model's weights."""
+    from tic_trace.testing import megatron_cpu as mc
+
+    def build():
+        from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
+        cfg = tiny_qwen3_config(moe=moe)
+        hf_sd = build_hf_model(cfg, seed=0).state_dict()
+        mc.init_parallel(0, 1)
+        model = mc.build_gpt_model(cfg)
+        load_into(model, hf_to_megatron_state_dict(hf_sd, cfg))
+        ids = sample_tokens(2, 12)
+        pos = torch.arange(12).unsqueeze(0).expand(2, -1)
+        return model, lambda m: m(ids, pos, attention_mask=None)
+    return ModelCase(f"megatron-{'moe' if moe else 'dense'}", build, "megatron",
+                     teardown=lambda: mc.destroy(remove_patches=True))
+
+
+def _sglang_case(moe: bool) -> ModelCase:
+    """Real SGLang model code as a rollout: batched prefill of two requests, then decode steps; every
+    forward is one pass (the engine calls `model.forward` directly, as SGLang's runners do)."""
+    from tic_trace.testing import sglang_cpu as sc
+
+    def build():
+        cfg = tiny_qwen3_config(moe=moe)
+        sc.init_sglang_distributed(tp_size=1)
+        model = sc.build_sglang_model(cfg, sc.hf_checkpoint_weights(build_hf_model(cfg, seed=0)))
+
+        def forward(m):
+            res = sc.SGLangRollout(m).generate({"a": [3, 5, 7, 9, 11], "b": [2, 4, 6, 8, 10, 12, 14]}, 3,
+                                               forced_tokens={"a": [20, 21, 22], "b": [30, 31, 32]})
+            return [r.next_token_logits for r in res.records]
+        return model, forward
+    return ModelCase(f"sglang-{'moe' if moe else 'dense'}", build, "sglang", sample_rows=(0, 4, 9),
+                     trace_kw={"auto_step": True}, teardown=sc.destroy_sglang_distributed)
+
+
 BITWISE_MODELS: list[ModelCase] = [
     _hf_case(False, torch.float32),
     _hf_case(True, torch.float32),
     _hf_case(False, torch.bfloat16),
     _hf_case(True, torch.bfloat16),
+    _megatron_case(False),
+    _megatron_case(True),
+    _sglang_case(False),
+    _sglang_case(True),
 ]
 
 
@@ -836,17 +880,21 @@ BITWISE_MODELS: list[ModelCase] = [
 @pytest.mark.parametrize("case", BITWISE_MODELS, ids=lambda c: c.name)
 def test_traced_output_bitwise_equal_untraced(tmp_path, case: ModelCase, mode: str):
     model, forward = case.build()
-    with torch.no_grad():
-        ref = forward(model)
-    kw = {"sample_rows": list(case.sample_rows)} if mode == "rows" else {}
-    with tic_warnings() as warnings:
-        t = tic_trace.trace(model, tmp_path / "t", adapter=case.adapter, mode=mode, points_mode=mode, **kw)
-        with t, torch.no_grad():
-            got = forward(model)
-    assert t.failed is None and not warnings, t.failed
-    assert_bitwise_equal(got, ref)
-    with torch.no_grad():
-        assert_bitwise_equal(forward(model), ref)       # hooks and wrappers are gone after stop()
+    try:
+        with torch.no_grad():
+            ref = forward(model)
+        kw = {"sample_rows": list(case.sample_rows)} if mode == "rows" else {}
+        with tic_warnings() as warnings:
+            t = tic_trace.trace(model, tmp_path / "t", adapter=case.adapter, mode=mode, points_mode=mode,
+                                **case.trace_kw, **kw)
+            with t, torch.no_grad():
+                got = forward(model)
+        assert t.failed is None and not warnings, t.failed
+        assert_bitwise_equal(got, ref)
+        with torch.no_grad():
+            assert_bitwise_equal(forward(model), ref)       # hooks and wrappers are gone after stop()
+    finally:
+        case.teardown()
     p = next(open_trace(tmp_path / "t").passes())
     assert len(p.records) > 20
     if mode != "stats":
