@@ -157,6 +157,8 @@ class Tracer:
         self._seq = 0
         self._rows: dict | None = None
         self._row_select: torch.Tensor | None = None
+        self._row_select_list: list[int] = []
+        self._row_select_dev: dict[torch.device, torch.Tensor] = {}
         self._record_rows: list[tuple[re.Pattern, list[int]]] = []
         self._mode_entered = False
         self._paused = False
@@ -279,6 +281,8 @@ class Tracer:
             if self.sample_rows is not None:
                 sel = [i for i in self.sample_rows if 0 <= i < self._n_rows]
                 self._row_select = torch.tensor(sel, dtype=torch.long)
+                self._row_select_list = sel
+                self._row_select_dev = {}
             else:
                 self._row_select = None
         except Exception as e:  # noqa: BLE001
@@ -622,7 +626,7 @@ class Tracer:
             if self._row_select is None:
                 rec.mode = "stats"
                 return x
-            want = set(self._row_select.tolist())
+            want = set(self._row_select_list)
         else:
             want = None
         keep = [j for j, r in enumerate(subset) if r >= 0 and (want is None or r in want)]
@@ -649,8 +653,15 @@ class Tracer:
         else:
             rec.mode = "stats"     # not a per-token tensor: statistics only
             return x
-        rec.row_index = sel.tolist()
-        return flat.index_select(0, sel.to(x.device))
+        rec.row_index = self._row_select_list
+        return flat.index_select(0, self._row_select_on(x.device))
+
+    def _row_select_on(self, device: torch.device) -> torch.Tensor:
+        """The selected row indices on `device`, copied there once per pass (not once per record)."""
+        idx = self._row_select_dev.get(device)
+        if idx is None:
+            idx = self._row_select_dev[device] = self._row_select.to(device)
+        return idx
 
     def _store(self, pw: PassWriter, x: torch.Tensor, pending: _Pending) -> None:
         rec = pending.record
