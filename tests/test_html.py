@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
 from tic_trace.diverge import Tolerance, find_divergence, rejudge, sort_points  # noqa: E402

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
+import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudly if missing
+import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
 from tic_trace.adapter import get_adapter  # noqa: E402

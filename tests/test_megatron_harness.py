@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-transformers = pytest.importorskip("transformers")
+import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudly if missing
+import transformers  # noqa: E402 - required
 
 from tic_trace.adapters.megatron_weights import WeightLoadError, hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402

@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-pytest.importorskip("transformers")
+import hypothesis as hypothesis  # noqa: E402 - required
+import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

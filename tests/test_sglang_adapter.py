@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("sglang", reason="SGLang model code is not installed (see requirements/sglang-light.txt)")
-pytest.importorskip("megatron.core")
+import sglang  # noqa: E402,F401 - a required test dependency: fail loudly if missing
+import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
 from tic_trace.adapter import get_adapter  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("sglang", reason="SGLang model code is not installed (see requirements/sglang-light.txt)")
+import sglang  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 from tic_trace.testing import sglang_cpu as sc  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402

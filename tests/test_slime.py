@@ -522,7 +522,7 @@ def megatron_chunks(hf):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    pytest.importorskip("megatron.core")
+    import megatron.core  # noqa: F401 - required
     from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config
     return build_hf_model(tiny_qwen3_config(moe=True), seed=0)
 
@@ -642,7 +642,7 @@ def test_rollout_train_report_two_rollouts(fake_slime, hf_model, tmp_path):
     generate sets, then the actor's log-prob pass over one packed THD micro-batch (after a ref pass that
     must not be traced), then `tic-trace slime-report`: rollout 0 clean -> consistent; rollout 1 with a
     fault planted in Megatron's layer-1 input RMSNorm -> the report names that point."""
-    pytest.importorskip("sglang")
+    import sglang  # noqa: F401 - required
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     from tic_trace.testing import sglang_cpu as sc
