@@ -39,10 +39,12 @@ ROOT = "<root>"
 GLOBAL = "<global>"
 # Collectives: their outputs are filled asynchronously on another stream; reading them here would race.
 _SKIP_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler", "prims"}
-# Ops whose outputs are uninitialised memory or pure metadata.
+# Ops whose outputs are uninitialised memory or pure metadata, and reshapes that alias their input without
+# being flagged as views (their bits are the input's, already recorded where it was produced).
 _SKIP_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
              "aten.resize_", "aten.set_", "aten.detach", "aten.lift_fresh", "aten.record_stream",
-             "aten._local_scalar_dense", "aten.alias", "aten.sym_size", "aten.sym_stride", "aten.sym_numel"}
+             "aten._local_scalar_dense", "aten.alias", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+             "aten._unsafe_view", "aten._reshape_alias"}
 
 
 @dataclass
