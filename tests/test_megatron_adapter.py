@@ -145,11 +145,8 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def single_rank():
-    mc.init_parallel(0, 1)
-    try:
+    with mc.single_rank():
         yield
-    finally:
-        mc.destroy(remove_patches=True)
 
 
 @pytest.fixture(scope="module")
@@ -525,27 +522,6 @@ def test_rows_from_forward_packed_and_sbhd(single_rank):
     assert keys == ["x", "y"] * 3 and pos == [0, 0, 1, 1, 2, 2] and toks == [1, 4, 2, 5, 3, 6]
 
 
-def _thd_attention(model):
-    """Test stand-in for TE's THD attention kernel (megatron's local DotProductAttention rejects packed
-    batches): run the local kernel causally on each packed segment. Everything else -- embedding, THD RoPE,
-    QKV, norms, MoE, head -- is megatron's own code."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    for mod in model.modules():
-        if isinstance(mod, DotProductAttention):
-            def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                        packed_seq_params=None, _mod=mod):
-                if packed_seq_params is None:
-                    return DotProductAttention.forward(_mod, query, key, value, attention_mask)
-                cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
-                      else packed_seq_params.cu_seqlens_q).tolist()
-                outs = [DotProductAttention.forward(_mod, query[a:b, None], key[a:b, None], value[a:b, None], None)
-                        for a, b in zip(cu[:-1], cu[1:])]
-                return torch.cat(outs, 0).reshape(cu[-1], -1)
-            mod.forward = forward
-    return model
-
-
 def test_packed_thd_forward_matches_hf(tmp_path, hf_models, single_rank):
     """Two samples of different lengths: HF runs them one by one, Megatron as one padded THD pack."""
     hf = hf_models["moe"]
@@ -563,7 +539,8 @@ def test_packed_thd_forward_matches_hf(tmp_path, hf_models, single_rank):
         packed[0, off:off + len(ids)] = ids
         off += n
     psp = _packed(lens, padded)
-    trace_megatron(tmp_path / "mg", hf.config, hf.state_dict(), packed, KEYS, wrap=_thd_attention, packed=psp)
+    trace_megatron(tmp_path / "mg", hf.config, hf.state_dict(), packed, KEYS, wrap=mc.per_segment_thd_attention,
+                   packed=psp)
     vb = CanonicalView(str(tmp_path / "mg"))
     rep = find_divergence(str(tmp_path / "hf"), vb)
     assert rep.verdict == "consistent", [(p.key, p.status, p.error) for p in rep.points if p.status != "ok"]

@@ -120,11 +120,8 @@ def _worker(rank: int, world: int, port: int, case: dict, workdir: str) -> None:
 @pytest.fixture
 def single_rank():
     """World size 1 in this process; shims and the process group are removed afterwards."""
-    mc.init_parallel(0, 1)
-    try:
+    with mc.single_rank():
         yield
-    finally:
-        mc.destroy(remove_patches=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -489,23 +489,6 @@ def test_generate_tags_traced_samples_through_slimes_default_generate(fake_slime
 
 # ================================================================== Megatron on CPU
 
-def _thd_attention(model):
-    """Per-segment stand-in for TE's THD attention kernel (see tests/test_megatron_adapter.py)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    for mod in model.modules():
-        if isinstance(mod, DotProductAttention):
-            def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                        packed_seq_params=None, _mod=mod):
-                if packed_seq_params is None:
-                    return DotProductAttention.forward(_mod, query, key, value, attention_mask)
-                cu = packed_seq_params.cu_seqlens_q.tolist()
-                outs = [DotProductAttention.forward(_mod, query[a:b, None], key[a:b, None], value[a:b, None], None)
-                        for a, b in zip(cu[:-1], cu[1:])]
-                return torch.cat(outs, 0).reshape(cu[-1], -1)
-            mod.forward = forward
-    return model
-
-
 def megatron_chunks(hf):
     """[DDP(GPTModel)] with `role` on chunk 0, as slime's initialize_model_and_optimizer returns them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -514,7 +497,7 @@ def megatron_chunks(hf):
     from tic_trace.testing import megatron_cpu as mc
     gpt = mc.build_gpt_model(hf.config)
     load_into(gpt, hf_to_megatron_state_dict(hf.state_dict(), hf.config))
-    _thd_attention(gpt)
+    mc.per_segment_thd_attention(gpt)
     chunk = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), gpt)
     chunk.role = "actor"
     return [chunk]

@@ -48,6 +48,8 @@ __all__ = [
     "build_gpt_model",
     "gather_vocab_logits",
     "destroy",
+    "single_rank",
+    "per_segment_thd_attention",
     "spawn_ranks",
 ]
 
@@ -372,6 +374,39 @@ def init_parallel(
     _STATE.clear()
     _STATE.update(rank=rank, world=world, tp=tp, ep=ep, etp=etp or tp, sp=sp)
 
+
+
+@contextlib.contextmanager
+def single_rank():
+    """World size 1 in this process for the duration; the process group and the shims are removed after."""
+    init_parallel(0, 1)
+    try:
+        yield
+    finally:
+        destroy(remove_patches=True)
+
+
+def per_segment_thd_attention(model):
+    """Let a local-spec model run packed THD batches on CPU: megatron-core 0.16.1's local
+    ``DotProductAttention.forward`` (transformer/dot_product_attention.py) asserts ``packed_seq_params is
+    None`` -- packed batches need TE's fused kernel. This stand-in runs the local kernel causally on each
+    packed segment (padded boundaries when given); everything else -- embedding, THD RoPE, QKV, norms, MoE,
+    head -- stays megatron's own code. Returns ``model``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for mod in model.modules():
+        if isinstance(mod, DotProductAttention):
+            def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                        packed_seq_params=None, _mod=mod):
+                if packed_seq_params is None:
+                    return DotProductAttention.forward(_mod, query, key, value, attention_mask)
+                cu = (packed_seq_params.cu_seqlens_q_padded if packed_seq_params.cu_seqlens_q_padded is not None
+                      else packed_seq_params.cu_seqlens_q).tolist()
+                outs = [DotProductAttention.forward(_mod, query[a:b, None], key[a:b, None], value[a:b, None], None)
+                        for a, b in zip(cu[:-1], cu[1:])]
+                return torch.cat(outs, 0).reshape(cu[-1], -1)
+            mod.forward = forward
+    return model
 
 
 def destroy(remove_patches: bool = False) -> None:
