@@ -1113,8 +1113,12 @@ def _side_ops(ops: dict, side: str) -> list[dict]:
 
 def _region(ops: dict) -> OpsRegion:
     """The report's op pairing (made once by the finder; built the same way for a schema-1 report)."""
-    region = OpsRegion.from_json(ops)
-    region.a, region.b = _side_ops(ops, "a"), _side_ops(ops, "b")
+    a, b = _side_ops(ops, "a"), _side_ops(ops, "b")
+    try:
+        region = OpsRegion.from_json(ops)
+    except (TypeError, ValueError):     # a malformed report: pair its ops the report's way
+        return OpsRegion.build(a, b)
+    region.a, region.b = a, b
     ok = all(isinstance(p, (list, tuple)) and len(p) == 2 for p in region.pairs)
     if not ok or any((i is not None and not (isinstance(i, int) and 0 <= i < len(region.a))) or
                      (j is not None and not (isinstance(j, int) and 0 <= j < len(region.b))) for i, j in region.pairs):

@@ -95,7 +95,8 @@ def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> F
             out = by_key.get(key)
             if out is not None and err is not None and err > tolerance.tol(out.dtype, out.point, out.key):
                 reach += 1
-    r.update(router_divergent=router_div, unexplained=unexplained, near_tie=near, near_tie_to_output=reach,
+    r.update(router_divergent=router_div, router_status=router.status if router is not None else None,
+             unexplained=unexplained, near_tie=near, near_tie_to_output=reach,
              accepted=bool(accept and near and not unexplained))
     return FlipFacts(flipped, unexplained, reach, accept)
 
@@ -168,6 +169,9 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     else:
         parts.append(f"{near} on near ties (router-logit margin within twice the token's router-logit error), "
                      f"{unexpl} with a margin larger than the router-logit error")
+        if r.get("router_status") == OVER:
+            parts.append(f"the router-logit error is inherited from upstream ({r.get('router_key')} is over "
+                         "tolerance without a jump): these flips follow an earlier difference")
         if near:
             parts.append(f"{reach} near-tie token(s) carry error over tolerance to the output")
     share = r.get("dlogprob_share")

@@ -543,12 +543,14 @@ def _reverse_near_tie(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _hf_gate_with(gate, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Qwen3-MoE's HF router (linear -> softmax -> top-k -> renormalise) with `change` applied to its logits."""
+def _hf_gate_with(gate, change: Callable[[torch.Tensor], torch.Tensor], *, selection_only: bool = False) -> None:
+    """Qwen3-MoE's HF router (linear -> softmax -> top-k -> renormalise) with `change` applied to its logits
+    (with `selection_only`, to what the top-k sees, not to the logits it returns)."""
     def forward(self, hidden_states):
         hs = hidden_states.reshape(-1, self.hidden_dim)
-        logits = change(F.linear(hs, self.weight))
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        raw = F.linear(hs, self.weight)
+        logits = raw if selection_only else change(raw)
+        probs = torch.softmax(change(raw) if selection_only else logits, dtype=torch.float, dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -632,14 +634,71 @@ def _move_router_row(model, framework: str, layer: int) -> None:
     w = _router_weight(model, framework, layer)
     if w is not None:
         with torch.no_grad():
-            w[1] = 0.6 * w[1] + 0.4 * w[2]
+            w[[1, 3]] = w[[3, 1]].clone()
 
 
 for _fw in ("hf", "megatron", "sglang"):
-    fault("router_weight", "moe.router_logits", "expert 1's router row moved 40% toward expert 2's (a stale or "
-          "mis-loaded router weight)", moe_only=True, cause="routing").on(_fw)(
+    fault("router_weight", "moe.router_logits", "router rows of experts 1 and 3 swapped (a router weight loaded "
+          "in the wrong expert order)", moe_only=True, cause="routing").on(_fw)(
         lambda model, layer, _fw=_fw: _move_router_row(model, _fw, layer))
 
 
 def routing_faults() -> list[str]:
     return [n for n, f in FAULTS.items() if f.cause == "routing"]
+
+
+EXPERT_BIAS = 0.2             # added to expert 3's router logit before the top-k, on one side only
+
+
+def _bias_expert(logits: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    out[..., 3] += EXPERT_BIAS
+    return out
+
+
+@fault("expert_bias", "moe.topk_ids", "a load-balancing bias (+0.2 on expert 3) in one side's top-k selection "
+       "only: the router logits agree, the choice does not", moe_only=True, cause="routing").on("hf")
+def _hf_expert_bias(model, layer):
+    _hf_gate_with(_hf_layer(model, layer).mlp.gate, _bias_expert, selection_only=True)
+
+
+@fault("expert_bias", "moe.topk_ids", "", moe_only=True, cause="routing").on("megatron")
+def _mg_expert_bias(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    orig = lay.mlp.router.routing
+    lay.mlp.router.routing = lambda logits, *args, **kwargs: orig(_bias_expert(logits), *args, **kwargs)
+
+
+@fault("expert_bias", "moe.topk_ids", "", moe_only=True, cause="routing").on("sglang")
+def _sg_expert_bias(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "topk"):
+        return
+    topk = lay.mlp.topk
+    orig = topk.forward
+
+    def forward(hidden_states, router_logits, *args, **kwargs):
+        return orig(hidden_states, _bias_expert(router_logits), *args, **kwargs)
+    topk.forward = forward
+
+
+def _nan_norm_weight(model, framework: str, layer: int) -> None:
+    if framework == "hf":
+        norm = _hf_layer(model, layer).post_attention_layernorm
+    elif framework == "megatron":
+        lay = _mg_layer(model, layer)
+        norm = lay.pre_mlp_layernorm if lay is not None else None
+    else:
+        lay = _sg_layer(model, layer)
+        norm = lay.post_attention_layernorm if lay is not None else None
+    w = getattr(norm, "weight", None)
+    if w is not None:
+        with torch.no_grad():
+            w[5] = float("nan")
+
+
+for _fw in ("hf", "megatron", "sglang"):
+    fault("norm_weight_nan", "mlp_norm", "one pre-MLP norm weight element NaN (an uninitialised parameter)",
+          cause="nonfinite").on(_fw)(lambda model, layer, _fw=_fw: _nan_norm_weight(model, _fw, layer))
