@@ -35,6 +35,20 @@ def clean_dense(tmp_path_factory):
     return d
 
 
+def assert_cause(rep, name):
+    """The first divergence names the fault's cause class; a router fault that also flips experts in its
+    layer is `routing` (the router computes differently and tokens pick other experts)."""
+    f = FAULTS[name]
+    cause = rep.first["cause"]
+    assert cause == f.cause or (f.point == "moe.router_logits" and cause == "routing"), (name, cause)
+
+
+def assert_round_trip(rep):
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
+    return doc
+
+
 def _expected(name, layer):
     f = FAULTS[name]
     return f"L{layer}.{f.point}" if f.layered else f.point
@@ -54,6 +68,8 @@ def test_planted_fault_found_at_its_point_moe(tmp_path, clean_moe, name, layer):
     before = rep.points[:keys.index(rep.first["key"])]
     assert all(p.status in ("ok", "not_comparable") for p in before)
     assert rep.first["error"] > rep.first["tol"]
+    assert_cause(rep, name)
+    assert_round_trip(rep)
 
 
 @pytest.mark.parametrize("name", hf_faults(moe=False))
@@ -63,6 +79,8 @@ def test_planted_fault_found_at_its_point_dense(tmp_path, clean_dense, name):
     trace_hf(model, tmp_path / "b", IDS)
     rep = find_divergence(str(clean_dense), str(tmp_path / "b"))
     assert rep.first is not None and rep.first["key"] == _expected(name, 1)
+    assert_cause(rep, name)
+    assert_round_trip(rep)
 
 
 def test_clean_fp32_pair_different_batching_and_threads(tmp_path, clean_moe):
@@ -83,6 +101,8 @@ def test_clean_fp32_pair_different_batching_and_threads(tmp_path, clean_moe):
         torch.set_num_threads(threads)
     rep = find_divergence(str(clean_moe), str(tmp_path / "b"))
     assert rep.verdict == "consistent", rep.first
+    assert rep.findings == [] and rep.exit_code == 0
+    assert_round_trip(rep)
     assert rep.rows == {"a": 20, "b": 20, "matched": 20}
     compared = [p for p in rep.points if p.status != "not_comparable"]
     assert len(compared) == len(rep.points) > 40

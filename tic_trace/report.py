@@ -72,7 +72,8 @@ def headline(report: dict) -> str:
 def render_terminal(report: dict, console: Console | None = None, *, all_points: bool = False) -> None:
     c = console or Console()
     fd = report.get("first_divergence")
-    c.print(Text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")))
+    # the answer and its causes are one line each, whatever the width: CI logs grep them
+    c.print(Text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     _causes(c, report)
     if fd:
         point, layer = fd["point"], fd["layer"]
@@ -116,11 +117,13 @@ def _causes(c: Console, report: dict) -> None:
     for f in report.get("findings") or []:
         style = "red" if f.get("divergent") else "yellow"
         mark = "" if f.get("divergent") else " (not counted)"
-        c.print(Text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + Text(f.get("summary") or ""))
+        c.print(Text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + Text(f.get("summary") or ""),
+                soft_wrap=True)
         if f.get("remedy"):
-            c.print(Text(f"      what removes it: {f['remedy']}", style="dim"))
+            c.print(Text(f"      what removes it: {f['remedy']}", style="dim"), soft_wrap=True)
     for n in report.get("notes") or []:
-        c.print(Text(f"  note [{str(n.get('kind')).replace('_', ' ')}]: ", style="yellow") + Text(n.get("summary") or ""))
+        c.print(Text(f"  note [{str(n.get('kind')).replace('_', ' ')}]: ", style="yellow") + Text(n.get("summary") or ""),
+                soft_wrap=True)
         curve = (n.get("detail") or {}).get("curve") or []
         if curve:
             c.print(Text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .canonical import OUTPUT_POINTS, is_ids, is_routed
 from .judge import (DIVERGENT, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, ROUTING, FlipFacts, Tolerance,
                     growth_of, judge, point_kind)
-from .report_schema import Finding, Note, Point, WorstToken
+from .report_schema import Finding, Note, Point, WorstToken, num
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
                    "and reduction order), or routing replay (training reuses the rollout's expert choice) "
@@ -92,7 +92,7 @@ def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> F
     reach = 0
     if not router_div:
         for key, err in r.get("explained_outputs") or []:
-            out = by_key.get(key)
+            out, err = by_key.get(key), num(err)     # a saved report holds "inf"/"nan" strings
             if out is not None and err is not None and err > tolerance.tol(out.dtype, out.point, out.key):
                 reach += 1
     r.update(router_divergent=router_div, router_status=router.status if router is not None else None,

@@ -179,12 +179,13 @@ def _fail(console: Console, what: str, debug: bool) -> int:
     from rich.text import Text
 
     from tic_trace.report_schema import EXIT_ERROR
-    console.print(Text("error: ", style="bold red") + Text(what))
+    line = Text("error: ", style="bold red") + Text(what)
+    if not debug:
+        line += Text("  (--debug prints the traceback)", style="dim")
+    console.print(line, soft_wrap=True)
     if debug:
         import traceback
         console.print(Text(traceback.format_exc()))
-    else:
-        console.print(Text("(run again with --debug for the traceback)", style="dim"))
     return EXIT_ERROR
 
 
