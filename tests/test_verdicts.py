@@ -172,20 +172,34 @@ def test_empty_side_is_not_comparable(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ NaN / Inf
 
 def test_nan_on_one_side_is_a_cause_not_a_crash(tmp_path, capsys):
-    a, b = _pair(tmp_path, "norm_weight_nan", 1)
+    a, b = _pair(tmp_path, "final_norm_nan", 1)
     rep = find_divergence(a, b)
-    assert rep.first["key"] == "L1.mlp_norm" and rep.first["cause"] == "nonfinite"
-    assert rep.findings[0].cause == "nonfinite"
-    # downstream points carry the NaN: "over", never a second first divergence
-    assert all(p.status != "divergent" or p.cause == "routing" for p in rep.points if p.key != "L1.mlp_norm")
+    assert rep.first["key"] == "final_norm" and rep.first["cause"] == "nonfinite"
+    assert [f.cause for f in rep.findings] == ["nonfinite"]
+    # downstream points carry the NaN: "over", never a second divergence
+    assert [p.status for p in rep.points if p.key in ("logits", "logprobs")] == ["over", "over"]
     # per-token: NaN rows are never 0
-    assert all(rep.token_errors[w.label]["L1.mlp_norm"] == math.inf for w in rep.worst_tokens)
-    assert {w.divergence_starts for w in rep.worst_tokens} == {"L1.mlp_norm"}
+    assert all(rep.token_errors[w.label]["final_norm"] == math.inf for w in rep.worst_tokens)
+    assert {w.divergence_starts for w in rep.worst_tokens} == {"final_norm"}
     doc = assert_round_trip(rep)
     assert json.dumps(doc, allow_nan=False)        # strict JSON
     render_terminal(doc)                           # NaN in the report renders
     assert cli(["first-divergence", a, b, "--json", str(tmp_path / "r.json")]) == 1
     assert json.loads((tmp_path / "r.json").read_text())["first_divergence"]["cause"] == "nonfinite"
+
+
+def test_nan_inside_a_moe_layer(tmp_path):
+    """NaN in a layer's norm weight: nonfinite at that point; the NaN router logits downstream flip experts,
+    shown as routing that follows the earlier difference, not counted before it."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    trace_hf(model, tmp_path / "a", IDS)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[5] = float("nan")
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.first["key"] == "L1.mlp_norm" and rep.first["cause"] == "nonfinite"
+    assert all(p.status != "divergent" or p.cause == "routing" for p in rep.points if p.key != "L1.mlp_norm")
+    assert_round_trip(rep)
 
 
 def test_per_row_errors_of_nan_rows_are_infinite():

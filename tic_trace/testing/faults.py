@@ -684,21 +684,21 @@ def _sg_expert_bias(model, layer):
     topk.forward = forward
 
 
-def _nan_norm_weight(model, framework: str, layer: int) -> None:
+def _nan_final_norm_weight(model, framework: str, layer: int) -> None:
     if framework == "hf":
-        norm = _hf_layer(model, layer).post_attention_layernorm
+        norm = model.model.norm
     elif framework == "megatron":
-        lay = _mg_layer(model, layer)
-        norm = lay.pre_mlp_layernorm if lay is not None else None
+        norm = next((getattr(getattr(r, "decoder", None), "final_layernorm", None) for r in _mg_roots(model)), None)
     else:
-        lay = _sg_layer(model, layer)
-        norm = lay.post_attention_layernorm if lay is not None else None
+        norm = getattr(model.model, "norm", None)
     w = getattr(norm, "weight", None)
     if w is not None:
         with torch.no_grad():
             w[5] = float("nan")
 
 
+# NaN after the layers: a NaN inside a MoE layer also reaches the router, and Megatron then routes no token to
+# some expert (a zero-size expert input, which the tracer cannot store yet).
 for _fw in ("hf", "megatron", "sglang"):
-    fault("norm_weight_nan", "mlp_norm", "one pre-MLP norm weight element NaN (an uninitialised parameter)",
-          cause="nonfinite").on(_fw)(lambda model, layer, _fw=_fw: _nan_norm_weight(model, _fw, layer))
+    fault("final_norm_nan", "final_norm", "one final-norm weight element NaN (an uninitialised parameter)",
+          layered=False, cause="nonfinite").on(_fw)(lambda model, layer, _fw=_fw: _nan_final_norm_weight(model, _fw, layer))
