@@ -282,3 +282,11 @@ def test_rejudge_changes_only_with_settings(tmp_path):
     assert loose["first_divergence"] is None or loose["first_divergence"]["key"] != "L1.attn.out"
     assert rejudge(doc, Tolerance()) == doc
     assert FAULTS["o_proj_weight"].cause == "operator" and doc["first_divergence"]["cause"] == "operator"
+
+
+def test_demo_shows_a_routing_cause(tmp_path, capsys):
+    assert cli(["demo", "--fault", "routing_near_tie", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "FIRST DIVERGENCE at L1.moe.topk_ids [routing]" in out
+    doc = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert doc["first_divergence"]["cause"] == "routing" and doc["exit_code"] == 1

@@ -18,7 +18,8 @@ class PointSpec:
     kind: str = "float"         # "float" | "ids" (top-k expert ids: compared as sets)
     meaning: str = ""
     # How the finder and the renderers treat the point (the only place this knowledge lives):
-    role: str = ""              # "router_logits" | "expert_ids" | "output" (what the model finally emits)
+    role: str = ""              # "embedding" | "residual" (the stream leaving a layer) | "router_logits" |
+                                # "expert_ids" | "logprob" (what the model finally emits, per token)
     routed: bool = False        # computed from the layer's expert choice: judged without tokens whose
                                 # top-k set flipped in that layer (those ran other experts)
     curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
@@ -27,7 +28,7 @@ class PointSpec:
 
 _L = True
 SCHEMA: tuple[PointSpec, ...] = (
-    PointSpec("embed", False, (), "H", meaning="token embedding output"),
+    PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding"),
     PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer"),
     PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True),
     PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", meaning="q projection, before QK-norm and RoPE"),
@@ -53,10 +54,11 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("moe.shared_out", _L, ("mlp_norm",), "H", meaning="shared experts' output"),
     PointSpec("mlp.out", _L, ("moe.experts_out", "moe.shared_out", "mlp_norm"), "H", meaning="MLP or MoE block output",
               curve=True),
-    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer", curve=True),
+    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer", curve=True,
+              role="residual"),
     PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output", head=0),
     PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary", head=1),
-    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="output", head=2),
+    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2),
 )
 
 BY_NAME = {p.name: p for p in SCHEMA}
@@ -66,12 +68,14 @@ HEAD_POINTS: tuple[str, ...] = tuple(p.name for p in sorted((p for p in SCHEMA i
                                                             key=lambda p: p.head))
 CURVE_POINTS: tuple[str, ...] = tuple(p.name for p in SCHEMA if p.curve)
 ROUTED_POINTS: frozenset[str] = frozenset(p.name for p in SCHEMA if p.routed)
+EMBEDDING = next(p.name for p in SCHEMA if p.role == "embedding")
+RESIDUAL = next(p.name for p in SCHEMA if p.role == "residual")
+LOGPROBS = next(p.name for p in SCHEMA if p.role == "logprob")
 ROUTER_LOGITS = next(p.name for p in SCHEMA if p.role == "router_logits")
 EXPERT_IDS = next(p.name for p in SCHEMA if p.role == "expert_ids")
 # The points whose per-token error says what reaches the user, best first: the log-prob of the sampled token,
 # else the logits.
-OUTPUT_POINTS: tuple[str, ...] = tuple(dict.fromkeys([p.name for p in SCHEMA if p.role == "output"]
-                                                    + list(reversed(HEAD_POINTS))))
+OUTPUT_POINTS: tuple[str, ...] = tuple(dict.fromkeys([LOGPROBS, *reversed(HEAD_POINTS)]))
 
 
 def is_ids(point: str) -> bool:

@@ -17,7 +17,7 @@ import math
 from typing import Callable
 
 from .align import CanonicalView, RowId, common_points
-from .canonical import OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
+from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
@@ -104,7 +104,7 @@ def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
 
 
 def _dlogprob(measured: list[PointMeasurement]) -> dict:
-    lp = next((m for m in measured if m.point == "logprobs" and m.compared and m.per_row_abs), None)
+    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and m.per_row_abs), None)
     return dict(zip(lp.rows, lp.per_row_abs)) if lp else {}
 
 
@@ -159,7 +159,7 @@ def _routing_summary(measured: list[PointMeasurement]) -> dict:
 
 def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstToken], dict]:
     """The tokens with the largest |Δ logprob|, and their per-token error at every point."""
-    lp = next((m for m in measured if m.point == "logprobs" and m.compared and m.values_a is not None), None)
+    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and m.values_a is not None), None)
     if lp is None or n <= 0:
         return [], {}
     d = [abs(x - y) if not (math.isnan(x) and math.isnan(y)) else 0.0 for x, y in zip(lp.values_a, lp.values_b)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .align import CanonicalView, RowId, align_rows
-from .canonical import BY_NAME, key_name
+from .canonical import BY_NAME, LOGPROBS, key_name
 from .compare import compare_routing, compare_stats, compare_values
 from .judge import coarser
 
@@ -62,7 +62,7 @@ class PointMeasurement:
 def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None) -> PointMeasurement:
     """Load `point` of both sides, align their rows and compare them."""
     ta, tb = va.load(point, layer), vb.load(point, layer)
-    derived = point == "logprobs" and (("logprobs", None) not in va.entries or ("logprobs", None) not in vb.entries)
+    derived = point == LOGPROBS and ((LOGPROBS, None) not in va.entries or (LOGPROBS, None) not in vb.entries)
     m = PointMeasurement(point, layer, sources={"a": ta.sources[:4], "b": tb.sources[:4]}, derived=derived)
     if ta.values is None or tb.values is None:
         return _measure_stats(m, ta, tb)

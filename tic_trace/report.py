@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, parse_key
+from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .report_schema import num
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -163,7 +163,7 @@ def _curve(c: Console, report: dict) -> None:
             cells.append(Text(_f(p.get("error"), 1), style=style))
         t.add_row(str(lay), *cells)
     c.print(t)
-    head = [by[(k, None)] for k in ("embed", *HEAD_POINTS) if (k, None) in by]
+    head = [by[(k, None)] for k in (EMBEDDING, *HEAD_POINTS) if (k, None) in by]
     if head:
         c.print("  " + "   ".join(f"{p['key']} {_f(p.get('error'), 1)} [{p['status']}]" for p in head))
     c.print()

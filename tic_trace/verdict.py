@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .canonical import OUTPUT_POINTS, is_ids, is_routed
+from .canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
 from .judge import (DIVERGENT, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, ROUTING, FlipFacts, Tolerance,
                     growth_of, judge, point_kind)
 from .report_schema import Finding, Note, Point, WorstToken, num
@@ -197,7 +197,7 @@ def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | N
             over.append(p)
     if not over:
         return None
-    curve = [[p.key, p.error] for p in points if p.point == "output" or p.layer is None]
+    curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
     largest = max(over, key=lambda p: p.error if p.error is not None else -1)
     return Note("accumulated_noise",
                 f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
