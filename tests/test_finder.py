@@ -161,6 +161,9 @@ def test_clean_bf16_pair_different_op_order(tmp_path):
     assert accepted.verdict == "consistent" and accepted.exit_code == 0 and accepted.first is None
     assert [f.key for f in accepted.findings] == [f.key for f in routing]
     assert not any(f.divergent for f in accepted.findings)
+    # the over-tolerance points without a jump are shown as accumulated noise, with the curve
+    noise = [n for n in accepted.notes if n.kind == "accumulated_noise"]
+    assert noise and noise[0].detail["points"] and noise[0].detail["curve"]
     # the saved report re-judged with the same settings is the report; accepting near ties is a re-judgement
     doc = json.loads(json.dumps(rep.to_json()))
     assert rejudge(doc) == doc

@@ -99,13 +99,13 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
 
 def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
     """Per-row errors of the output points (log-probs, logits, final norm), best first."""
-    by = {m.key: m for m in measured if m.compared and m.per_row}
-    return [(k, dict(zip(by[k].rows, by[k].per_row))) for k in OUTPUT_POINTS if k in by]
+    by = {m.key: m for m in measured if m.compared and len(m.per_row)}
+    return [(k, dict(zip(by[k].rows, by[k].per_row.tolist()))) for k in OUTPUT_POINTS if k in by]
 
 
 def _dlogprob(measured: list[PointMeasurement]) -> dict:
-    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and m.per_row_abs), None)
-    return dict(zip(lp.rows, lp.per_row_abs)) if lp else {}
+    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and len(m.per_row_abs)), None)
+    return dict(zip(lp.rows, lp.per_row_abs.tolist())) if lp else {}
 
 
 def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[tuple[RowId, float, float, bool]]:
@@ -120,7 +120,7 @@ def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[t
         i = rix.get(row)
         if i is not None and len(router.router_top[i]) > k:
             top = router.router_top[i]
-            margin, logit_err = top[k - 1] - top[k], router.per_row_abs[i]
+            margin, logit_err = top[k - 1] - top[k], float(router.per_row_abs[i])
         out.append((row, margin, logit_err, bool(margin <= 2.0 * logit_err)))
     return out
 
@@ -179,7 +179,7 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
             continue
         for r, e in zip(m.rows, m.per_row):
             if r in want:
-                errs[r][m.key] = e
+                errs[r][m.key] = float(e)
     routers = {m.layer: m for m in measured if m.point == ROUTER_LOGITS}
     for m in measured:
         if is_ids(m.point) and m.flipped:

@@ -40,9 +40,9 @@ class PointMeasurement:
     stats: dict | None = None
     routing: dict | None = None           # ids points: RoutingMetrics (set agreement, flipped rows)
     flipped: list[RowId] = field(default_factory=list)
-    per_row: list[float] = field(default_factory=list)      # per-row relative error (inf: NaN/Inf one side)
-    per_row_abs: list[float] = field(default_factory=list)  # per-row max |a-b|
-    row_ref_norm: list[float] | None = None                 # routed points: ||a_row||
+    per_row: np.ndarray | list = field(default_factory=list)      # per-row relative error (inf: NaN/Inf one side)
+    per_row_abs: np.ndarray | list = field(default_factory=list)  # per-row max |a-b|
+    row_ref_norm: np.ndarray | None = None                        # routed points: ||a_row||
     router_top: list[list[float]] | None = None             # router logits: side A's top values, descending
     values_a: list[float] | None = None                     # one-number points (log-probs)
     values_b: list[float] | None = None
@@ -82,11 +82,13 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     met = compare_values(pair.a, pair.b, m.dtype)
     m.metrics = met.to_json()
     m.error, m.nonfinite = met.error, met.nonfinite
-    m.per_row, m.per_row_abs = list(met.per_row_rel), list(met.per_row_max)
+    # arrays, not lists of Python floats: a trace has thousands of points of thousands of rows each
+    m.per_row = np.asarray(met.per_row_rel, dtype=np.float64)
+    m.per_row_abs = np.asarray(met.per_row_max, dtype=np.float64)
     n = len(pair.rows)
     if BY_NAME[point].routed:
-        m.row_ref_norm = [float(x) for x in np.linalg.norm(
-            np.nan_to_num(pair.a.reshape(n, -1).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0), axis=1)]
+        m.row_ref_norm = np.linalg.norm(
+            np.nan_to_num(pair.a.reshape(n, -1).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0), axis=1)
     if BY_NAME[point].role == "router_logits":
         top = -np.sort(-pair.a.reshape(n, -1).astype(np.float64), axis=1)[:, :ROUTER_TOP]
         m.router_top = top.tolist()
@@ -120,20 +122,15 @@ def _measure_stats(m: PointMeasurement, ta, tb) -> PointMeasurement:
 
 def subset_error(m: PointMeasurement, leave_out: set) -> float | None:
     """The relative L2 of a routed point over its rows minus `leave_out` (None when none is left)."""
-    if m.row_ref_norm is None or not m.rows:
+    if m.row_ref_norm is None or not len(m.rows):
         return m.error
-    num = den = 0.0
-    kept = 0
-    for r, e, na in zip(m.rows, m.per_row, m.row_ref_norm):
-        if r in leave_out:
-            continue
-        kept += 1
-        if math.isinf(e) or math.isnan(e):
-            return math.inf
-        num += (e * na) ** 2
-        den += na * na
-    if not kept:
+    keep = np.fromiter((r not in leave_out for r in m.rows), dtype=bool, count=len(m.rows))
+    if not keep.any():
         return None
+    e, na = np.asarray(m.per_row)[keep], np.asarray(m.row_ref_norm)[keep]
+    if not np.isfinite(e).all():
+        return math.inf
+    num, den = float(((e * na) ** 2).sum()), float((na * na).sum())
     if den <= 1e-60:
         return 0.0 if num == 0 else math.inf
     return math.sqrt(num / den)

@@ -126,7 +126,7 @@ def _causes(c: Console, report: dict) -> None:
                 soft_wrap=True)
         curve = (n.get("detail") or {}).get("curve") or []
         if curve:
-            c.print(Text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"))
+            c.print(Text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
     if report.get("findings") or report.get("notes"):
         c.print()
 

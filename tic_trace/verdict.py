@@ -188,7 +188,7 @@ def _routing_finding(p: Point, r: dict) -> Finding:
 
 def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:
     """Points over tolerance with no jump before them: noise that accumulated along the graph."""
-    stop = next((f.key for f in findings if f.divergent or f.cause == ROUTING), None)
+    stop = next((f.key for f in findings if f.divergent and f.computational), None)
     over = []
     for p in points:
         if p.key == stop:
@@ -199,11 +199,14 @@ def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | N
         return None
     curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
     largest = max(over, key=lambda p: p.error if p.error is not None else -1)
-    return Note("accumulated_noise",
-                f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
-                f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the "
-                "graph, what a clean low-precision pair looks like; not a divergence",
-                {"points": [p.key for p in over], "curve": curve})
+    text = (f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
+            f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the graph, "
+            "what a clean low-precision pair looks like; not a divergence")
+    order = [p.key for p in points]
+    flips = [f.key for f in findings if f.cause == ROUTING]
+    if flips and order.index(flips[0]) < order.index(over[-1].key):
+        text += f"; points after {flips[0]} also carry the error of the tokens whose experts flipped"
+    return Note("accumulated_noise", text, {"points": [p.key for p in over], "curve": curve})
 
 
 def _f(x) -> str:

@@ -166,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rollout-id", type=int, required=True)
     sp.add_argument("--growth", type=float, default=None)
     sp.add_argument("--tol", action="append", metavar="NAME=VALUE")
-    sp.add_argument("--accept-near-tie-routing", action="store_true")
     sp.add_argument("--worst-tokens", type=int, default=8)
     sp.add_argument("--json")
     sp.add_argument("--html")
