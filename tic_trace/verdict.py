@@ -166,6 +166,9 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     parts = [f"layer {p.layer}: {flipped} of {rows} tokens chose other experts"]
     if router_div:
         parts.append(f"the router logits diverge at {r.get('router_key')}, so every flip is computational")
+    elif not r.get("router_key"):
+        parts.append("the router logits were not compared, so no margin is known: every flip counts as "
+                     "computational")
     else:
         parts.append(f"{near} on near ties (router-logit margin within twice the token's router-logit error), "
                      f"{unexpl} with a margin larger than the router-logit error")
