@@ -174,11 +174,13 @@ def pristine(tmp_path_factory) -> dict[str, bytes]:
     pass 1 a bf16 dense Qwen3 in rows mode (row_index, bf16 bit patterns)."""
     root = tmp_path_factory.mktemp("pristine") / "trace"
     model, ids = tiny_model(moe=True, num_hidden_layers=1), sample_tokens(1, 6)
-    with tic_trace.trace(model, root, adapter="hf", points_mode="full") as t, torch.no_grad():
+    # Two tracers writing one run (as slime's one-tracer-per-micro-batch does): they share a run id.
+    with tic_trace.trace(model, root, adapter="hf", points_mode="full", run="pristine") as t, torch.no_grad():
         model(ids)
     assert t.failed is None
     model, ids = tiny_model(moe=False, dtype=torch.bfloat16, num_hidden_layers=1), sample_tokens(2, 4, seed=2)
-    with tic_trace.trace(model, root, adapter="hf", points_mode="rows", sample_rows=[1, 6]) as t, torch.no_grad():
+    with tic_trace.trace(model, root, adapter="hf", points_mode="rows", sample_rows=[1, 6], run="pristine") as t, \
+            torch.no_grad():
         model(ids)
     assert t.failed is None
     assert any(r.row_index for r in open_trace(root).open_pass(0, 1).records)

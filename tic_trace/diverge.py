@@ -183,6 +183,13 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
                     f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check sample keys and positions")
                 results.append(pr)
                 continue
+            if pair.a.shape[1:] != pair.b.shape[1:]:
+                pr.status, pr.reason = "not_comparable", (
+                    f"the sides' rows differ in shape: A {list(pair.a.shape[1:])} ({', '.join(ta.sources[:2])}), "
+                    f"B {list(pair.b.shape[1:])} ({', '.join(tb.sources[:2])}); check the two model configs "
+                    "and the adapters' layout for this point")
+                results.append(pr)
+                continue
             matched_rows.update(pair.rows)
             pr.dtype = coarser(ta.dtype, tb.dtype)
             if BY_NAME[point].kind == "ids":
@@ -313,7 +320,8 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
 def _side(v: CanonicalView) -> dict:
     m = v.trace.manifest
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
-            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped)}
+            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored}
 
 
 def _cause(first: PointResult, results: list[PointResult], routing: dict) -> str:
