@@ -304,6 +304,8 @@ class _Session:
         self.rollout_id = int(rollout_id)
         self.phase = phase
         self.out_dir = rollout_dir(args.tic_trace_dir, rollout_id) / "megatron"
+        # One run for every micro-batch tracer of this process in this rollout directory (they append passes).
+        self.run = f"slime-megatron-{_PROCESS_RUN}"
         self.tracer = None
         self.handles = [c.register_forward_hook(self._after_forward, always_call=True) for c in self.chunks]
         self.passes = 0
@@ -336,8 +338,12 @@ class _Session:
             # the packing appends one padding pseudo-sequence: no key
             sample_keys=keys + [None], tag=self.phase,
             manifest={"slime": {"rollout_id": self.rollout_id, "phase": self.phase, "store_prefix": "",
-                                "sample_keys": [k for k in keys if k]}})
-        self.tracer.start()
+                                "sample_keys": [k for k in keys if k]}}, run=self.run)
+        try:
+            self.tracer.start()
+        except tic_trace.TraceDirectoryInUse as e:   # an earlier job's trace: keep it, train on untraced
+            self.tracer = None
+            _warn_once(f"in-use-{self.rollout_id}", f"tic-trace: not tracing rollout {self.rollout_id}: {e}")
 
     def stop_current(self) -> None:
         t, self.tracer = self.tracer, None
@@ -365,6 +371,7 @@ class _State:
 
 
 _S = _State()
+_PROCESS_RUN = f"{os.getpid()}-{os.urandom(6).hex()}"
 
 
 def _warn_once(key: str, msg: str) -> None:

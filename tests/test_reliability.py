@@ -559,12 +559,13 @@ def test_sigkill_mid_pass_leaves_complete_passes_readable(tmp_path):
     assert read_everything(out) > 0
     assert _same_values_across_passes(tr, 0) == len(idx)
 
-    # A new writer on the same directory continues after the last complete pass, no collision.
-    model, ids = tiny_model(moe=True), sample_tokens(2, 16)
-    with tic_trace.trace(model, out, adapter="hf", points_mode="full") as t, torch.no_grad():
-        model(ids)
-    assert t.failed is None and t.passes_written[0].name == f"pass{len(idx):05d}.idx"
-    assert _same_values_across_passes(open_trace(out), 0) == len(idx) + 1
+    # A new run into the same directory is refused before it writes anything: a reader never mixes runs.
+    before = snapshot(out)
+    model = tiny_model(moe=True)
+    with pytest.raises(tic_trace.TraceDirectoryInUse, match="another run"):
+        tic_trace.trace(model, out, adapter="hf", points_mode="full").start()
+    assert snapshot(out) == before
+    assert not any(m._forward_hooks for m in model.modules()), "a refused tracer left hooks behind"
 
 
 # ================================================================================================ disk full

@@ -373,7 +373,8 @@ def rejudge(report: dict, tolerance: Tolerance) -> dict:
         if p["status"] == "divergent" and first is None:
             first = p
     out["points"] = pts
-    out["verdict"] = "divergent" if first is not None else "consistent"
+    comparable = any(p["status"] != "not_comparable" and p.get("error") is not None for p in pts)
+    out["verdict"] = "divergent" if first is not None else ("consistent" if comparable else "not_comparable")
     if first is None:
         out["first_divergence"] = None
     elif not report.get("first_divergence") or report["first_divergence"]["key"] != first["key"]:

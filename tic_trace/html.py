@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from .canonical import BY_NAME, order_key, parse_key
+from .text import visible
 
 __all__ = ["render_html", "write_html"]
 
@@ -54,7 +55,8 @@ HEAT_INF = "#4a0f0f"
 # ------------------------------------------------------------------------------------------------
 
 def _e(x) -> str:
-    return _html.escape("" if x is None else str(x), quote=True)
+    # Control characters (ANSI escapes, bidi overrides) become visible escapes: the file is also `cat`ed.
+    return _html.escape(visible(x, keep="\n\t"), quote=True)
 
 
 def _num(x) -> float | None:

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .canonical import BY_NAME, parse_key
+from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
 _CURVE_POINTS = ("input", "attn_norm", "attn.q_rope", "attn.core", "attn.out", "mid", "mlp_norm",
@@ -55,21 +56,24 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c = console or Console()
     fd = report.get("first_divergence")
     style = "bold red" if report["verdict"] == "divergent" else ("bold green" if report["verdict"] == "consistent" else "bold yellow")
-    c.print(Text(headline(report), style=style))
+    # Every string below may come from a trace or a saved JSON: printed as Text (text/visible), never markup.
+    c.print(text(headline(report), style=style))
     if fd:
         point, layer = fd["point"], fd["layer"]
-        c.print(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
-                + (f", layer {layer}" if layer is not None else ""))
-        c.print(f"  cause   {fd.get('cause', '')}")
-        c.print(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} (max rel error {_f(fd.get('input_error'))})")
+        c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
+                     + (f", layer {layer}" if layer is not None else "")))
+        c.print(text(f"  cause   {fd.get('cause', '')}"))
+        c.print(text(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} (max rel error {_f(fd.get('input_error'))})"))
         src = fd.get("sources") or {}
-        c.print(f"  A: {', '.join(src.get('a', []))}\n  B: {', '.join(src.get('b', []))}")
+        c.print(text(f"  A: {', '.join(src.get('a', []))}"))
+        c.print(text(f"  B: {', '.join(src.get('b', []))}"))
         m = fd.get("metrics") or {}
         if m:
-            c.print(f"  max_abs {_f(m.get('max_abs'))}  rel_l2 {_f(m.get('rel_l2'))}  cos {m.get('cosine', 0):.6f}  "
-                    f"max_ulp {_f(m.get('max_ulp'), 1)}  bit-equal {100 * (m.get('bitwise_equal') or 0):.1f}%  rows {fd.get('rows')}")
+            c.print(text(f"  max_abs {_f(m.get('max_abs'))}  rel_l2 {_f(m.get('rel_l2'))}  cos {m.get('cosine', 0):.6f}  "
+                         f"max_ulp {_f(m.get('max_ulp'), 1)}  bit-equal {100 * (m.get('bitwise_equal') or 0):.1f}%  rows {fd.get('rows')}"))
     rows = report.get("rows", {})
-    c.print(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}")
+    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"))
+    _skipped(c, report)
     c.print()
     _curve(c, report)
     if all_points:
@@ -87,7 +91,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             if (x["key"], x["reason"]) in seen:
                 continue
             seen.add((x["key"], x["reason"]))
-            t.add_row(x["key"], x["reason"] or "")
+            t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
 
 
@@ -125,7 +129,7 @@ def _curve(c: Console, report: dict) -> None:
     c.print(t)
     head = [by[(k, None)] for k in ("embed", "final_norm", "logits", "logprobs") if (k, None) in by]
     if head:
-        c.print("  " + "   ".join(f"{p['key']} {_f(_num(p.get('error')), 1)} [{p['status']}]" for p in head))
+        c.print(text("  " + "   ".join(f"{p['key']} {_f(_num(p.get('error')), 1)} [{p['status']}]" for p in head)))
     c.print()
 
 
@@ -135,7 +139,7 @@ def _points_table(c: Console, report: dict) -> None:
         t.add_column(col, justify="right" if col not in ("point", "status") else "left")
     for p in report["points"]:
         m = p.get("metrics") or {}
-        t.add_row(p["key"], Text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(_num(p.get("error"))),
+        t.add_row(text(p["key"]), text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(_num(p.get("error"))),
                   _f(p.get("tol")), _f(p.get("input_error")), _f(_num(p.get("growth")), 1), _f(m.get("max_abs")),
                   f"{m['cosine']:.6f}" if m.get("cosine") is not None else "-", _f(m.get("max_ulp"), 1),
                   f"{100 * m['bitwise_equal']:.0f}%" if m.get("bitwise_equal") is not None else "-", str(p.get("rows", "")))
@@ -150,7 +154,8 @@ def _ops(c: Console, fd: dict | None) -> None:
     if not a and not b:
         c.print("dispatcher ops in the region: none visible on either side (fused kernel or module-level record)")
         return
-    t = Table(title=f"dispatcher ops between {fd['key']}'s inputs and its output", title_justify="left", show_edge=False)
+    t = Table(title=text(f"dispatcher ops between {fd['key']}'s inputs and its output"), title_justify="left",
+              show_edge=False)
     t.add_column("#", justify="right")
     t.add_column("A op")
     t.add_column("A rms", justify="right")
@@ -161,7 +166,7 @@ def _ops(c: Console, fd: dict | None) -> None:
         mark = ""
         if oa and ob and oa.get("hash") is not None:
             mark = "=" if oa["hash"] == ob.get("hash") else Text("≠", style="red")
-        t.add_row(str(i), oa["op"] if oa else "", _f(oa.get("rms")) if oa else "", ob["op"] if ob else "",
+        t.add_row(str(i), text(oa["op"] if oa else ""), _f(oa.get("rms")) if oa else "", text(ob["op"] if ob else ""),
                   _f(ob.get("rms")) if ob else "", mark)
     c.print(t)
     c.print()
@@ -175,8 +180,8 @@ def _worst(c: Console, report: dict) -> None:
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
     for x in w:
-        t.add_row(str(x["sample"]), str(x["position"]), _f(x["abs_dlogprob"]), f"{x['logprob_a']:.4f}",
-                  f"{x['logprob_b']:.4f}", x.get("divergence_starts") or "-", "yes" if x.get("routing_flip") else "")
+        t.add_row(text(x["sample"]), text(x["position"]), _f(x["abs_dlogprob"]), f"{x['logprob_a']:.4f}",
+                  f"{x['logprob_b']:.4f}", text(x.get("divergence_starts") or "-"), "yes" if x.get("routing_flip") else "")
     c.print(t)
     c.print()
 
@@ -188,7 +193,7 @@ def _routing(c: Console, report: dict) -> None:
         return
     parts = [f"L{k}: {v['flipped']}/{v['rows']}" + (f" ({v['unexplained']} unexplained)" if v.get("unexplained") else "")
              for k, v in sorted(layers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1)]
-    c.print(f"routing flips per layer: {'  '.join(parts)}")
+    c.print(text(f"routing flips per layer: {'  '.join(parts)}"))
     c.print(f"tokens with at least one flipped layer: {r.get('tokens_with_flip', 0)} "
             f"({100 * r.get('share_tokens_with_flip', 0):.1f}%)")
     c.print()
@@ -212,18 +217,41 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
     """Write the JSON and/or HTML report where asked, and say where."""
     if json_path:
         write_json(report, json_path)
-        console.print(f"JSON report: {json_path}")
+        console.print(text(f"JSON report: {json_path}"))
     if html_path:
         from .html import render_html
         Path(html_path).write_text(render_html(report), encoding="utf-8")
-        console.print(f"HTML report: {html_path}")
+        console.print(text(f"HTML report: {html_path}"))
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
+    """Write atomically: a hidden temporary file beside `path` (mode from the umask), renamed over it, and
+    removed if anything fails (nothing is left behind)."""
+    from .format import new_temp_file
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, p)
+    fd, tmp = new_temp_file(p.parent, p.name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(report, indent=1))
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _skipped(c: Console, report: dict) -> None:
+    """What each side's reader left out: incomplete passes (never compared) and entries outside the layout."""
+    for side, d in sorted((report.get("sides") or {}).items()):
+        if not isinstance(d, dict):
+            continue
+        for what, items in (("incomplete pass skipped", d.get("skipped_passes")),
+                            ("entry outside the trace layout ignored", d.get("ignored_entries"))):
+            if isinstance(items, list) and items:
+                shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
+                c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
 
 
 def point_label(key: str) -> str:

@@ -154,6 +154,17 @@ class RecordWire(TypedDict, total=False):
 Number = Union[float, Literal["inf", "-inf", "nan"], None]
 
 
+class ReportMetrics(TypedDict, total=False):
+    max_abs: Number
+    rel_l2: Number
+    cosine: Number
+    max_ulp: Number
+    mean_ulp: Number
+    bitwise_equal: Number
+    ref_rms: Number
+    nonfinite: int
+
+
 class ReportPoint(TypedDict, total=False):
     key: Required[str]
     point: Required[str]
@@ -166,22 +177,61 @@ class ReportPoint(TypedDict, total=False):
     inputs: list[str]
     dtype: str | None
     rows: int
-    metrics: dict[str, Any] | None
+    only_a: int
+    only_b: int
+    metrics: ReportMetrics | None
+    routing: dict[str, Any] | None
+    stats: dict[str, Any] | None
     reason: str | None
     sources: dict[str, list[str]]
 
 
+class ReportFirst(ReportPoint, total=False):
+    cause: str
+    ops: dict[str, list[dict[str, Any]]]
+
+
+class ReportToken(TypedDict, total=False):
+    sample: Required[str]
+    position: Required[int]
+    abs_dlogprob: Required[Number]
+    logprob_a: Required[float]
+    logprob_b: Required[float]
+    divergence_starts: str | None
+    routing_flip: bool
+
+
+class ReportRoutingLayer(TypedDict, total=False):
+    flipped: Required[int]
+    rows: Required[int]
+    unexplained: int
+    set_agreement: Number
+
+
+class ReportRouting(TypedDict, total=False):
+    layers: dict[str, ReportRoutingLayer]
+    tokens_with_flip: int
+    share_tokens_with_flip: float
+
+
+class ReportNotComparable(TypedDict):
+    key: str
+    reason: str | None
+
+
 class ReportDoc(TypedDict, total=False):
-    schema: str
+    """A saved JSON report (`diverge.Report.to_json()`), as `report --from-json` reads it back."""
+    schema: Literal["tic-trace.report/1"]
     verdict: Required[Literal["consistent", "divergent", "not_comparable"]]
-    first_divergence: dict[str, Any] | None
+    first_divergence: ReportFirst | None
     points: Required[list[ReportPoint]]
-    not_comparable: list[TypedDict("NC", {"key": str, "reason": str | None})]  # type: ignore[misc]
+    not_comparable: list[ReportNotComparable]
     rows: dict[str, int | None]
-    worst_tokens: list[dict[str, Any]]
-    routing: dict[str, Any]
+    worst_tokens: list[ReportToken]
+    routing: ReportRouting
     settings: dict[str, Any]
-    sides: dict[str, Any]
+    sides: dict[str, dict[str, Any]]
+    token_errors: dict[str, dict[str, Number]]
 
 
 # ---------------------------------------------------------------- validation
@@ -276,7 +326,14 @@ def _checker(tp: Any) -> _Checker:
         return lambda v, f: None if any(type(v) is type(a) and v == a for a in args) else _bad(f, tp, v)
     if origin in (Union, types.UnionType):
         alts = [_checker(a) for a in args]
-        return lambda v, f: None if any(c(v, f) is None for c in alts) else _bad(f, tp, v)
+        real = [_checker(a) for a in args if a is not type(None)]
+
+        def check_union(v, f):
+            if any(c(v, f) is None for c in alts):
+                return None
+            # `X | None` given a wrong X: say what is wrong inside it, not only "X or null".
+            return real[0](v, f) if len(real) == 1 and v is not None else _bad(f, tp, v)
+        return check_union
     if tp is type(None):
         return lambda v, f: None if v is None else _bad(f, tp, v)
     if tp is bool:

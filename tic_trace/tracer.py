@@ -467,9 +467,11 @@ class Tracer:
         self._guarded(self._enter, path, args, kwargs, False)
 
     def _post_hook(self, path, module, args, kwargs, output):
-        if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path:
+        if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \
+                and torch._C._current_graph_task_id() == -1:
             # torch calls always_call hooks with no output when the module raised: the outermost traced
-            # module (a model called without its root wrapper) did not return.
+            # module (a model called without its root wrapper) did not return. Not in backward: activation
+            # recomputation stops itself early with an exception, by design.
             self._guarded(self._mark_incomplete, f"{path} raised {type(sys.exc_info()[1]).__name__}")
         self._guarded(self._exit, path, output, False)
 
