@@ -41,6 +41,10 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
     model = m.get("model") or {}
     if rank is not None and rank not in tr.ranks:
         raise ValueError(f"--rank {rank}: this trace has ranks {tr.ranks}")
+    if pass_index is not None and not any(pass_index in tr.pass_indices(r) for r in ([rank] if rank is not None
+                                                                                      else tr.ranks)):
+        raise ValueError(f"--pass {pass_index}: no such complete pass"
+                         + (f" of rank {rank}" if rank is not None else "") + " in this trace")
     # Everything below comes from the trace: printed as Text, never as markup.
     console.print(Text.assemble((visible(tr.path), "bold"), "  framework ", (visible(m.get("framework")), "cyan"),
                                 f"  schema {m.get('schema')}  ranks {tr.ranks}"))
@@ -69,8 +73,6 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
                   str(sum(r.kind == "op" for r in recs)), str(sum(r.kind != "op" for r in recs)),
                   str(sum(r.has_data for r in recs)), _size(p.blob_size), text("; ".join(notes), limit=80))
         shown.append((p, recs))
-    if pass_index is not None and not shown:
-        raise ValueError(f"--pass {pass_index}: no such complete pass" + (f" of rank {rank}" if rank is not None else ""))
     console.print(t)
     if records:
         for p, recs in shown:

@@ -278,14 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args, console) or 0)
     except TraceFormatError as e:
-        console.print(error_line(f"unreadable trace: {e}"))
+        console.print(error_line(f"unreadable trace: {e}"), soft_wrap=True)
         return 2
     except (FileNotFoundError, ValueError, KeyError) as e:
-        console.print(error_line(e))
+        console.print(error_line(e), soft_wrap=True)
         return 2
     except SystemExit as e:
         if isinstance(e.code, str):
-            console.print(error_line(e.code))
+            console.print(error_line(e.code), soft_wrap=True)
             return 2
         raise
 
