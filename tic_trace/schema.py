@@ -30,6 +30,8 @@ Offset = Annotated[int, Check("a non-negative integer below 2**63", lambda v: 0 
 Int64 = Annotated[int, Check("an integer of at most 64 bits", lambda v: -2**63 <= v < 2**64)]
 ShortText = Annotated[str, Check("a string of at most 4096 characters", lambda v: len(v) <= 4096)]
 Scalar = Union[str, int, float, bool, None]
+# Readers walk the layers (dataflow order, a missing point's feeds): a hostile count must not make that endless.
+LayerCount = Annotated[int, Check("a layer count from 0 to 65536", lambda v: 0 <= v <= 1 << 16)]
 
 
 # ---------------------------------------------------------------- trace documents
@@ -37,7 +39,7 @@ Scalar = Union[str, int, float, bool, None]
 class ModelConfig(TypedDict, total=False):
     """`manifest["model"]`: the model facts transforms read (adapters' `describe()`). Other keys: any scalar."""
     model_type: str | None
-    num_layers: Count
+    num_layers: LayerCount
     hidden_size: Count
     num_attention_heads: Count
     num_key_value_heads: Count
