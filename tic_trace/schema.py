@@ -55,7 +55,7 @@ class ModelConfig(TypedDict, total=False):
     fused_dense_mlp_norm: bool
     moe_shared_expert_overlap: bool
     sequence_parallel: bool
-    tp_partial: bool
+    tp_partial: dict[str, list[Count]]
     attention_output_gate: bool
     rms_norm_eps: float | None
     rope_theta: float | None
