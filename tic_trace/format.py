@@ -538,7 +538,11 @@ class Trace:
     def _list_ranks(self) -> list[int]:
         if self._ranks is None:
             ranks = []
-            for name in sorted(os.listdir(self.path)):
+            try:
+                names = sorted(os.listdir(self.path))
+            except OSError as e:
+                raise TraceFormatError(self.path, f"cannot list the trace directory: {e.strerror or e}") from None
+            for name in names:
                 rank = _rank_of_dir(name)
                 if rank is None:
                     if name != "manifest.msgpack" and not name.startswith("."):
