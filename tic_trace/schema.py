@@ -9,6 +9,7 @@ The type language is Python's own: `str`, `int` (never a bool), `float` (an int 
 `list[X]`, `dict[str, X]`, `X | Y`, `Literal[...]`, nested `TypedDict`s, `Any`, and `Annotated[X, Check(...)]`
 for a bound. Each schema is compiled once into a tree of small checker functions.
 """
+# No `from __future__ import annotations` here: TypedDict needs evaluated annotations to tell Required fields.
 import os
 import types
 from dataclasses import dataclass

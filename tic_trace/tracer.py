@@ -782,5 +782,9 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `mode` applies to dispatcher ops, `points_mode` (default: `mode`) to module inputs/outputs and taps, the
     records adapters map to canonical points. Use `start()`/`stop()` instead of `with`, and `step()` between the
     forwards of an engine (or `auto_step=True`: one pass per root forward).
+
+    `out_dir` holds one run: if it already holds another run's passes for this rank, `start()` raises
+    `TraceDirectoryInUse` before touching the model. Tracers meant to write one run together pass the same
+    `run=` id. A pass whose forward raised is kept as incomplete and never compared (docs/security.md).
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)
