@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tic_trace.adapter import Adapter, PointMap
+from tic_trace.adapter import Adapter, PointMap, register_adapter
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -125,3 +125,4 @@ def _rope_theta(cfg) -> float | None:
 
 
 ADAPTER = HFAdapter
+register_adapter(HFAdapter)

@@ -62,7 +62,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
+                               register_transform)
 from tic_trace.adapter import as_ints as _ints
 
 # Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
@@ -456,3 +457,4 @@ class MegatronAdapter(Adapter):
 
 
 ADAPTER = MegatronAdapter
+register_adapter(MegatronAdapter)

@@ -70,7 +70,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
+                               register_transform)
 from tic_trace.adapter import as_ints as _ints
 
 log = logging.getLogger("tic_trace.sglang")
@@ -537,6 +538,7 @@ class SGLangAdapter(Adapter):
 
 
 ADAPTER = SGLangAdapter
+register_adapter(SGLangAdapter)
 
 
 @contextlib.contextmanager

@@ -304,6 +304,8 @@ class _Session:
         self.rollout_id = int(rollout_id)
         self.phase = phase
         self.out_dir = rollout_dir(args.tic_trace_dir, rollout_id) / "megatron"
+        # One run for every micro-batch tracer of this process in this rollout directory (they append passes).
+        self.run = f"slime-megatron-{_PROCESS_RUN}"
         self.tracer = None
         self.handles = [c.register_forward_hook(self._after_forward, always_call=True) for c in self.chunks]
         self.passes = 0
@@ -336,8 +338,12 @@ class _Session:
             # the packing appends one padding pseudo-sequence: no key
             sample_keys=keys + [None], tag=self.phase,
             manifest={"slime": {"rollout_id": self.rollout_id, "phase": self.phase, "store_prefix": "",
-                                "sample_keys": [k for k in keys if k]}})
-        self.tracer.start()
+                                "sample_keys": [k for k in keys if k]}}, run=self.run)
+        try:
+            self.tracer.start()
+        except tic_trace.TraceDirectoryInUse as e:   # an earlier job's trace: keep it, train on untraced
+            self.tracer = None
+            _warn_once(f"in-use-{self.rollout_id}", f"tic-trace: not tracing rollout {self.rollout_id}: {e}")
 
     def stop_current(self) -> None:
         t, self.tracer = self.tracer, None
@@ -365,6 +371,7 @@ class _State:
 
 
 _S = _State()
+_PROCESS_RUN = f"{os.getpid()}-{os.urandom(6).hex()}"
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -698,19 +705,20 @@ def slime_report(args, console) -> int:
     from tic_trace.align import CanonicalView
     from tic_trace.diverge import find_divergence
     from tic_trace.report import render_terminal, write_reports
+    from tic_trace.text import error_line, text
     from tic_trace.tools.cli import _tolerance
 
     base = Path(args.dir)
     rdir = rollout_dir(base, args.rollout_id)
     if not base.is_dir():
-        console.print(f"[bold red]error:[/] {base} does not exist: give the --tic-trace-dir of the slime run "
-                      "(default {--save}/tic_trace)")
+        console.print(error_line(f"{base} does not exist: give the --tic-trace-dir of the slime run "
+                                 "(default {--save}/tic_trace)"), soft_wrap=True)
         return 2
     if not rdir.is_dir():
         have = sorted(p.name for p in base.glob("rollout_*") if p.is_dir())
-        console.print(f"[bold red]error:[/] no traces of rollout {args.rollout_id}: {rdir} does not exist. "
-                      f"Traced rollouts here: {', '.join(have) or 'none'}. Check --tic-trace-rollout-ids and "
-                      "that the run reached that rollout.")
+        console.print(error_line(f"no traces of rollout {args.rollout_id}: {rdir} does not exist. "
+                                 f"Traced rollouts here: {', '.join(have) or 'none'}. Check --tic-trace-rollout-ids "
+                                 "and that the run reached that rollout."), soft_wrap=True)
         return 2
     sides = {"megatron": rdir / "megatron", "sglang": rdir / "sglang"}
     why = {
@@ -727,14 +735,14 @@ def slime_report(args, console) -> int:
     for name, p in sides.items():
         if not (p / "manifest.msgpack").is_file():
             state = "does not exist" if not p.exists() else "holds no trace (no manifest.msgpack)"
-            console.print(f"[bold red]error:[/] {name} side missing: {p} {state}: {why[name]}")
+            console.print(error_line(f"{name} side missing: {p} {state}: {why[name]}"), soft_wrap=True)
             return 2
     va, vb = CanonicalView(str(sides["megatron"])), CanonicalView(str(sides["sglang"]))
     rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8))
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"])}
-    console.print(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}")
+    console.print(text(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}"))
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
     write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
@@ -749,6 +757,8 @@ def slime_report(args, console) -> int:
 
 def _print_worst(console, report: dict) -> None:
     from rich.table import Table
+
+    from tic_trace.text import text
     w = report.get("worst_tokens") or []
     if not w:
         console.print("no per-token log-probabilities on both sides (logits not traced on one side?)")
@@ -759,7 +769,7 @@ def _print_worst(console, report: dict) -> None:
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
     for x in w:
-        t.add_row(str(x["sample"]), str(x["position"]), f"{x['abs_dlogprob']:.3e}", f"{x['logprob_a']:.5f}",
-                  f"{x['logprob_b']:.5f}", x.get("divergence_starts") or "-", "yes" if x.get("routing_flip") else "")
+        t.add_row(text(x["sample"]), str(x["position"]), f"{x['abs_dlogprob']:.3e}", f"{x['logprob_a']:.5f}",
+                  f"{x['logprob_b']:.5f}", text(x.get("divergence_starts") or "-"), "yes" if x.get("routing_flip") else "")
     console.print(t)
     console.print()

@@ -129,21 +129,23 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
              n_layers: int | None) -> list[tuple[str, int | None]]:
     """The points that feed (point, layer), resolved against those actually present: a missing feed is
     replaced by its own feeds, so the finder always compares a point with the nearest measured inputs."""
+    # Depth-first, with an explicit stack: a chain of absent points may run back through every layer
+    # (thousands), deeper than Python's recursion limit.
     out: list[tuple[str, int | None]] = []
     seen: set = set()
-
-    def resolve(p: str, lay: int | None):
-        if (p, lay) in seen:
-            return
-        seen.add((p, lay))
-        if (p, lay) in present:
-            out.append((p, lay))
-            return
-        for f in _raw_feeds(p, lay, n_layers):
-            resolve(*f)
-
-    for f in _raw_feeds(point, layer, n_layers):
-        resolve(*f)
+    stack = [iter(_raw_feeds(point, layer, n_layers))]
+    while stack:
+        f = next(stack[-1], None)
+        if f is None:
+            stack.pop()
+            continue
+        if f in seen:
+            continue
+        seen.add(f)
+        if f in present:
+            out.append(f)
+        else:
+            stack.append(iter(_raw_feeds(*f, n_layers)))
     return out
 
 

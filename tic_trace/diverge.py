@@ -243,7 +243,8 @@ def _settings(tol: Tolerance, accept_near_tie: bool) -> dict:
 def _side(v: CanonicalView) -> dict:
     m = v.trace.manifest
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
-            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped)}
+            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored}
 
 
 # ------------------------------------------------------------------------------------------------ rejudge

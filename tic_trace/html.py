@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from .canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, is_ids, order_key, parse_key
+from .text import visible
 from .report_schema import OpsRegion, op_differs
 from .report_schema import num as _decode
 
@@ -55,7 +56,8 @@ HEAT_INF = "#4a0f0f"
 # ------------------------------------------------------------------------------------------------
 
 def _e(x) -> str:
-    return _html.escape("" if x is None else str(x), quote=True)
+    # Control characters (ANSI escapes, bidi overrides) become visible escapes: the file is also `cat`ed.
+    return _html.escape(visible(x, keep="\n\t"), quote=True)
 
 
 def _num(x) -> float | None:

@@ -73,6 +73,12 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         m.reason = (f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check that both sides "
                     "traced the same samples (sample keys) and positions")
         return m
+    if pair.a.shape[1:] != pair.b.shape[1:]:
+        m.rows = []
+        m.reason = (f"the sides' rows differ in shape: A {list(pair.a.shape[1:])} ({', '.join(ta.sources[:2])}), "
+                    f"B {list(pair.b.shape[1:])} ({', '.join(tb.sources[:2])}); check the two model configs "
+                    "and the adapters' layout for this point")
+        return m
     if BY_NAME[point].kind == "ids":
         rm = compare_routing(pair.a, pair.b)
         m.routing = {"rows": rm.rows, "k": rm.k, "set_agreement": rm.set_agreement, "flipped": rm.flipped_rows}

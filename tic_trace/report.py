@@ -17,6 +17,7 @@ from rich.text import Text
 
 from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .report_schema import num
+from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
 _VERDICT_STYLE = {"divergent": "bold red", "consistent": "bold green"}
@@ -73,16 +74,17 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c = console or Console()
     fd = report.get("first_divergence")
     # the answer and its causes are one line each, whatever the width: CI logs grep them
-    c.print(Text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     _causes(c, report)
     if fd:
         point, layer = fd["point"], fd["layer"]
-        c.print(Text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
+        c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
                      + (f", layer {layer}" if layer is not None else "")))
-        c.print(Text(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} "
+        c.print(text(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} "
                      f"(max rel error {_f(fd.get('input_error'))})"))
         src = fd.get("sources") or {}
-        c.print(Text(f"  A: {', '.join(src.get('a', []))}\n  B: {', '.join(src.get('b', []))}"))
+        c.print(text(f"  A: {', '.join(src.get('a', []))}"))
+        c.print(text(f"  B: {', '.join(src.get('b', []))}"))
         m = fd.get("metrics") or {}
         if m:
             cos = num(m.get("cosine"))
@@ -90,7 +92,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
                     f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {_f(m.get('max_ulp'), 1)}  "
                     f"bit-equal {100 * (num(m.get('bitwise_equal')) or 0):.1f}%  rows {fd.get('rows')}")
     rows = report.get("rows", {})
-    c.print(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}")
+    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"))
+    _skipped(c, report)
     c.print()
     _curve(c, report)
     if all_points:
@@ -108,7 +111,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             if (x["key"], x["reason"]) in seen:
                 continue
             seen.add((x["key"], x["reason"]))
-            t.add_row(Text(str(x["key"])), Text(x["reason"] or ""))
+            t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
 
 
@@ -117,16 +120,16 @@ def _causes(c: Console, report: dict) -> None:
     for f in report.get("findings") or []:
         style = "red" if f.get("divergent") else "yellow"
         mark = "" if f.get("divergent") else " (not counted)"
-        c.print(Text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + Text(f.get("summary") or ""),
+        c.print(text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + text(f.get("summary") or ""),
                 soft_wrap=True)
         if f.get("remedy"):
-            c.print(Text(f"      what removes it: {f['remedy']}", style="dim"), soft_wrap=True)
+            c.print(text(f"      what removes it: {f['remedy']}", style="dim"), soft_wrap=True)
     for n in report.get("notes") or []:
-        c.print(Text(f"  note [{str(n.get('kind')).replace('_', ' ')}]: ", style="yellow") + Text(n.get("summary") or ""),
+        c.print(text(f"  note [{str(n.get('kind')).replace('_', ' ')}]: ", style="yellow") + text(n.get("summary") or ""),
                 soft_wrap=True)
         curve = (n.get("detail") or {}).get("curve") or []
         if curve:
-            c.print(Text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
+            c.print(text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
     if report.get("findings") or report.get("notes"):
         c.print()
 
@@ -165,7 +168,7 @@ def _curve(c: Console, report: dict) -> None:
     c.print(t)
     head = [by[(k, None)] for k in (EMBEDDING, *HEAD_POINTS) if (k, None) in by]
     if head:
-        c.print("  " + "   ".join(f"{p['key']} {_f(p.get('error'), 1)} [{p['status']}]" for p in head))
+        c.print(text("  " + "   ".join(f"{p['key']} {_f(p.get('error'), 1)} [{p['status']}]" for p in head)))
     c.print()
 
 
@@ -176,7 +179,7 @@ def _points_table(c: Console, report: dict) -> None:
     for p in report["points"]:
         m = p.get("metrics") or {}
         cos, beq = num(m.get("cosine")), num(m.get("bitwise_equal"))
-        t.add_row(p["key"], Text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(p.get("error")),
+        t.add_row(text(p["key"]), text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(p.get("error")),
                   _f(p.get("tol")), _f(p.get("input_error")), _f(p.get("growth"), 1), _f(m.get("max_abs")),
                   "-" if cos is None else f"{cos:.6f}", _f(m.get("max_ulp"), 1),
                   "-" if beq is None else f"{100 * beq:.0f}%", str(p.get("rows", "")))
@@ -192,7 +195,8 @@ def _ops(c: Console, fd: dict | None) -> None:
     if not a and not b:
         c.print("dispatcher ops in the region: none visible on either side (fused kernel or module-level record)")
         return
-    t = Table(title=f"dispatcher ops between {fd['key']}'s inputs and its output", title_justify="left", show_edge=False)
+    t = Table(title=text(f"dispatcher ops between {fd['key']}'s inputs and its output"), title_justify="left",
+              show_edge=False)
     t.add_column("#", justify="right")
     t.add_column("A op")
     t.add_column("A rms", justify="right")
@@ -208,8 +212,8 @@ def _ops(c: Console, fd: dict | None) -> None:
             mark = "=" if oa["hash"] == ob.get("hash") else Text("≠", style="red")
         if n == first:
             mark = Text("≠ first difference", style="bold red")
-        t.add_row(str(n), Text(str(oa["op"])) if oa else "", _f(oa.get("rms")) if oa else "",
-                  Text(str(ob["op"])) if ob else "", _f(ob.get("rms")) if ob else "", mark)
+        t.add_row(str(n), text(oa["op"]) if oa else "", _f(oa.get("rms")) if oa else "",
+                  text(ob["op"]) if ob else "", _f(ob.get("rms")) if ob else "", mark)
     c.print(t)
     c.print()
 
@@ -223,8 +227,8 @@ def _worst(c: Console, report: dict) -> None:
         t.add_column(col)
     for x in w:
         flips = ", ".join(f"L{k} {v}" for k, v in sorted((x.get("flips") or {}).items()))
-        t.add_row(Text(str(x["sample"])), str(x["position"]), _f(x["abs_dlogprob"]), _f4(x["logprob_a"]),
-                  _f4(x["logprob_b"]), x.get("divergence_starts") or "-", flips or ("yes" if x.get("routing_flip") else ""))
+        t.add_row(text(x["sample"]), text(x["position"]), _f(x["abs_dlogprob"]), _f4(x["logprob_a"]),
+                  _f4(x["logprob_b"]), text(x.get("divergence_starts") or "-"), text(flips) if flips else ("yes" if x.get("routing_flip") else ""))
     c.print(t)
     c.print()
 
@@ -261,18 +265,41 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
     """Write the JSON and/or HTML report where asked, and say where."""
     if json_path:
         write_json(report, json_path)
-        console.print(f"JSON report: {json_path}")
+        console.print(text(f"JSON report: {json_path}"))
     if html_path:
         from .html import render_html
         Path(html_path).write_text(render_html(report), encoding="utf-8")
-        console.print(f"HTML report: {html_path}")
+        console.print(text(f"HTML report: {html_path}"))
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
+    """Write atomically: a hidden temporary file beside `path` (mode from the umask), renamed over it, and
+    removed if anything fails (nothing is left behind)."""
+    from .format import new_temp_file
     p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, p)
+    fd, tmp = new_temp_file(p.parent, p.name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(report, indent=1))
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _skipped(c: Console, report: dict) -> None:
+    """What each side's reader left out: incomplete passes (never compared) and entries outside the layout."""
+    for side, d in sorted((report.get("sides") or {}).items()):
+        if not isinstance(d, dict):
+            continue
+        for what, items in (("incomplete pass skipped", d.get("skipped_passes")),
+                            ("entry outside the trace layout ignored", d.get("ignored_entries"))):
+            if isinstance(items, list) and items:
+                shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
+                c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
 
 
 def point_label(key: str) -> str:

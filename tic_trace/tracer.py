@@ -30,7 +30,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from . import __version__
 from .dtypes import torch_dtype_name, dtype_info
 from .filters import MODES, Filters
-from .format import PassWriter, Record, TraceWriter
+from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .stats import device_hash, device_stats, stats_dict
 
 log = logging.getLogger("tic_trace")
@@ -121,7 +121,8 @@ class Tracer:
                  filters: Filters | None = None, rank: int | None = None, record_views: bool = False,
                  record_inputs: Iterable[str] | None = None, skip_recompute: bool = True,
                  auto_step: bool = False, sample_rows: Sequence[int] | None = None,
-                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None):
+                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None,
+                 run: str | None = None):
         if mode not in MODES or (points_mode is not None and points_mode not in MODES):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}/{points_mode!r}")
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -136,6 +137,9 @@ class Tracer:
         self.sample_keys = list(sample_keys) if sample_keys is not None else None
         self.tag = tag
         self.extra_manifest = dict(manifest or {})
+        # A trace directory holds one run (docs/security.md). Tracers that deliberately write one run together
+        # (one per micro-batch) share a `run` id; by default every tracer is a run of its own.
+        self.run = str(run) if run is not None else new_run_id()
         self.record_inputs = Filters(modules=list(record_inputs)) if record_inputs else None
         self.record_input_kwargs: tuple[str, ...] = ("hidden_states",)
         self._rank = rank
@@ -170,6 +174,7 @@ class Tracer:
         self.passes_written: list[Path] = []
         self._paths: dict[int, str] = {}
         self._activity = False
+        self._incomplete: str | None = None   # why the open pass is not a whole forward
 
     # ------------------------------------------------------------ public API
     @property
@@ -180,9 +185,19 @@ class Tracer:
         return self._rank
 
     def start(self) -> "Tracer":
+        """Install the hooks and begin recording. Raises `TraceDirectoryInUse` (a FileExistsError), before
+        touching the model, if the output directory holds another run's passes for this rank: a trace never
+        mixes runs. Any other problem disables tracing with a warning; the model runs on untouched."""
         try:
             if not self.filters.want_rank(self.rank):
                 return self
+            claim_run_directory(self.out_dir, self.rank, self.run)
+        except TraceDirectoryInUse:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+            return self
+        try:
             self._install()
             self._mode = _DispatchRecorder(self)
             self._mode.__enter__()
@@ -362,7 +377,8 @@ class Tracer:
             self._wrap_root(model, root_name)
         if self.adapter is not None:
             self.adapter.prepare(self, self.models)
-        self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info())
+        if self._writer is None:
+            self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info(), self.run)
 
     def _wrap_root(self, model: torch.nn.Module, path: str) -> None:
         had = "forward" in vars(model)
@@ -374,7 +390,8 @@ class Tracer:
             tracer._guarded(tracer._enter, path, args, kwargs, True)
             try:
                 out = orig(*args, **kwargs)
-            except BaseException:
+            except BaseException as e:
+                tracer._guarded(tracer._mark_incomplete, f"the forward of {path} raised {type(e).__name__}")
                 tracer._guarded(tracer._exit, path, None, True)
                 raise
             tracer._guarded(tracer._exit, path, out, True)
@@ -450,7 +467,17 @@ class Tracer:
         self._guarded(self._enter, path, args, kwargs, False)
 
     def _post_hook(self, path, module, args, kwargs, output):
+        if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \
+                and torch._C._current_graph_task_id() == -1:
+            # torch calls always_call hooks with no output when the module raised: the outermost traced
+            # module (a model called without its root wrapper) did not return. Not in backward: activation
+            # recomputation stops itself early with an exception, by design.
+            self._guarded(self._mark_incomplete, f"{path} raised {type(sys.exc_info()[1]).__name__}")
         self._guarded(self._exit, path, output, False)
+
+    def _mark_incomplete(self, why: str) -> None:
+        if self._incomplete is None:
+            self._incomplete = why
 
     def _enter(self, path: str, args: tuple, kwargs: dict, is_root: bool) -> None:
         if is_root and not self._stack and self.adapter is not None and self._rows is None:
@@ -679,6 +706,10 @@ class Tracer:
 
     def _end_pass(self) -> None:
         pw = self._pass
+        incomplete = self._incomplete
+        if incomplete is None and self._stack:
+            incomplete = f"the pass ended while {self._stack[0].path} was still running"
+        self._incomplete = None
         self._stack.clear()
         self._calls.clear()
         if pw is None:
@@ -701,7 +732,7 @@ class Tracer:
                 p.record.offset, p.record.nbytes, p.record.crc = pw.write_bytes(arr)
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes))
-        self.passes_written.append(pw.close())
+        self.passes_written.append(pw.close(incomplete=incomplete))
         self._pass = None
         self._pending.clear()
         self._stat_rows.clear()
@@ -728,11 +759,16 @@ def _as_storage(x: torch.Tensor, storage: str) -> np.ndarray:
     return x.view({1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[size]).numpy()
 
 
+def new_run_id() -> str:
+    """A run id no other tracer has: host, process, time and 48 random bits."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{os.urandom(6).hex()}"
+
+
 def _resolve_adapter(adapter: Any):
     if adapter is None or not isinstance(adapter, str):
         return adapter
-    from .adapter import get_adapter
-    return get_adapter(adapter)
+    from .adapter import load_adapter
+    return load_adapter(adapter)
 
 
 def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLike | str, *,
@@ -746,5 +782,9 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `mode` applies to dispatcher ops, `points_mode` (default: `mode`) to module inputs/outputs and taps, the
     records adapters map to canonical points. Use `start()`/`stop()` instead of `with`, and `step()` between the
     forwards of an engine (or `auto_step=True`: one pass per root forward).
+
+    `out_dir` holds one run: if it already holds another run's passes for this rank, `start()` raises
+    `TraceDirectoryInUse` before touching the model. Tracers meant to write one run together pass the same
+    `run=` id. A pass whose forward raised is kept as incomplete and never compared (docs/security.md).
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)

@@ -7,31 +7,141 @@ compared). A failure prints one line naming what failed (the traceback with --de
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import math
 import os
+import re
+import stat
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
 
+from tic_trace.text import error_line, visible
+
+
+# ---------------------------------------------------------------- argument validation
+# Each check is an argparse `type`: a bad value fails at parse time with one line naming the option.
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`tic-trace inspect: error: argument --limit: ...`), exit status 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {visible(message)} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def _count(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v
+
+
+def _positive(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {s!r}")
+    return v
+
+
+def _tol_item(item: str) -> tuple[str, float]:
+    """NAME=VALUE, NAME a dtype (bfloat16) or a canonical point (attn.core, L3.mid)."""
+    from tic_trace.canonical import BY_NAME, parse_key
+    from tic_trace.dtypes import known_dtype
+    name, eq, value = item.partition("=")
+    if not eq or not name or not value:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE (a dtype like bfloat16=0.02 or a point like L3.attn.core=1e-3), got {item!r}")
+    point, _ = parse_key(name)
+    if not known_dtype(name) and point not in BY_NAME:
+        close = difflib.get_close_matches(point, list(BY_NAME), n=3)
+        raise argparse.ArgumentTypeError(f"{name!r} is neither a dtype nor a canonical point"
+                                         + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{item!r}: the tolerance must be a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{item!r}: the tolerance must be a finite number, 0 or more")
+    return name, v
+
+
+def _record_pattern(s: str) -> str:
+    if s.startswith("re:"):
+        try:
+            re.compile(s[3:])
+        except re.error as e:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a regular expression: {e}") from None
+    return s
+
+
+def _output_file(s: str) -> str:
+    """A report file to write: a regular file or a new name, in an existing writable directory."""
+    p = Path(s)
+    if p.exists() or p.is_symlink():
+        try:
+            mode = p.stat().st_mode
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
+        if stat.S_ISDIR(mode):
+            raise argparse.ArgumentTypeError(f"{s} is a directory; give a file name, e.g. {p / 'report'}")
+        if not stat.S_ISREG(mode):
+            raise argparse.ArgumentTypeError(f"{s} is not a regular file (a device or pipe)")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{s}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{s}: directory {parent} is not writable")
+    return s
+
+
+def _input_file(s: str) -> str:
+    p = Path(s)
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise argparse.ArgumentTypeError(f"{s} is not a regular file")
+    return s
+
 
 def _tolerance(args):
-    """The Tolerance of --tol/--growth; NaN, negative values and unknown names are refused (SettingsError)."""
+    """The Tolerance of --tol/--growth (parsed by _tol_item/_positive); Tolerance refuses what it cannot judge with."""
     from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import SettingsError, Tolerance
+    from tic_trace.judge import DEFAULT_GROWTH, Tolerance
     per_dtype, per_point = {}, {}
-    for item in args.tol or []:
-        k, _, v = item.partition("=")
-        if not v:
-            raise SystemExit(f"--tol expects NAME=VALUE (a dtype like bfloat16 or a point like L3.attn.core), got {item!r}")
-        try:
-            value = float(v)
-        except ValueError:
-            raise SettingsError(f"--tol {item!r}: {v!r} is not a number") from None
-        (per_dtype if known_dtype(k) else per_point)[k] = value
-    growth = args.growth if args.growth is not None else 10.0
+    for name, value in args.tol or []:
+        (per_dtype if known_dtype(name) else per_point)[name] = value
+    growth = args.growth if args.growth is not None else DEFAULT_GROWTH
     return Tolerance(growth=growth, per_dtype=per_dtype, per_point=per_point)
+
+
+_MAX_REPORT_BYTES = 256 << 20
+
+
+def _load_report(path: str) -> dict:
+    """A saved JSON report, checked against the report schema before anything renders it."""
+    from tic_trace.format import TraceFormatError, read_bounded
+    from tic_trace.schema import ReportDoc, validate
+    p = Path(path)
+    try:
+        raw = read_bounded(p, p.parent, _MAX_REPORT_BYTES, "JSON report")
+        doc = json.loads(raw.decode("utf-8"))
+        return validate(doc, ReportDoc, p, "not a tic-trace JSON report")
+    except TraceFormatError as e:
+        raise ValueError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
 
 
 def _views(args, console):
@@ -61,12 +171,15 @@ def _emit(report: dict, args, console: Console, all_points: bool) -> int:
     """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
     from tic_trace.report import render_terminal, write_reports
     from tic_trace.report_schema import EXIT_ERROR, VERDICT_EXIT
-    quiet = Console(file=open(os.devnull, "w"))
-    write_reports(report, quiet, getattr(args, "json", None), getattr(args, "html", None))
+    with open(os.devnull, "w") as devnull:
+        try:
+            write_reports(report, Console(file=devnull), getattr(args, "json", None), getattr(args, "html", None))
+        except OSError as e:
+            raise SystemExit(f"cannot write the report to {e.filename or 'its file'}: {e.strerror or e}") from None
     render_terminal(report, console, all_points=all_points)
     for what, path in (("JSON", getattr(args, "json", None)), ("HTML", getattr(args, "html", None))):
         if path:
-            console.print(Text(f"{what} report: {path}"))
+            console.print(Text(f"{what} report: {visible(path)}"))
     return VERDICT_EXIT.get(report.get("verdict"), EXIT_ERROR)
 
 
@@ -81,7 +194,7 @@ def cmd_first(args, console):
 def cmd_report(args, console):
     if args.from_json:
         from tic_trace.diverge import rejudge
-        report = json.loads(Path(args.from_json).read_text())
+        report = _load_report(args.from_json)
         if args.tol or args.growth is not None or args.accept_near_tie_routing:
             report = rejudge(report, _tolerance(args) if args.tol or args.growth is not None else None,
                              accept_near_tie=True if args.accept_near_tie_routing else None)
@@ -110,8 +223,8 @@ def cmd_slime_report(args, console):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tic-trace", description=__doc__.splitlines()[0],
-                                epilog="--debug (anywhere): print the traceback of a failure")
+    p = _Parser(prog="tic-trace", description=__doc__.splitlines()[0],
+                epilog="--debug (anywhere): print the traceback of a failure")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def compare_args(sp, two=True):
@@ -119,16 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("b", nargs=None if two else "?", help="trace directory to check (e.g. the rollout side)")
         sp.add_argument("--adapter-a", help="adapter for A (default: the framework named in A's manifest)")
         sp.add_argument("--adapter-b", help="adapter for B (default: the framework named in B's manifest)")
-        sp.add_argument("--growth", type=float, default=None,
+        sp.add_argument("--growth", type=_positive, default=None,
                         help="a point diverges when its error exceeds its inputs' error by this factor (default 10)")
-        sp.add_argument("--tol", action="append", metavar="NAME=VALUE",
+        sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item,
                         help="relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3)")
         sp.add_argument("--accept-near-tie-routing", action="store_true",
                         help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
                              "still shown): for runs that replay routing or accept near ties")
-        sp.add_argument("--worst-tokens", type=int, default=8)
-        sp.add_argument("--json", help="also write the JSON report here")
-        sp.add_argument("--html", help="also write a self-contained HTML report here")
+        sp.add_argument("--worst-tokens", type=_count, default=8)
+        sp.add_argument("--json", type=_output_file, help="also write the JSON report here")
+        sp.add_argument("--html", type=_output_file, help="also write a self-contained HTML report here")
 
     sp = sub.add_parser("diff", help="compare two traces over every canonical point")
     compare_args(sp)
@@ -138,18 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_first)
     sp = sub.add_parser("report", help="write JSON/HTML reports; re-judge a saved JSON with new tolerances")
     compare_args(sp, two=False)
-    sp.add_argument("--from-json", help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
+    sp.add_argument("--from-json", type=_input_file, help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
     sp.add_argument("--all", action="store_true", help="print every point, not only the curve")
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("inspect", help="what a trace holds: passes, records, sizes, canonical points")
     sp.add_argument("trace")
-    sp.add_argument("--rank", type=int)
-    sp.add_argument("--pass", dest="pass_index", type=int)
-    sp.add_argument("--filter", help="glob (or re:regex) over record names")
+    sp.add_argument("--rank", type=_count)
+    sp.add_argument("--pass", dest="pass_index", type=_count)
+    sp.add_argument("--filter", type=_record_pattern, help="glob (or re:regex) over record names")
     sp.add_argument("--records", action="store_true", help="list records")
     sp.add_argument("--points", action="store_true", help="list the canonical points the adapter finds")
-    sp.add_argument("--limit", type=int, default=200)
+    sp.add_argument("--limit", type=_count, default=200)
     sp.set_defaults(fn=cmd_inspect)
 
     sp = sub.add_parser("demo", help="trace a built-in tiny model twice (once with a planted fault) and find it")
@@ -157,18 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which two implementations to compare (default hf-hf)")
     sp.add_argument("--fault", default="router_bf16",
                     help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
-    sp.add_argument("--layer", type=int, default=1)
-    sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports")
+    sp.add_argument("--layer", type=_count, default=1)
+    sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports "
+                    "(new, empty, or an earlier demo's)")
     sp.set_defaults(fn=cmd_demo)
 
     sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
     sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
     sp.add_argument("--rollout-id", type=int, required=True)
-    sp.add_argument("--growth", type=float, default=None)
-    sp.add_argument("--tol", action="append", metavar="NAME=VALUE")
-    sp.add_argument("--worst-tokens", type=int, default=8)
-    sp.add_argument("--json")
-    sp.add_argument("--html")
+    sp.add_argument("--growth", type=_positive, default=None)
+    sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item)
+    sp.add_argument("--worst-tokens", type=_count, default=8)
+    sp.add_argument("--json", type=_output_file)
+    sp.add_argument("--html", type=_output_file)
     sp.set_defaults(fn=cmd_slime_report)
     return p
 
@@ -178,7 +292,7 @@ def _fail(console: Console, what: str, debug: bool) -> int:
     from rich.text import Text
 
     from tic_trace.report_schema import EXIT_ERROR
-    line = Text("error: ", style="bold red") + Text(what)
+    line = Text("error: ", style="bold red") + Text(visible(what))
     if not debug:
         line += Text("  (--debug prints the traceback)", style="dim")
     console.print(line, soft_wrap=True)
@@ -195,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:   # a usage error: _Parser printed its one line
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
     # Reports are read in CI logs as often as in terminals: never squeeze tables into 80 columns.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+    # emoji=False: a trace string like ":thumbs_up:" stays text; trace strings are printed as Text (text.py).
+    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 140)
     try:
         code = int(args.fn(args, console) or 0)
     except TraceFormatError as e:

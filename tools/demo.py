@@ -28,6 +28,39 @@ def _trace_hf(out: Path, fault: str | None, layer: int, console: Console, setup:
 
 
 _PAIRS = {"hf-hf": ("hf", "hf")}
+# Marks a directory as the demo's own output: only such a directory (or an empty one) is reused, and only the
+# demo's own entries in it are replaced. The demo never deletes what it did not create.
+MARKER = ".tic-trace-demo"
+
+
+def check_demo_args(args) -> None:
+    """Fault and layer against what the demo's tiny models have (one line naming the problem, exit 2)."""
+    from tic_trace.testing.faults import FAULTS
+    from tic_trace.testing.hf_models import tiny_qwen3_config
+    if args.fault != "none" and args.fault not in FAULTS:
+        raise SystemExit(f"--fault {args.fault!r}: no such fault (have: none, {', '.join(sorted(FAULTS))})")
+    n = tiny_qwen3_config(moe=True).num_hidden_layers
+    if not 0 <= args.layer < n:
+        raise SystemExit(f"--layer {args.layer}: the demo's model has layers 0 to {n - 1}")
+
+
+def prepare_out(out: Path) -> None:
+    """Make `out` ready: a new or empty directory, or an earlier demo's (marked), whose A/ and B/ go."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out}: exists and is not a directory")
+    if out.is_dir():
+        names = {p.name for p in out.iterdir()}
+        if names and MARKER not in names:
+            raise SystemExit(f"--out {out}: not empty and not an earlier demo's output (no {MARKER} in it); "
+                             "give a new or empty directory")
+        for name in ("A", "B"):
+            d = out / name
+            if d.is_symlink() or d.is_file():
+                d.unlink()
+            elif d.is_dir():
+                shutil.rmtree(d)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `tic-trace demo`: the next demo run here replaces A/, B/ and report.*\n")
 
 
 def run_demo(args, console: Console) -> int:
@@ -35,20 +68,21 @@ def run_demo(args, console: Console) -> int:
     from tic_trace.html import render_html
     from tic_trace.inspect import inspect_trace
     from tic_trace.report import render_terminal, write_json
+    from tic_trace.text import text
 
+    check_demo_args(args)
     out = Path(args.out)
     a, b = out / "A", out / "B"
-    for d in (a, b):
-        shutil.rmtree(d, ignore_errors=True)
+    prepare_out(out)
     fault = None if args.fault == "none" else args.fault
     side_a, side_b = _PAIRS.get(args.pair, (None, None))
     if side_a is None:
         from tic_trace.tools import demo_pairs
         side_a, side_b = demo_pairs.run_pair(args.pair, a, b, fault, args.layer, console)
     else:
-        console.print(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}")
+        console.print(text(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}"))
         _trace_hf(a, None, args.layer, console, setup=fault)
-        console.print(f"tracing the same model as side B -> {b}")
+        console.print(text(f"tracing the same model as side B -> {b}"))
         _trace_hf(b, fault, args.layer, console, setup=fault)
     console.print()
     inspect_trace(str(b), console)
@@ -57,7 +91,7 @@ def run_demo(args, console: Console) -> int:
     render_terminal(report, console)
     write_json(report, out / "report.json")
     (out / "report.html").write_text(render_html(report), encoding="utf-8")
-    console.print(f"reports: {out / 'report.json'}  {out / 'report.html'}")
+    console.print(text(f"reports: {out / 'report.json'}  {out / 'report.html'}"))
     # the demo's own exit code: 0 when it found what it planted (or, clean, nothing), 2 when it did not
     from tic_trace.report_schema import EXIT_ERROR
     from tic_trace.testing.faults import FAULTS
@@ -66,5 +100,5 @@ def run_demo(args, console: Console) -> int:
     ok = (got is None) if fault is None else (got is not None and (expected is None or got == expected
                                                                     or (expected == "operator" and got == "routing")))
     if not ok:
-        console.print(f"demo: planted {fault or 'nothing'}, the report says {report['verdict']} ({got or '-'})")
+        console.print(text(f"demo: planted {fault or 'nothing'}, the report says {report['verdict']} ({got or '-'})"))
     return 0 if ok else EXIT_ERROR
