@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from tic_trace.testing import slime_real as sr  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402
 
-INTEGRATION = os.environ.get("TIC_TRACE_SLIME_MODULE", "tic_trace.integrations.slime")
+INTEGRATION = "tic_trace.integrations.slime"
 
 
 def _integration():
@@ -44,8 +44,12 @@ def _plain(v):
 # ================================================================== parse_args
 
 def scenario_args(out: Path) -> dict:
-    """slime's parse_args with and without our add_custom_arguments, then configure()."""
+    """slime's parse_args with and without our add_custom_arguments, then configure(); and the version check
+    against slime's own modules."""
     ts = _integration()
+    from tic_trace.integrations.slime.version import check_megatron_side, check_rollout_side
+    check_rollout_side()
+    check_megatron_side()
     hf, ckpt = _checkpoint(out)
     argv = sr.base_argv(ckpt, hf.config) + ["--debug-train-only"]
     plain = vars(sr.parse_args(argv))
@@ -59,7 +63,15 @@ def scenario_args(out: Path) -> dict:
     # the rollout side (SGLang server arguments) needs the sglang phase of parse_args
     argv_rollout = [a for a in argv if a != "--debug-train-only"]
     rollout_on = ts.configure(sr.parse_args(argv_rollout + ["--tic-trace"], ts.add_arguments))
+    try:
+        ts.configure(sr.parse_args(argv_rollout + ["--tic-trace", "--rollout-function-path",
+                                                   "slime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+                                   ts.add_arguments))
+        fully_async = None
+    except ValueError as e:
+        fully_async = str(e)
     return {
+        "fully_async_refused": fully_async,
         "plain": {k: _plain(v) for k, v in plain.items()},
         "ours_off": {k: _plain(v) for k, v in ours_off.items()},
         "on": {k: _plain(getattr(on, k, None)) for k in (*ts.HOOK_PATHS, "tic_trace_rollout_ids", "tic_trace_dir")},

@@ -52,6 +52,9 @@ def test_real_parse_args_flag_family(tmp_path):
     # the SGLang server arguments exist in slime's parser (SGLang's ServerArgs, --sglang- prefixed)
     assert res["rollout"]["sglang_disable_cuda_graph"] is True and res["rollout"]["sglang_disable_radix_cache"] is True
     assert any("tic_trace.adapters.sglang" in h["hook_factory"] for h in res["rollout"]["sglang_forward_hooks"])
+    # fully asynchronous rollout: refused, naming the flag and what to do
+    assert "generate_rollout_fully_async" in res["fully_async_refused"]
+    assert "--debug-train-only" in res["fully_async_refused"]
 
 
 def test_real_train_step0_when_log_prob_pass_is_skipped(tmp_path):

@@ -11,17 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-
-def _tolerance(args):
-    from tic_trace.diverge import Tolerance
-    per_dtype, per_point = {}, {}
-    for item in args.tol or []:
-        k, _, v = item.partition("=")
-        if not v:
-            raise SystemExit(f"--tol expects NAME=VALUE (a dtype like bfloat16 or a point like L3.attn.core), got {item!r}")
-        from tic_trace.dtypes import known_dtype
-        (per_dtype if known_dtype(k) else per_point)[k] = float(v)
-    return Tolerance(growth=args.growth, per_dtype=per_dtype, per_point=per_point)
+from tic_trace.tools.options import tolerance as _tolerance
 
 
 def _views(args, console):
@@ -86,11 +76,6 @@ def cmd_demo(args, console):
     return run_demo(args, console)
 
 
-def cmd_slime_report(args, console):
-    from tic_trace.adapters.slime import slime_report
-    return slime_report(args, console)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tic-trace", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -138,15 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports")
     sp.set_defaults(fn=cmd_demo)
 
-    sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
-    sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
-    sp.add_argument("--rollout-id", type=int, required=True)
-    sp.add_argument("--growth", type=float, default=10.0)
-    sp.add_argument("--tol", action="append", metavar="NAME=VALUE")
-    sp.add_argument("--worst-tokens", type=int, default=8)
-    sp.add_argument("--json")
-    sp.add_argument("--html")
-    sp.set_defaults(fn=cmd_slime_report)
+    from tic_trace.tools.slime_report import add_parser as add_slime_report
+    add_slime_report(sub)
     return p
 
 
