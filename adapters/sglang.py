@@ -653,6 +653,12 @@ def tracing_problems(server_args: Any = None) -> list[str]:
     if getattr(sa, "enable_torch_compile", False):
         problems.append("--enable-torch-compile is set: compiled forwards inline module calls (hooks and the "
                         "dispatch mode see nothing or a different graph). Remove --enable-torch-compile.")
+    if getattr(sa, "enable_flashinfer_allreduce_fusion", False) and \
+            not getattr(sa, "enforce_disable_flashinfer_allreduce_fusion", False):
+        problems.append("FlashInfer all-reduce fusion is on (the default for Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 "
+                        "on SM90/SM100 at TP>1): the residual add, all-reduce and input_layernorm run as one fused "
+                        "call, so input_layernorm records go missing and MoE outputs stay TP partials in every "
+                        "layer but the last. Start the server with --enforce-disable-flashinfer-allreduce-fusion.")
     if getattr(sa, "enable_fused_qk_norm_rope", False):
         problems.append("--enable-fused-qk-norm-rope is set: QK-norm and RoPE run in one fused kernel, so "
                         "attn.q_norm / attn.k_norm are not recorded. Remove it to trace them.")

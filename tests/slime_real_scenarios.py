@@ -79,8 +79,10 @@ def scenario_args(out: Path) -> dict:
                                                                 "tic_trace_dir", "tic_trace_max_samples")},
         "rollout": {k: _plain(getattr(rollout_on, k, None)) for k in
                     ("sglang_disable_cuda_graph", "sglang_disable_radix_cache", "sglang_forward_hooks",
+                     "sglang_enforce_disable_flashinfer_allreduce_fusion",
                      "custom_generate_function_path")},
         "hook_paths": dict(ts.HOOK_PATHS),
+        "server_args_in_slime_parser": {k: k in vars(sr.parse_args(argv_rollout)) for k in ts.SERVER_ARGS},
     }
 
 

@@ -443,6 +443,12 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     off = types.SimpleNamespace(device="cuda", cuda_graph_config={"decode": {"backend": "disabled"},
                                                                   "prefill": {"backend": "disabled"}})
     assert tracing_problems(off) == []
+    # FlashInfer all-reduce fusion (resolved on by default for some MoE models at TP>1): named with its off flag
+    fused = types.SimpleNamespace(device="cpu", enable_flashinfer_allreduce_fusion=True)
+    assert len(tracing_problems(fused)) == 1
+    assert "--enforce-disable-flashinfer-allreduce-fusion" in tracing_problems(fused)[0]
+    fused.enforce_disable_flashinfer_allreduce_fusion = True
+    assert tracing_problems(fused) == []
     assert tracing_problems() == []            # this process: CPU, graphs off, no compile
     # attaching to a server with such arguments logs them; a compiled forward is not traced
     monkeypatch.setattr(sga, "tracing_problems", lambda server_args=None: problems)

@@ -50,7 +50,11 @@ def test_real_parse_args_flag_family(tmp_path):
     assert res["yaml"]["tic_trace_rollout_ids"] == [2] and res["yaml"]["tic_trace_max_samples"] == 1
     assert res["yaml"]["tic_trace_dir"] == str(tmp_path / "y")
     # the SGLang server arguments exist in slime's parser (SGLang's ServerArgs, --sglang- prefixed)
+    # every SGLang server argument configure() sets is one slime's parser defines (else it would not reach
+    # the servers), and each is set
+    assert all(res["server_args_in_slime_parser"].values()), res["server_args_in_slime_parser"]
     assert res["rollout"]["sglang_disable_cuda_graph"] is True and res["rollout"]["sglang_disable_radix_cache"] is True
+    assert res["rollout"]["sglang_enforce_disable_flashinfer_allreduce_fusion"] is True
     assert any("tic_trace.adapters.sglang" in h["hook_factory"] for h in res["rollout"]["sglang_forward_hooks"])
     # fully asynchronous rollout: refused, naming the flag and what to do
     assert "generate_rollout_fully_async" in res["fully_async_refused"]

@@ -38,6 +38,9 @@ SERVER_ARGS = {
                                  "no hook fires, decode steps would be invisible",
     "sglang_disable_radix_cache": "a prefix-cache hit skips the prompt rows of a request (siblings of one "
                                   "prompt share them): those rows would never be computed under its rid",
+    "sglang_enforce_disable_flashinfer_allreduce_fusion": "FlashInfer's fused all-reduce + add + RMSNorm runs "
+        "input_layernorm as one fused call (its records go missing) and leaves MoE outputs partial in every "
+        "layer but the last (on by default for Qwen3-MoE, GLM-4-MoE, DeepSeek-V3 on SM90/SM100 at TP>1)",
 }
 _SGLANG_HOOK_FACTORY = "tic_trace.adapters.sglang"
 
