@@ -74,7 +74,7 @@ def slime_report(args, console) -> int:
     if report["verdict"] == "not_comparable" or not (report.get("rows") or {}).get("matched"):
         console.print("[bold yellow]nothing compared:[/] the two sides share no (sample, position) row. Rows are "
                       "keyed '<rollout>-<sample index>': check that SGLang requests carried that rid (tic_trace"
-                      ".adapters.slime.generate is the --custom-generate-function-path) and the mode is not "
+                      ".integrations.slime.generate is the --custom-generate-function-path) and the mode is not "
                       "'stats'.")
         return 2
     return 1 if report["verdict"] == "divergent" else 0

@@ -152,7 +152,7 @@ def _begin_session(args: Any, model_chunks, rollout_id: int, phase: str) -> None
         return
     if "get_batch" not in _PATCHED:
         warn_once("patches", "tic-trace: megatron_init did not run in this process (is --custom-megatron-init-path "
-                              "still tic_trace.adapters.slime.megatron_init?): micro-batches cannot be named, the "
+                              "still tic_trace.integrations.slime.megatron_init?): micro-batches cannot be named, the "
                               "Megatron side is not traced")
         return
     _S.session = _Session(args, model_chunks, rollout_id, phase)
