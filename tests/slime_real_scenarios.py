@@ -171,7 +171,12 @@ def scenario_flow(out: Path) -> dict:
         "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1",
         "--tic-trace-max-samples", "2", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
-        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4"]
+        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
+        # the user's own hooks: --tic-trace keeps them and calls them with slime's arguments
+        "--custom-megatron-init-path", "tic_trace.testing.slime_real.user_init",
+        "--custom-megatron-before-log-prob-hook-path", "tic_trace.testing.slime_real.user_before_log_prob",
+        "--custom-megatron-before-train-step-hook-path", "tic_trace.testing.slime_real.user_before_train_step",
+        "--custom-generate-function-path", "tic_trace.testing.slime_real.user_generate"]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
     sc.init_sglang_distributed(tp_size=1)
     mc.apply_all()
@@ -213,6 +218,7 @@ def scenario_flow(out: Path) -> dict:
     for rollout_id in (0, 1):
         result["passes"][rollout_id] = _passes(out / "traces" / f"rollout_{rollout_id:05d}" / "megatron")
     result["dir"] = str(out / "traces")
+    result["user_calls"] = [list(c) for c in sr.USER_CALLS]
     return result
 
 

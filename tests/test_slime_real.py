@@ -94,6 +94,16 @@ def test_real_flow_tags_requests_and_traces_the_log_prob_pass(flow):
         assert sorted(set(keys) - {None}) == [f"{r}-{2 * r}", f"{r}-{2 * r + 1}"] and keys[-1] is None
 
 
+def test_real_flow_chains_the_users_hooks(flow):
+    calls = [tuple(c) for c in flow["user_calls"]]
+    assert calls[0] == ("init",)
+    # forward_only called the user's hook for the ref pass then the actor pass, per rollout, with slime's list
+    assert [c for c in calls if c[0] == "log_prob"] == [("log_prob", "ref_", "list"), ("log_prob", "", "list")] * 2
+    assert [c for c in calls if c[0] == "train_step"] == [("train_step", 0, 0), ("train_step", 1, 0)]
+    assert sorted(c[1] for c in calls if c[0] == "generate") == [0, 1, 2, 3]
+    assert all(c[2] is False for c in calls if c[0] == "generate")
+
+
 def test_real_flow_slime_report(flow, tmp_path):
     from tic_trace.testing.faults import FAULTS
     from tic_trace.tools.cli import main as cli_main

@@ -333,3 +333,28 @@ def rollout(args, rollout_id: int, samples: list, *, evaluation: bool = False) -
 async def constant_reward(args, sample, **kwargs) -> float:
     """``--custom-rm-path``: no reward model in these tests."""
     return 1.0
+
+
+# ================================================================== a user's own hooks (chained by --tic-trace)
+
+#: Calls of the hooks below, in order: what slime passed to the user's hooks while ours were installed.
+USER_CALLS: list[tuple] = []
+
+
+def user_init(args) -> None:
+    USER_CALLS.append(("init",))
+
+
+def user_before_log_prob(args, model_chunks, store_prefix) -> None:
+    USER_CALLS.append(("log_prob", store_prefix, type(model_chunks).__name__))
+
+
+def user_before_train_step(args, rollout_id, step_id, model_chunks, optimizer, opt_param_scheduler) -> None:
+    USER_CALLS.append(("train_step", int(rollout_id), int(step_id)))
+
+
+async def user_generate(args, sample, sampling_params, evaluation=False):
+    """A user's generate function wrapping slime's (the common case: pre/post-processing around it)."""
+    from slime.rollout.sglang_rollout import generate
+    USER_CALLS.append(("generate", sample.index, evaluation))
+    return await generate(args, sample, sampling_params)
