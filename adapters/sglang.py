@@ -26,9 +26,11 @@ mapping rests on (SGLang 0.5.23, checked on real model code in ``tests/test_sgla
 * **TP partial sums.** ``o_proj`` (``reduce_results=False`` in Qwen2/Qwen3/Qwen3-MoE), the dense ``mlp``,
   ``mlp.experts`` and the MoE block outputs are per-rank partial sums at TP > 1 (the all-reduce is deferred
   into the next norm). Which ones are partial is read off the modules (``reduce_results``) by
-  :meth:`SGLangAdapter.describe` into ``config["tp_partial"]`` (point -> layers), and ``keeps`` picks the
-  ``sum`` or the ``same`` row of the table accordingly. Norm outputs, router, top-k and the embedding are
-  replicated (rank 0 is taken).
+  :meth:`SGLangAdapter.describe` into ``config["tp_partial"]`` (point -> layers). The merge itself does not
+  trust that declaration (it changes between SGLang versions: 0.5.15.post1's MoE blocks all-reduce their
+  output, 0.5.23's do not): rank copies that are bitwise equal are taken once, otherwise added, and a
+  disagreement with the declaration becomes a report note (:meth:`SGLangAdapter.merge_shards`). Norm
+  outputs, router, top-k and the embedding are replicated (rank 0 is taken).
 * **MoE.** ``mlp.gate`` returns ``(router_logits, None)`` (Qwen3-MoE ``ReplicatedLinear``) or the logits
   (DeepSeek ``MoEGate``, GLM ``Glm4MoeGate``); ``mlp.topk`` returns ``StandardTopKOutput(topk_weights,
   topk_ids, router_logits)`` (ids in descending-weight order: compared sorted, weights reordered by id);
@@ -70,7 +72,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, merge, register_merge, register_transform)
 from tic_trace.adapter import as_ints as _ints
 
 log = logging.getLogger("tic_trace.sglang")
@@ -86,9 +88,9 @@ MHA_POINTS = ("attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.
               "attn.core")
 
 
-def _partial_pair(point: str, record: str, note: str = "") -> tuple[PointMap, PointMap]:
-    return (PointMap(point, record, merge="sum", opts={"partial": True}, note=note + " (TP partial sums: added)"),
-            PointMap(point, record, merge="same", opts={"partial": False}, note=note))
+def _tp_reduced(point: str, record: str, note: str = "") -> PointMap:
+    return PointMap(point, record, merge="sum", opts={"tp_reduce": True},
+                    note=(note + " " if note else "") + "(TP ranks: bitwise-equal copies taken once, else partial sums added)")
 
 
 POINTS = (
@@ -108,7 +110,7 @@ POINTS = (
              note="RadixAttention's q input: after RoPE (rotary_emb is one shared module)"),
     PointMap("attn.k_rope", _A + r"\.attn:in\[1\]", "heads", "sgl_heads_kv", opts={"heads": "kv"}),
     PointMap("attn.core", _A + r"\.attn:out", merge="sgl_heads_q", note="RadixAttention output, before o_proj"),
-    *_partial_pair("attn.out", _A + r"\.o_proj:out\[0\]"),
+    _tp_reduced("attn.out", _A + r"\.o_proj:out\[0\]"),
     PointMap("mid", _L + r"\.post_attention_layernorm:out\[1\]",
              note="post_attention_layernorm(attn_out, residual) returns (normed, residual after attention)"),
     PointMap("mlp_norm", _L + r"\.post_attention_layernorm:out\[0\]"),
@@ -116,9 +118,9 @@ POINTS = (
     PointMap("moe.topk_ids", _M + r"\.topk:out\.topk_ids", "sorted_ids", note="descending-weight order: sorted"),
     PointMap("moe.topk_weights", _M + r"\.topk:out\.topk_weights", "weights_by_sorted_ids",
              also={"ids": "model.layers.{layer}.mlp.topk:out.topk_ids"}),
-    *_partial_pair("moe.experts_out", _M + r"\.experts:out"),
-    *_partial_pair("moe.shared_out", _M + r"\.shared_experts?:out(\[0\])?"),
-    *_partial_pair("mlp.out", _M + r":out(\[0\])?"),
+    _tp_reduced("moe.experts_out", _M + r"\.experts:out"),
+    _tp_reduced("moe.shared_out", _M + r"\.shared_experts?:out(\[0\])?"),
+    _tp_reduced("mlp.out", _M + r":out(\[0\])?"),
     PointMap("output", _L + r"\.input_layernorm:out\[1\]", opts={"layer_offset": -1},
              note="the residual leaving layer N-1 is the 2nd output of layer N's input_layernorm"),
     PointMap("output", r"model\.norm:out\[1\]", opts={"layer": -1},
@@ -176,6 +178,13 @@ def _kv_ranks(arrays: list[np.ndarray], nkv: int) -> list[np.ndarray]:
     if nkv and tp > nkv and tp % nkv == 0:
         return arrays[:: tp // nkv]
     return arrays
+
+
+def tp_copies_equal(arrays: list) -> bool:
+    """Whether every rank recorded bitwise the same tensor (a replicated output, not partial sums)."""
+    first = np.ascontiguousarray(arrays[0])
+    return all(a.shape == first.shape and a.dtype == first.dtype
+               and np.ascontiguousarray(a).tobytes() == first.tobytes() for a in arrays[1:])
 
 
 @register_merge("sgl_qkv")
@@ -520,11 +529,27 @@ class SGLangAdapter(Adapter):
         return [sorted(g, key=lambda r: ((rank_infos.get(r) or {}).get("coords") or {}).get("tp_rank", 0))
                 for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
-    def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
-        if "partial" in pm.opts:
-            partial_layers = set((config.get("tp_partial") or {}).get(pm.point) or [])
-            return (layer in partial_layers) == bool(pm.opts["partial"])
-        return True
+    def merge_shards(self, pm: PointMap, layer: int | None, arrays: list, config: dict):
+        """TP-reduced points: whether a module's output is a per-rank partial sum depends on the SGLang
+        version (0.5.15.post1's MoE blocks all-reduce their own output, 0.5.23's return it unreduced) and on
+        runtime switches (FlashInfer all-reduce fusion), so the records decide: rank copies that are bitwise
+        equal are one replicated tensor, otherwise partial sums, added. The module's declaration
+        (``describe()["tp_partial"]``) is checked against that, with a note when they disagree."""
+        if not pm.opts.get("tp_reduce"):
+            return super().merge_shards(pm, layer, arrays, config)
+        if len(arrays) == 1:
+            return arrays[0], None
+        replicated = tp_copies_equal(arrays)
+        declared = layer in set((config.get("tp_partial") or {}).get(pm.point) or [])
+        note = None
+        if declared and replicated:
+            note = (f"{pm.point}: the module declares a TP partial sum (reduce_results=False) but every rank "
+                    "recorded the same tensor: taken once as already reduced (an SGLang version whose block "
+                    "all-reduces its own output, e.g. 0.5.15's MoE blocks)")
+        elif not declared and not replicated:
+            note = (f"{pm.point}: the module declares a reduced output but the ranks recorded different "
+                    "tensors: added as TP partial sums")
+        return (arrays[0] if replicated else merge("sum", arrays, config)), note
 
     def applies(self, pm: PointMap, config: dict) -> bool:
         if pm.opts.get("input_logprobs") and not self.input_logprobs:

@@ -467,8 +467,9 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     assert sga.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
 
 
-def _tp2_worker(rank, world, port, out_dir):
-    """One spawned TP rank: SGLang TP=2 over gloo, traced through SGLang's own register_forward_hooks."""
+def _tp2_worker(rank, world, port, out_dir, block_reduces=False):
+    """One spawned TP rank: SGLang TP=2 over gloo, traced through SGLang's own register_forward_hooks.
+    ``block_reduces``: the MoE blocks all-reduce their own output, as in SGLang 0.5.15.post1 (slime's pin)."""
     torch.set_num_threads(1)
     sc.disable_torch_compile()
     sc.init_sglang_distributed(tp_size=world, rank=rank, port=port)
@@ -477,6 +478,9 @@ def _tp2_worker(rank, world, port, out_dir):
 
         cfg = moe_cfg()
         model = sc.build_sglang_model(cfg, build_hf_model(cfg, seed=0))
+        if block_reduces:
+            from tic_trace.testing.sglang_versions import reduce_moe_output_in_block
+            assert reduce_moe_output_in_block(model) == cfg.num_hidden_layers
         register_forward_hooks(model, forward_hooks_spec(out_dir, None, mode="full"))
         sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
         close_sessions()
@@ -506,6 +510,27 @@ def test_tp2_traces_reassemble_to_tp1(tmp_path, sg_trace):
     full = CanonicalView(str(sg_trace[0])).trace.open_pass(0, 0).record("model.layers.0.self_attn.o_proj:out[0]")
     assert np.abs(o0 - full.values()).max() > 1e-3
     np.testing.assert_allclose(o0 + o1, full.values(), rtol=0, atol=1e-5)
+    assert rep.sides["b"]["merge_notes"] == {}          # every declared partial was a partial
+
+
+def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
+    """SGLang 0.5.15.post1 (slime's pin) all-reduces each MoE block's output inside the block; the module still
+    declares reduce_results=False. The merge goes by the records (bitwise-equal rank copies: taken once) and
+    notes the disagreement; summing them as declared would make mlp.out tp x too large."""
+    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"), True), timeout_s=240)
+    v = CanonicalView(str(tmp_path / "tp2"))
+    assert v.config["tp_partial"]["mlp.out"] == [0, 1]                       # what the module declares
+    p0, p1 = v.trace.open_pass(0, 0), v.trace.open_pass(1, 0)
+    m0, m1 = (p.record("model.layers.0.mlp:out").values() for p in (p0, p1))
+    assert m0.tobytes() == m1.tobytes()                                       # replicated, not partial
+    e0, e1 = (p.record("model.layers.0.mlp.experts:out").values() for p in (p0, p1))
+    assert e0.tobytes() != e1.tobytes()                                       # the experts' output still is
+    rep = find_divergence(str(sg_trace[0]), v)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.rows["matched"] == SG_ROWS and {p.point for p in rep.points} == _promised(v)
+    assert max(p.error for p in rep.points) < 1e-5
+    notes = rep.sides["b"]["merge_notes"]
+    assert set(notes) == {"L0.mlp.out", "L1.mlp.out"} and "declares a TP partial sum" in notes["L0.mlp.out"]
 
 
 def test_sglang_merges_units():

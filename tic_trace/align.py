@@ -41,6 +41,7 @@ class CanonicalTensor:
     hashes: list[int | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # record names, for the report
     duplicates: int = 0                # rows seen more than once (kept: the first)
+    notes: list[str] = field(default_factory=list)    # the adapter's remarks on merging the rank shards
 
     @property
     def key(self) -> str:
@@ -57,6 +58,7 @@ class CanonicalView:
         self.include_recompute = include_recompute
         self._passes: dict[tuple[int, int], Pass] = {}
         self.entries: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
+        self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
         self.rows_total = 0
@@ -159,7 +161,10 @@ class CanonicalView:
             rows = _rows_of(p, lead)
             if not values or not all(r.has_data for r in recs):
                 continue
-            arr = merge(e.pm.merge, [r.values() for r in recs], self.config)
+            arr, note = self.adapter.merge_shards(e.pm, layer, [r.values() for r in recs], self.config)
+            if note and note not in ct.notes:
+                ct.notes.append(note)
+                self.notes.setdefault(key_name(point, layer), note)
             extra = {}
             for name, tmpl in e.pm.also.items():
                 rn = tmpl.format(**_name_fields(lead.name, e.pm))

@@ -313,7 +313,8 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
 def _side(v: CanonicalView) -> dict:
     m = v.trace.manifest
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
-            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped)}
+            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "merge_notes": dict(v.notes)}
 
 
 def _cause(first: PointResult, results: list[PointResult], routing: dict) -> str:
