@@ -90,8 +90,6 @@ def scenario_args(out: Path) -> dict:
 
 
 def _megatron_world():
-    from megatron.training.global_vars import set_args  # noqa: F401 - imported by callers
-
     from tic_trace.testing import megatron_cpu as mc
     mc.init_parallel(0, 1)
     sr.install_cpu_accelerator()
@@ -208,7 +206,7 @@ def scenario_flow(out: Path) -> dict:
                 plant(model, "megatron", "rmsnorm_eps", 1)
             actor.train(rollout_id, refs)
     finally:
-        from tic_trace.adapters.sglang import close_sessions
+        from tic_trace.adapters.sglang_server import close_sessions
         close_sessions()
         if server is not None:
             server.stop()

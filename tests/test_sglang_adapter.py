@@ -29,6 +29,7 @@ import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudl
 import tic_trace  # noqa: E402
 from tic_trace.adapter import get_adapter  # noqa: E402
 from tic_trace.adapters import sglang as sga  # noqa: E402
+from tic_trace.adapters import sglang_server as sgs  # noqa: E402
 from tic_trace.adapters.megatron import MegatronAdapter  # noqa: E402
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.adapters.sglang import (  # noqa: E402
@@ -68,7 +69,7 @@ def traced_engine(model, out, eng=None, **trace_kw):
     them) are traced into `out`, one pass each."""
     trace_kw.setdefault("points_mode", "full")
     eng = eng or sc.SGLangRollout(model)
-    with sga.trace_forwards(model, out, **trace_kw) as t:
+    with sgs.trace_forwards(model, out, **trace_kw) as t:
         yield t, eng
     assert t.failed is None, t.failed
     assert "forward" not in vars(model)
@@ -357,10 +358,10 @@ def test_forward_hooks_factory_traces_through_sglangs_registration(tmp_path, sg_
 
     model = new_model()
     spec = forward_hooks_spec(str(tmp_path / "hooks"), None, mode="full")
-    assert spec[0]["hook_factory"] == "tic_trace.adapters.sglang:forward_hook_factory"
+    assert spec[0]["hook_factory"] == "tic_trace.adapters.sglang_server:forward_hook_factory"
     assert json.loads(json.dumps(spec)) == spec
     register_forward_hooks(model, spec)
-    session = sga._SESSIONS[-1]
+    session = sgs._SESSIONS[-1]
     assert session.root is model and "forward" in vars(model)
     assert len(model.model.embed_tokens._forward_hooks) == 1
     sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
@@ -379,7 +380,7 @@ def test_hook_finds_the_model_when_the_factory_could_not(tmp_path, new_model):
     """A factory called outside register_forward_hooks: the hook (on embed_tokens) finds the model during
     the first forward; tracing starts at the next one."""
     m = new_model()
-    hook = sga.forward_hook_factory(forward_hooks_spec(str(tmp_path / "late"), None, mode="full")[0]["config"])
+    hook = sgs.forward_hook_factory(forward_hooks_spec(str(tmp_path / "late"), None, mode="full")[0]["config"])
     session = hook.tic_trace_session
     assert session.root is None
     m.model.embed_tokens.register_forward_hook(hook)
@@ -402,7 +403,7 @@ def test_forward_hooks_spec_traces_only_chosen_samples_per_rollout(tmp_path, sg_
     prompts = {rid: PROMPTS[src] for rid, src in like.items()}
     forced = {rid: RESPONSES[src] for rid, src in like.items()}
     eng.generate(prompts, DECODE, forced_tokens=forced)
-    session = sga._SESSIONS[-1]
+    session = sgs._SESSIONS[-1]
     before = dict(session.tracers)
     eng.generate({"4-1": PROMPTS["req-a"], "3-7": PROMPTS["req-b"], "x": [1, 2]}, 2)   # nothing chosen
     assert session.tracers == before and session.passes_traced == 1 + DECODE
@@ -451,10 +452,10 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     assert tracing_problems(fused) == []
     assert tracing_problems() == []            # this process: CPU, graphs off, no compile
     # attaching to a server with such arguments logs them; a compiled forward is not traced
-    monkeypatch.setattr(sga, "tracing_problems", lambda server_args=None: problems)
+    monkeypatch.setattr(sgs, "tracing_problems", lambda server_args=None: problems)
     m = new_model()
     with caplog.at_level(logging.WARNING, logger="tic_trace.sglang"):
-        session = sga._HookSession({"out_dir": "unused", "mode": "full"})
+        session = sgs._HookSession({"out_dir": "unused", "mode": "full"})
         session.attach(m)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         sc.SGLangRollout(m).generate({"x": [1, 2, 3]}, 1)
@@ -464,7 +465,7 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     # a bad configuration never takes a server down: the factory logs it and registers nothing
     with pytest.raises(ValueError):
         forward_hooks_spec("x", None, mode="everything")
-    assert sga.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
+    assert sgs.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
 
 
 def _tp2_worker(rank, world, port, out_dir, block_reduces=False):

@@ -24,8 +24,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import tic_trace.integrations.slime as ts
 import tic_trace.integrations.slime.config as config

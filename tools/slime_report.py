@@ -4,7 +4,6 @@ Megatron is the reference (side A), SGLang side B. See docs/slime.md.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 

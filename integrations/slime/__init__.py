@@ -22,13 +22,20 @@ the sample index, so both sides select the same samples without talking to each 
 
 Importing this package imports no framework and no adapter: off means off.
 """
-from tic_trace.integrations.slime.config import (  # noqa: F401
+__all__ = [
+    "CHAINED_ATTR", "DEFAULT_MAX_SAMPLES", "DEFAULT_MODE", "DEFAULT_ROLLOUT_IDS", "HOOK_PATHS", "MODES", "SERVER_ARGS",
+    "add_arguments", "configure", "enabled", "normalize", "rollout_dir", "sample_key", "samples_per_rollout",
+    "selected", "before_log_prob_hook", "before_train_step_hook", "install_megatron_patches", "megatron_init",
+    "POST_MODULES", "current_rollout_id", "generate", "install_rid_injection", "request_rid",
+]
+
+from tic_trace.integrations.slime.config import (
     CHAINED_ATTR, DEFAULT_MAX_SAMPLES, DEFAULT_MODE, DEFAULT_ROLLOUT_IDS, HOOK_PATHS, MODES, SERVER_ARGS,
     add_arguments, configure, enabled, normalize, rollout_dir, sample_key, samples_per_rollout, selected,
 )
-from tic_trace.integrations.slime.megatron_hooks import (  # noqa: F401
+from tic_trace.integrations.slime.megatron_hooks import (
     before_log_prob_hook, before_train_step_hook, install_megatron_patches, megatron_init,
 )
-from tic_trace.integrations.slime.rollout_hooks import (  # noqa: F401
+from tic_trace.integrations.slime.rollout_hooks import (
     POST_MODULES, current_rollout_id, generate, install_rid_injection, request_rid,
 )

@@ -219,7 +219,7 @@ def _with_sglang_spec(args: Any) -> list[dict]:
     if isinstance(have, dict):
         have = [have]
     keep = [h for h in (have or []) if not str((h or {}).get("hook_factory", "")).startswith(_SGLANG_HOOK_FACTORY)]
-    from tic_trace.adapters.sglang import forward_hooks_spec
+    from tic_trace.adapters.sglang_server import forward_hooks_spec
     spec = forward_hooks_spec(args.tic_trace_dir, list(args.tic_trace_rollout_ids), _SGLANG_MAX_SAMPLES,
                               args.tic_trace_mode, args.tic_trace_filter)
     return keep + list(spec)

@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 from tic_trace.integrations.slime.config import (
-    _chained, enabled, log, rollout_dir, sample_key, selected, warn_once,
+    _chained, enabled, rollout_dir, sample_key, selected, warn_once,
 )
 from tic_trace.integrations.slime.version import check_megatron_side
 

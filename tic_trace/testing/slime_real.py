@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import sys
-import threading
-import types
 from pathlib import Path
-from typing import Any
 
 import torch
 
