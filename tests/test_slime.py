@@ -400,3 +400,12 @@ def test_old_slime_is_refused(monkeypatch):
     del Actor.train_actor
     with pytest.raises(version.UnsupportedSlime, match="train_actor"):
         version.check_megatron_side()
+
+
+def test_async_training_is_warned_about(tmp_path, caplog):
+    """train_async.py generates rollout N+1 with the weights from before training N: said at configure time."""
+    args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--debug-train-only"])
+    args.tic_trace_entry = "train_async.py"          # what `python -m tic_trace.integrations.slime.train` records
+    with caplog.at_level("WARNING", logger="tic_trace.slime"):
+        ts.configure(args)
+    assert "train_async.py" in caplog.text and "only rollout 0" in caplog.text

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tic_trace.testing.slime_vendor import vendored_paths
+from tic_trace.testing.slime_vendor import VENDOR_ENV, vendor_dir, vendored_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "slime_real_scenarios.py"
@@ -25,6 +25,7 @@ SCRIPT = ROOT / "tests" / "slime_real_scenarios.py"
 def run_scenario(name: str, out: Path) -> dict:
     vendored_paths()                      # a clear error when the snapshots are not where they should be
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault(VENDOR_ENV, str(vendor_dir()))
     r = subprocess.run([sys.executable, str(SCRIPT), name, str(out)], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, f"scenario {name} failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-8000:]}"

@@ -242,10 +242,24 @@ def _warn_about_setup(args: Any) -> None:
     if int(getattr(args, "update_weights_interval", 1) or 1) > 1 or getattr(args, "keep_old_actor", False):
         log.warning("tic-trace: with --update-weights-interval > 1 or --keep-old-actor the rollout and the "
                     "traced Megatron pass may use different weights: expect differences from that alone")
+    if _entry_script(args) == "train_async.py":
+        log.warning("tic-trace: train_async.py generates rollout N+1 while rollout N trains, with the weights from "
+                    "before that training: only rollout 0 compares the same weights on both sides")
     if getattr(args, "debug_train_only", False):
         log.warning("tic-trace: --debug-train-only: only the Megatron side is traced")
     if getattr(args, "debug_rollout_only", False):
         log.warning("tic-trace: --debug-rollout-only: only the SGLang side is traced")
+
+
+#: Set by ``tic_trace.integrations.slime.train`` to the slime entry script it runs (``train.py``, ...).
+ENTRY_ATTR = "tic_trace_entry"
+
+
+def _entry_script(args: Any) -> str:
+    """The slime entry script of this run: what our entry point recorded, else the ``__main__`` script."""
+    import sys
+    name = getattr(args, ENTRY_ATTR, None) or getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    return os.path.basename(str(name))
 
 
 def _json(x: Any) -> str:

@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tic-trace: {e}", file=sys.stderr)
         return 2
     from tic_trace.integrations.slime import add_arguments, configure, enabled
+    from tic_trace.integrations.slime.config import ENTRY_ATTR
     args = parse_args(add_custom_arguments=add_arguments)
+    if enabled(args):
+        setattr(args, ENTRY_ATTR, entry.name)      # _warn_about_setup names what train_async.py changes
     args = configure(args)
-    if enabled(args) and entry.name == "train_async.py":
-        print("tic-trace: train_async.py generates rollout N+1 while rollout N trains, with the weights from "
-              "before that training: only rollout 0 compares the same weights on both sides", file=sys.stderr)
     train(args)
     return 0
 
