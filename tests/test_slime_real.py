@@ -111,7 +111,7 @@ def test_real_flow_slime_report(flow, tmp_path):
     clean = tmp_path / "r0.json"
     assert cli_main(["slime-report", flow["dir"], "--rollout-id", "0", "--json", str(clean)]) == 0
     rep0 = json.loads(clean.read_text())
-    assert rep0["verdict"] == "consistent" and rep0["rows"]["matched"] == 20   # 2 x (prompt + 4 tokens - 1)
+    assert rep0["verdict"] == "consistent" and rep0["rows"]["matched"] == 20   # (9 + 3) + (5 + 3) rows
     bad = tmp_path / "r1.json"
     assert cli_main(["slime-report", flow["dir"], "--rollout-id", "1", "--json", str(bad)]) == 1
     rep1 = json.loads(bad.read_text())
