@@ -13,8 +13,9 @@ optimizer, SGLang's model code.
 What is not: the model is built by :mod:`tic_trace.testing.megatron_cpu` from the HF config (slime's
 ``initialize_model_and_optimizer`` goes through ``get_model`` and a checkpoint load, CUDA only), the
 actor's ``init`` (Ray placement, NCCL groups, checkpoint load) is replaced by setting the attributes it
-sets, and the SGLang server behind the router URL is :class:`EngineServer` (the CPU harness's engine behind
-an aiohttp endpoint that answers ``/generate`` the way SGLang's does).
+sets (its weight updater is the stub ``slime_vendor.NoWeightUpdater``), and the SGLang server behind the
+router URL is :class:`EngineServer` (the CPU harness's engine behind an aiohttp endpoint that answers
+``/generate`` the way SGLang's does).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from tic_trace.testing.slime_vendor import NoWeightUpdater
 
 # ================================================================== checkpoint and arguments
 
@@ -193,14 +196,6 @@ def optimizer_and_scheduler(args, model):
     return optimizer, get_optimizer_param_scheduler(args, optimizer)
 
 
-class _NoWeightUpdater:
-    """The actor's weight updater pushes weights to the SGLang engines (NCCL / CUDA IPC); ``train_actor``
-    only calls its ``pop_metrics()``. The tests load the same HF weights into both sides instead."""
-
-    def pop_metrics(self) -> dict:
-        return {}
-
-
 def train_actor(args, model, *, with_ref: bool):
     """A ``MegatronTrainRayActor`` in the state ``init`` leaves it in (``init`` itself needs Ray and CUDA):
     model chunks, optimizer, scheduler, the weight backuper with ``"actor"`` (and ``"ref"``, a copy of the
@@ -221,7 +216,7 @@ def train_actor(args, model, *, with_ref: bool):
     if with_ref:
         actor.weights_backuper.backup("ref")
     actor.rollout_data_postprocess = None
-    actor.weight_updater = _NoWeightUpdater()
+    actor.weight_updater = NoWeightUpdater()
     actor.rollout_engines = None
     from slime.observability.timer import Timer
     Timer().start("train_wait")            # init's @with_defer(lambda: Timer().start("train_wait"))

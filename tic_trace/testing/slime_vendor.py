@@ -7,8 +7,9 @@ only in a process of its own, before anything imports ``megatron``), then slime,
 below. Everything else slime imports is the real package of this environment (torch, transformers,
 SGLang 0.5.23's ``ServerArgs``, httpx, ...).
 
-Each stub replaces one heavy runtime package slime imports at module level and that is not installed
-here; each defines only what the code paths under test reach, and says which slime line needs it.
+Each stub replaces one heavy runtime package slime imports at module level and that is not installed here
+(or, :class:`NoWeightUpdater`, one slime object that needs GPUs and engines); each defines only what the code
+paths under test reach, and says which slime line needs it.
 """
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ class _RayRemote:
         if len(a) == 1 and not kw and callable(a[0]):
             return a[0]
         return lambda obj: obj
+
+
+class NoWeightUpdater:
+    """Stands in for the train actor's weight updater (``slime/backends/megatron_utils/update_weight/``: pushes
+    weights to the SGLang engines over NCCL or CUDA IPC; created by ``MegatronTrainRayActor.init``).
+    ``train_actor`` only calls its ``pop_metrics()`` (actor.py, the ``log_perf_data`` call at its end); the
+    tests load the same HF weights into both sides instead of pushing them."""
+
+    def pop_metrics(self) -> dict:
+        return {}
 
 
 def install_stubs() -> None:
