@@ -13,6 +13,7 @@ down again) and then SGLang's distributed state is initialised for the rest of t
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -37,10 +38,10 @@ from tic_trace.adapters.sglang import (  # noqa: E402
     tracing_problems)
 from tic_trace.align import CanonicalView, align_rows  # noqa: E402
 from tic_trace.canonical import key_name  # noqa: E402
-from tic_trace.diverge import DEFAULT_TOL, find_divergence  # noqa: E402
+from tic_trace.diverge import DEFAULT_TOL, find_divergence, rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing import sglang_cpu as sc  # noqa: E402
-from tic_trace.testing.faults import FAULTS, hf_faults, plant, sglang_faults  # noqa: E402
+from tic_trace.testing.faults import FAULTS, hf_faults, plant, prepare, sglang_faults  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402
 
 PROMPTS = {"req-a": [3, 5, 7, 9, 11], "req-b": [2, 4, 6, 8, 10, 12, 14, 16]}
@@ -155,7 +156,22 @@ def hf_trace(root, hf):
 
 
 @pytest.fixture(scope="module")
-def sglang_env(mg_trace):
+def hf_tied(hf):
+    """The model with experts NEAR_TIE of layer FAULT_LAYER nearly tied (the routing_near_tie setup)."""
+    tied = copy.deepcopy(hf)
+    prepare(tied, "hf", "routing_near_tie", FAULT_LAYER)
+    return tied
+
+
+@pytest.fixture(scope="module")
+def mg_tied_trace(root, hf_tied):
+    out = root / "megatron_tied"
+    trace_megatron(out, hf_tied.config, hf_tied.state_dict(), SEQS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang_env(mg_trace, mg_tied_trace):
     """SGLang TP=1 in this process (after the Megatron trace: one torch.distributed group at a time)."""
     sc.init_sglang_distributed(tp_size=1)
     yield
@@ -276,6 +292,10 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_mode
     rep = find_divergence(va, vb)
     assert rep.verdict == "divergent"
     assert rep.first["key"] == key_name(f.point, FAULT_LAYER if f.layered else None), rep.first["key"]
+    cause = rep.first["cause"]
+    assert cause == f.cause or (f.point == "moe.router_logits" and cause == "routing"), cause
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
     if fault == "decode_only_scale":
         # only the decode rows diverge at the point: prefill rows are bitwise what they were
         pair = align_rows(va.load(f.point, FAULT_LAYER), vb.load(f.point, FAULT_LAYER))
@@ -285,6 +305,36 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_mode
         decode_rows = {(rid, len(p) + j) for rid, p in PROMPTS.items() for j in range(DECODE)}
         assert bad == decode_rows
         assert rep.first["rows"] == SG_ROWS
+
+
+@pytest.mark.parametrize("fault", ["routing_near_tie", "routing_near_tie_decode"])
+def test_near_tie_routing_megatron_vs_sglang(tmp_path, mg_tied_trace, hf_tied, sglang_env, fault):
+    """Both models with two nearly tied experts; SGLang's gate rounds their difference the other way (in
+    every forward, or in decode steps only): a routing finding at FAULT_LAYER, never an operator divergence."""
+    model = sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied))
+    rollout(model, tmp_path / "sg", fault=fault)
+    rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
+    assert rep.verdict == "divergent"
+    assert rep.first["key"] == key_name("moe.topk_ids", FAULT_LAYER) and rep.first["cause"] == "routing"
+    f = next(x for x in rep.findings if x.cause == "routing")
+    assert f.layer == FAULT_LAYER and not f.computational
+    assert f.detail["flipped"] > 0 and f.detail["near_tie"] == f.detail["flipped"]
+    assert not [p.key for p in rep.points if p.status == "divergent" and p.cause != "routing"]
+    if fault == "routing_near_tie_decode":
+        decode_rows = {f"{rid}@{len(p) + j}" for rid, p in PROMPTS.items() for j in range(DECODE)}
+        assert {x["row"] for x in f.detail["flips"]} <= decode_rows
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
+    accepted = rejudge(doc, accept_near_tie=True)
+    assert accepted["verdict"] == "consistent" and accepted["findings"][0]["cause"] == "routing"
+
+
+def test_clean_tied_pair_is_consistent(mg_tied_trace, hf_tied, sglang_env, tmp_path):
+    """The near-tie setup alone (no fault): the tie is resolved the same way on both sides."""
+    rollout(sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied)), tmp_path / "sg")
+    rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.findings == []
 
 
 # ------------------------------------------------------------------------------------------------

@@ -68,9 +68,8 @@ class RoutingMetrics:
 
 
 def _finite(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
+    from .report_schema import encode   # the report's one codec for NaN/Inf
+    return encode(v)
 
 
 def ulp_of(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -98,6 +97,9 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
     row_na = np.sqrt((ra * ra).sum(axis=1))
     row_nd = np.sqrt((d * d).sum(axis=1))
     per_row_rel = np.where(row_na > _TINY, row_nd / np.maximum(row_na, _TINY), np.where(row_nd > 0, np.inf, 0.0))
+    # a row with NaN/Inf on one side only is not "bit-identical": its error is infinite
+    one_sided = (fa != fb) | ((~fa & ~fb) & ~(np.isnan(a2) & np.isnan(b2)) & (a2 != b2))
+    per_row_rel = np.where(one_sided.any(axis=1), np.inf, per_row_rel) if nonfinite else per_row_rel
     ulps = ad / ulp_of(ra, dtype)
     numel = a2.size
     eq = (a2 == b2) | (np.isnan(a2) & np.isnan(b2))
@@ -113,7 +115,7 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
         ref_rms=norm_a / math.sqrt(max(numel, 1)),
         nonfinite=nonfinite,
         per_row_rel=[float(x) for x in per_row_rel],
-        per_row_max=[float(x) for x in ad.max(axis=1)] if numel else [],
+        per_row_max=[float(x) for x in np.where(np.isinf(per_row_rel), np.inf, ad.max(axis=1))] if numel else [],
     )
 
 

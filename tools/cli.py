@@ -1,15 +1,19 @@
 """`tic-trace`: thin command-line front end over the library.
 
-Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error (bad input, unreadable trace).
+Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error: no answer (bad input,
+unreadable trace, a crash), 3 not comparable (nothing, or not every point both sides record, could be
+compared). A failure prints one line naming what failed (the traceback with --debug) and never exits 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from tic_trace.tools.options import tolerance as _tolerance
 
@@ -32,15 +36,22 @@ def _run_compare(args, console: Console) -> dict:
                   disable=not sys.stderr.isatty()) as prog:
         task = prog.add_task("cmp", total=total, key="")
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens,
-                              progress=lambda k: prog.update(task, advance=1, key=k))
+                              progress=lambda k: prog.update(task, advance=1, key=k),
+                              accept_near_tie=args.accept_near_tie_routing)
     return rep.to_json()
 
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
+    """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
     from tic_trace.report import render_terminal, write_reports
+    from tic_trace.report_schema import EXIT_ERROR, VERDICT_EXIT
+    quiet = Console(file=open(os.devnull, "w"))
+    write_reports(report, quiet, getattr(args, "json", None), getattr(args, "html", None))
     render_terminal(report, console, all_points=all_points)
-    write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
-    return 1 if report["verdict"] == "divergent" else 0
+    for what, path in (("JSON", getattr(args, "json", None)), ("HTML", getattr(args, "html", None))):
+        if path:
+            console.print(Text(f"{what} report: {path}"))
+    return VERDICT_EXIT.get(report.get("verdict"), EXIT_ERROR)
 
 
 def cmd_diff(args, console):
@@ -55,8 +66,9 @@ def cmd_report(args, console):
     if args.from_json:
         from tic_trace.diverge import rejudge
         report = json.loads(Path(args.from_json).read_text())
-        if args.tol or args.growth != 10.0:
-            report = rejudge(report, _tolerance(args))
+        if args.tol or args.growth is not None or args.accept_near_tie_routing:
+            report = rejudge(report, _tolerance(args) if args.tol or args.growth is not None else None,
+                             accept_near_tie=True if args.accept_near_tie_routing else None)
     else:
         if not args.b:
             raise SystemExit("report: give two traces A B, or --from-json saved.json")
@@ -77,7 +89,8 @@ def cmd_demo(args, console):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tic-trace", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tic-trace", description=__doc__.splitlines()[0],
+                                epilog="--debug (anywhere): print the traceback of a failure")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def compare_args(sp, two=True):
@@ -85,10 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("b", nargs=None if two else "?", help="trace directory to check (e.g. the rollout side)")
         sp.add_argument("--adapter-a", help="adapter for A (default: the framework named in A's manifest)")
         sp.add_argument("--adapter-b", help="adapter for B (default: the framework named in B's manifest)")
-        sp.add_argument("--growth", type=float, default=10.0,
+        sp.add_argument("--growth", type=float, default=None,
                         help="a point diverges when its error exceeds its inputs' error by this factor (default 10)")
         sp.add_argument("--tol", action="append", metavar="NAME=VALUE",
                         help="relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3)")
+        sp.add_argument("--accept-near-tie-routing", action="store_true",
+                        help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
+                             "still shown): for runs that replay routing or accept near ties")
         sp.add_argument("--worst-tokens", type=int, default=8)
         sp.add_argument("--json", help="also write the JSON report here")
         sp.add_argument("--html", help="also write a self-contained HTML report here")
@@ -118,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("demo", help="trace a built-in tiny model twice (once with a planted fault) and find it")
     sp.add_argument("--pair", default="hf-hf", choices=["hf-hf", "hf-megatron", "megatron-sglang", "hf-sglang"],
                     help="which two implementations to compare (default hf-hf)")
-    sp.add_argument("--fault", default="router_bf16", help="planted fault (see tic_trace/testing/faults.py); 'none' for a clean pair")
+    sp.add_argument("--fault", default="router_bf16",
+                    help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
     sp.add_argument("--layer", type=int, default=1)
     sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports")
     sp.set_defaults(fn=cmd_demo)
@@ -128,24 +145,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(console: Console, what: str, debug: bool) -> int:
+    """One line naming what failed (plus the traceback under --debug); the no-answer exit code."""
+    from rich.text import Text
+
+    from tic_trace.report_schema import EXIT_ERROR
+    line = Text("error: ", style="bold red") + Text(what)
+    if not debug:
+        line += Text("  (--debug prints the traceback)", style="dim")
+    console.print(line, soft_wrap=True)
+    if debug:
+        import traceback
+        console.print(Text(traceback.format_exc()))
+    return EXIT_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     from tic_trace.format import TraceFormatError
+    from tic_trace.judge import SettingsError
+    from tic_trace.report_schema import EXIT_DIVERGENT, EXIT_ERROR
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     args = build_parser().parse_args(argv)
     # Reports are read in CI logs as often as in terminals: never squeeze tables into 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
     try:
-        return int(args.fn(args, console) or 0)
+        code = int(args.fn(args, console) or 0)
     except TraceFormatError as e:
-        console.print(f"[bold red]error:[/] unreadable trace: {e}")
-        return 2
+        return _fail(console, f"unreadable trace: {e}", debug)
+    except SettingsError as e:
+        return _fail(console, f"bad setting: {e}", debug)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        return 2
+        return _fail(console, f"{args.cmd}: {type(e).__name__}: {e}", debug)
     except SystemExit as e:
         if isinstance(e.code, str):
-            console.print(f"[bold red]error:[/] {e.code}")
-            return 2
-        raise
+            return _fail(console, e.code, debug)
+        code = e.code if isinstance(e.code, int) else EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a crash is "no answer", never "divergence found"
+        return _fail(console, f"{args.cmd} failed: {type(e).__name__}: {e}", debug)
+    # 1 means "divergence found" and nothing else: a command that fails some other way has no answer.
+    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo"):
+        return EXIT_ERROR
+    return code
 
 
 if __name__ == "__main__":

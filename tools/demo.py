@@ -7,14 +7,15 @@ from pathlib import Path
 from rich.console import Console
 
 
-def _trace_hf(out: Path, fault: str | None, layer: int, console: Console):
+def _trace_hf(out: Path, fault: str | None, layer: int, console: Console, setup: str | None = None):
     import torch
 
     import tic_trace
-    from tic_trace.testing.faults import plant
+    from tic_trace.testing.faults import plant, prepare
     from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
     cfg = tiny_qwen3_config(moe=True)
     model = build_hf_model(cfg, seed=0)
+    prepare(model, "hf", setup, layer)            # what both sides need (e.g. two nearly tied experts)
     if fault:
         f = plant(model, "hf", fault, layer)
         console.print(f"planted fault [bold]{fault}[/] in layer {layer} of side B: {f.what}")
@@ -46,9 +47,9 @@ def run_demo(args, console: Console) -> int:
         side_a, side_b = demo_pairs.run_pair(args.pair, a, b, fault, args.layer, console)
     else:
         console.print(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}")
-        _trace_hf(a, None, args.layer, console)
+        _trace_hf(a, None, args.layer, console, setup=fault)
         console.print(f"tracing the same model as side B -> {b}")
-        _trace_hf(b, fault, args.layer, console)
+        _trace_hf(b, fault, args.layer, console, setup=fault)
     console.print()
     inspect_trace(str(b), console)
     console.print()
@@ -57,6 +58,13 @@ def run_demo(args, console: Console) -> int:
     write_json(report, out / "report.json")
     (out / "report.html").write_text(render_html(report), encoding="utf-8")
     console.print(f"reports: {out / 'report.json'}  {out / 'report.html'}")
-    expected_bad = fault is not None
-    found = report["verdict"] == "divergent"
-    return 0 if found == expected_bad else 1
+    # the demo's own exit code: 0 when it found what it planted (or, clean, nothing), 2 when it did not
+    from tic_trace.report_schema import EXIT_ERROR
+    from tic_trace.testing.faults import FAULTS
+    expected = FAULTS[fault].cause if fault in FAULTS else None
+    got = (report.get("first_divergence") or {}).get("cause") if report["verdict"] == "divergent" else None
+    ok = (got is None) if fault is None else (got is not None and (expected is None or got == expected
+                                                                    or (expected == "operator" and got == "routing")))
+    if not ok:
+        console.print(f"demo: planted {fault or 'nothing'}, the report says {report['verdict']} ({got or '-'})")
+    return 0 if ok else EXIT_ERROR

@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
     sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
     sp.add_argument("--rollout-id", type=int, required=True)
-    sp.add_argument("--growth", type=float, default=10.0)
+    sp.add_argument("--growth", type=float, default=None)
     sp.add_argument("--tol", action="append", metavar="NAME=VALUE")
     sp.add_argument("--worst-tokens", type=int, default=8)
     sp.add_argument("--json")
@@ -24,11 +24,12 @@ def slime_report(args, console) -> int:
     """``tic-trace slime-report DIR --rollout-id N``: Megatron (reference, side A) against SGLang (side B).
 
     Prints the tokens with the largest |Δ logprob| and where each one's divergence starts, then the first
-    divergence and the rest. Exit code 0 consistent, 1 divergent, 2 a side is missing or nothing could be
-    compared."""
+    divergence and the rest. Exit codes as the CLI's: 0 consistent, 1 divergent, 2 error (a side is
+    missing), 3 not comparable (no row in common)."""
     from tic_trace.align import CanonicalView
     from tic_trace.diverge import find_divergence
     from tic_trace.report import render_terminal, write_reports
+    from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
     from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance
 
@@ -75,8 +76,8 @@ def slime_report(args, console) -> int:
                       "keyed '<rollout>-<sample index>': check that SGLang requests carried that rid (tic_trace"
                       ".integrations.slime.generate is the --custom-generate-function-path) and the mode is not "
                       "'stats'.")
-        return 2
-    return 1 if report["verdict"] == "divergent" else 0
+        return EXIT_NOT_COMPARABLE
+    return VERDICT_EXIT.get(report["verdict"], EXIT_ERROR)
 
 
 def _print_worst(console, report: dict) -> None:
