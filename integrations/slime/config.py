@@ -95,7 +95,7 @@ def enabled(args: Any) -> bool:
     return _truthy(getattr(args, "tic_trace", False))
 
 
-def _parse_ids(v: Any) -> list[int]:
+def parse_rollout_ids(v: Any) -> list[int]:
     if v is None or v == "":
         return [int(DEFAULT_ROLLOUT_IDS)]
     if isinstance(v, int) and not isinstance(v, bool):
@@ -138,7 +138,7 @@ def normalize(args: Any) -> Any:
     """Validate and normalise the ``tic_trace*`` attributes in place (they may come from argparse or from
     a ``--custom-config-path`` YAML, which slime ``setattr``s unchecked). Raises ``ValueError``."""
     args.tic_trace = True
-    args.tic_trace_rollout_ids = _parse_ids(getattr(args, "tic_trace_rollout_ids", DEFAULT_ROLLOUT_IDS))
+    args.tic_trace_rollout_ids = parse_rollout_ids(getattr(args, "tic_trace_rollout_ids", DEFAULT_ROLLOUT_IDS))
     n = getattr(args, "tic_trace_max_samples", DEFAULT_MAX_SAMPLES)
     try:
         n = int(n if n is not None else DEFAULT_MAX_SAMPLES)
@@ -303,7 +303,7 @@ def _load(path: str):
     return getattr(importlib.import_module(mod), attr)
 
 
-def _chained(args: Any, attr: str):
+def chained_hook(args: Any, attr: str):
     path = (getattr(args, CHAINED_ATTR, None) or {}).get(attr)
     if not path or path == HOOK_PATHS.get(attr):
         return None

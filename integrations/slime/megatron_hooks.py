@@ -17,7 +17,7 @@ import importlib
 from typing import Any
 
 from tic_trace.integrations.slime.config import (
-    _chained, enabled, rollout_dir, sample_key, selected, warn_once,
+    chained_hook, enabled, rollout_dir, sample_key, selected, warn_once,
 )
 from tic_trace.integrations.slime.version import check_megatron_side
 
@@ -165,7 +165,7 @@ def before_log_prob_hook(args, model_chunks, store_prefix):
     before the pipeline schedule, for every log-prob pass: ``store_prefix`` ``"ref_"`` / ``"teacher_"``
     (other weights swapped into the same modules: not traced) and ``""`` (the actor, or the critic's values).
     Traces the actor's ``""`` pass of the chosen rollouts."""
-    user = _chained(args, "custom_megatron_before_log_prob_hook_path")
+    user = chained_hook(args, "custom_megatron_before_log_prob_hook_path")
     if user is not None:
         user(args, model_chunks, store_prefix)
     _on_log_prob_pass(args, model_chunks, store_prefix)
@@ -192,7 +192,7 @@ def before_train_step_hook(args, rollout_id, step_id, model_chunks, optimizer, o
     before forward/backward. Traces step 0 of a chosen rollout when its actor log-prob pass was skipped
     (``can_reuse_log_probs_in_loss``, ``--use-rollout-logprobs``): step 0 still runs the rollout's weights.
     Activation-recompute records are tagged and skipped by the tracer."""
-    user = _chained(args, "custom_megatron_before_train_step_hook_path")
+    user = chained_hook(args, "custom_megatron_before_train_step_hook_path")
     if user is not None:
         user(args, rollout_id, step_id, model_chunks, optimizer, opt_param_scheduler)
     _on_train_step(args, rollout_id, step_id, model_chunks)
@@ -213,7 +213,7 @@ def megatron_init(args):
     """``--custom-megatron-init-path``: ``initialize.init`` calls it on every train rank after the parallel
     state is set up, before the model is built. Installs (once per process) the wrappers that tell the
     hooks which rollout is trained and which samples each micro-batch packs."""
-    user = _chained(args, "custom_megatron_init_path")
+    user = chained_hook(args, "custom_megatron_init_path")
     if user is not None:
         user(args)
     if enabled(args):

@@ -13,7 +13,7 @@ import inspect
 import sys
 import threading
 
-from tic_trace.integrations.slime.config import _chained, _parse_ids, enabled, sample_key, selected, warn_once
+from tic_trace.integrations.slime.config import chained_hook, parse_rollout_ids, enabled, sample_key, selected, warn_once
 
 #: The thread ``slime/rollout/fully_async_rollout.py`` (``AsyncRolloutWorker.start``) generates from.
 FULLY_ASYNC_THREAD = "fully-async-rollout"
@@ -52,7 +52,7 @@ def _params(fn) -> set[str]:
 
 
 def _generate_delegate(args):
-    user = _chained(args, "custom_generate_function_path")
+    user = chained_hook(args, "custom_generate_function_path")
     if user is not None:
         return user
     return importlib.import_module("slime.rollout.sglang_rollout").generate
@@ -87,7 +87,7 @@ def _rid_for(args, sample, evaluation) -> str | None:
                                              "(slime.rollout.sample_hooks, v0.3.1+): requests are not tagged")
             return None
         ids = args.tic_trace_rollout_ids if isinstance(args.tic_trace_rollout_ids, list) \
-            else _parse_ids(args.tic_trace_rollout_ids)
+            else parse_rollout_ids(args.tic_trace_rollout_ids)
         if rollout_id not in ids or not selected(args, idx):
             return None
         install_rid_injection()
