@@ -212,6 +212,13 @@ class Adapter:
         """Canonical points this adapter promises for a model with this description."""
         return sorted({p.point for p in self.points if self.applies(p, config)})
 
+    def merge_shards(self, pm: PointMap, layer: int | None, arrays: list[np.ndarray],
+                     config: dict) -> tuple[np.ndarray, str | None]:
+        """One point's record from the ranks of a model-parallel group, as one tensor, and a note for the
+        report when the records contradict what the adapter expected (None: nothing to say). Default: the
+        PointMap's registered merge."""
+        return merge(pm.merge, arrays, config), None
+
     def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
         """Whether a record matched by `pm` in this (global) layer really is that point. Default: always.
         For layers where the module exists but computes something else (e.g. an identity stand-in for a

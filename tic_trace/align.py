@@ -41,6 +41,7 @@ class CanonicalTensor:
     hashes: list[int | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # record names, for the report
     duplicates: int = 0                # rows seen more than once (kept: the first)
+    notes: list[str] = field(default_factory=list)    # the adapter's remarks on merging the rank shards
 
     @property
     def key(self) -> str:
@@ -59,6 +60,7 @@ class CanonicalView:
         self.include_recompute = include_recompute
         self._passes: dict[tuple[int, int], Pass] = {}
         self.entries: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
+        self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
         self.rows_total = 0
@@ -162,11 +164,14 @@ class CanonicalView:
             p = self._pass(ranks[0], e.pass_index)
             rows = _rows_of(p, lead)
             try:
-                arr = self._layout(e, recs, ranks, rows, point, layer)
+                arr, note = self._layout(e, recs, ranks, rows, point, layer)
             except (ValueError, IndexError, KeyError, TypeError) as x:
                 # A layout the adapter's table cannot produce: the trace disagrees with its own description.
                 raise TraceFormatError(p.path, f"{key_name(point, layer)} from record {lead.name!r:.100}: "
                                                f"{type(x).__name__}: {x}") from None
+            if note and note not in ct.notes:
+                ct.notes.append(note)
+                self.notes.setdefault(key_name(point, layer), note)
             keep = []
             for i, rid in enumerate(rows):
                 if rid is None:
@@ -187,10 +192,11 @@ class CanonicalView:
         return ct
 
     def _layout(self, e: _Entry, recs: list[Record], ranks: list[int], rows: list, point: str,
-                layer: int | None) -> np.ndarray:
-        """One entry's shards merged and laid out as [rows, ...] by the adapter's table."""
+                layer: int | None) -> tuple[np.ndarray, str | None]:
+        """One entry's shards merged and laid out as [rows, ...] by the adapter's table, and the adapter's note
+        where the shards contradicted what the model declares."""
         lead = recs[0]
-        arr = merge(e.pm.merge, [r.values() for r in recs], self.config)
+        arr, note = self.adapter.merge_shards(e.pm, layer, [r.values() for r in recs], self.config)
         extra = {}
         for name, tmpl in e.pm.also.items():
             rn = tmpl.format(**_name_fields(lead.name, e.pm))
@@ -202,7 +208,7 @@ class CanonicalView:
         out = transform(e.pm.transform)(arr, ctx)
         if out.ndim == 0 or out.shape[0] != len(rows):
             raise ValueError(f"laid out as {list(out.shape)}, not one entry per each of the {len(rows)} rows")
-        return out
+        return out, note
 
     def _derived_logprobs(self) -> CanonicalTensor:
         """log-prob of the next token, from logits in float64, where the trace knows the next token."""

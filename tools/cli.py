@@ -7,12 +7,8 @@ compared). A failure prints one line naming what failed (the traceback with --de
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
-import math
 import os
-import re
-import stat
 import sys
 from pathlib import Path
 
@@ -20,110 +16,14 @@ from rich.console import Console
 from rich.text import Text
 
 from tic_trace.text import error_line, visible
-
-
-# ---------------------------------------------------------------- argument validation
-# Each check is an argparse `type`: a bad value fails at parse time with one line naming the option.
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (`tic-trace inspect: error: argument --limit: ...`), exit status 2."""
-
-    def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {visible(message)} (see {self.prog} --help)\n")
-        sys.exit(2)
-
-
-def _count(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
-def _positive(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {s!r}")
-    return v
-
-
-def _tol_item(item: str) -> tuple[str, float]:
-    """NAME=VALUE, NAME a dtype (bfloat16) or a canonical point (attn.core, L3.mid)."""
-    from tic_trace.canonical import BY_NAME, parse_key
-    from tic_trace.dtypes import known_dtype
-    name, eq, value = item.partition("=")
-    if not eq or not name or not value:
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE (a dtype like bfloat16=0.02 or a point like L3.attn.core=1e-3), got {item!r}")
-    point, _ = parse_key(name)
-    if not known_dtype(name) and point not in BY_NAME:
-        close = difflib.get_close_matches(point, list(BY_NAME), n=3)
-        raise argparse.ArgumentTypeError(f"{name!r} is neither a dtype nor a canonical point"
-                                         + (f" (did you mean {', '.join(close)}?)" if close else ""))
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{item!r}: the tolerance must be a number") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"{item!r}: the tolerance must be a finite number, 0 or more")
-    return name, v
-
-
-def _record_pattern(s: str) -> str:
-    if s.startswith("re:"):
-        try:
-            re.compile(s[3:])
-        except re.error as e:
-            raise argparse.ArgumentTypeError(f"{s!r} is not a regular expression: {e}") from None
-    return s
-
-
-def _output_file(s: str) -> str:
-    """A report file to write: a regular file or a new name, in an existing writable directory."""
-    p = Path(s)
-    if p.exists() or p.is_symlink():
-        try:
-            mode = p.stat().st_mode
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
-        if stat.S_ISDIR(mode):
-            raise argparse.ArgumentTypeError(f"{s} is a directory; give a file name, e.g. {p / 'report'}")
-        if not stat.S_ISREG(mode):
-            raise argparse.ArgumentTypeError(f"{s} is not a regular file (a device or pipe)")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{s}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{s}: directory {parent} is not writable")
-    return s
-
-
-def _input_file(s: str) -> str:
-    p = Path(s)
-    try:
-        mode = p.stat().st_mode
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
-    if not stat.S_ISREG(mode):
-        raise argparse.ArgumentTypeError(f"{s} is not a regular file")
-    return s
-
-
-def _tolerance(args):
-    """The Tolerance of --tol/--growth (parsed by _tol_item/_positive); Tolerance refuses what it cannot judge with."""
-    from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import DEFAULT_GROWTH, Tolerance
-    per_dtype, per_point = {}, {}
-    for name, value in args.tol or []:
-        (per_dtype if known_dtype(name) else per_point)[name] = value
-    growth = args.growth if args.growth is not None else DEFAULT_GROWTH
-    return Tolerance(growth=growth, per_dtype=per_dtype, per_point=per_point)
+from tic_trace.tools.options import Parser as _Parser
+from tic_trace.tools.options import count as _count
+from tic_trace.tools.options import input_file as _input_file
+from tic_trace.tools.options import output_file as _output_file
+from tic_trace.tools.options import positive as _positive
+from tic_trace.tools.options import record_pattern as _record_pattern
+from tic_trace.tools.options import tol_item as _tol_item
+from tic_trace.tools.options import tolerance as _tolerance
 
 
 _MAX_REPORT_BYTES = 256 << 20
@@ -217,11 +117,6 @@ def cmd_demo(args, console):
     return run_demo(args, console)
 
 
-def cmd_slime_report(args, console):
-    from tic_trace.adapters.slime import slime_report
-    return slime_report(args, console)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tic-trace", description=__doc__.splitlines()[0],
                 epilog="--debug (anywhere): print the traceback of a failure")
@@ -275,15 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(new, empty, or an earlier demo's)")
     sp.set_defaults(fn=cmd_demo)
 
-    sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
-    sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
-    sp.add_argument("--rollout-id", type=int, required=True)
-    sp.add_argument("--growth", type=_positive, default=None)
-    sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item)
-    sp.add_argument("--worst-tokens", type=_count, default=8)
-    sp.add_argument("--json", type=_output_file)
-    sp.add_argument("--html", type=_output_file)
-    sp.set_defaults(fn=cmd_slime_report)
+    from tic_trace.tools.slime_report import add_parser as add_slime_report
+    add_slime_report(sub)
     return p
 
 

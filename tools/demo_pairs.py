@@ -101,7 +101,7 @@ def trace_sglang_rollout(out: Path, hf_model, ids, fault: str | None = None, lay
     with the sglang adapter, one pass per forward; `fault` planted first."""
     import torch
 
-    from tic_trace.adapters.sglang import trace_forwards
+    from tic_trace.adapters.sglang_server import trace_forwards
     from tic_trace.testing import sglang_cpu as sc
     from tic_trace.testing.faults import plant
 
