@@ -1,0 +1,106 @@
+"""Measure intrinsic error on clean bf16 pairs and bf16 precision faults: the data behind the intrinsic rule.
+
+    python benchmarks/measure_intrinsic.py --out /tmp/intrinsic.json      # the tables in docs/replay.md
+
+Tiny bf16 HF Qwen3-MoE (transformers' own modeling code), several weight seeds; side A is the unmodified
+model, side B a clean variant (`tic_trace/testing/precision_faults.py: CLEAN`) or one precision fault planted
+at layer 0 or 1. Both sides are traced and replayed against the exact reference from the same checkpoint.
+Prints, per scenario, the point where the two sides' intrinsic errors differ most (by each statistic) and,
+for faults, the numbers at the fault's own point; writes every point's numbers as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tic_trace  # noqa: E402
+from tic_trace.align import CanonicalView  # noqa: E402
+from tic_trace.intrinsic import IntrinsicError, replay_side  # noqa: E402
+from tic_trace.reference import ExactReference  # noqa: E402
+from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config  # noqa: E402
+from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS  # noqa: E402
+
+
+def trace(model, path: Path, ids: torch.Tensor) -> None:
+    with tic_trace.trace(model, path, adapter="hf", points_mode="full") as t, torch.no_grad():
+        model(ids)
+    assert t.failed is None, t.failed
+
+
+def side(path: Path, ref: ExactReference) -> dict[str, IntrinsicError]:
+    return {r.key: r for r in replay_side(CanonicalView(str(path)), ref) if isinstance(r, IntrinsicError)}
+
+
+def scenario(work: Path, seed: int, ids, variant, layer: int | None) -> dict:
+    cfg = tiny_qwen3_config(moe=True)
+    a = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
+    ck = work / f"ck{seed}"
+    if not ck.exists():
+        a.save_pretrained(ck)
+    b = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
+    variant(b) if layer is None else variant(b, layer)
+    pa, pb = work / f"a{seed}", work / f"b{seed}"
+    import shutil
+    shutil.rmtree(pb, ignore_errors=True)
+    if not pa.exists():
+        trace(a, pa, ids)
+    trace(b, pb, ids)
+    ref = ExactReference(str(ck))
+    ea, eb = side(pa, ref), side(pb, ref)
+    return {k: {"a": vars(ea[k]), "b": vars(eb[k])} for k in ea if k in eb}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ids = sample_tokens(args.batch, args.seq)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for seed in range(args.seeds):
+            for name, fn in CLEAN.items():
+                results.append({"scenario": name, "clean": True, "seed": seed, "layer": None,
+                                "points": scenario(work, seed, ids, fn, None)})
+            for name, f in PRECISION_FAULTS.items():
+                for layer in (0, 1):
+                    if not f.layered and layer == 0:
+                        continue
+                    results.append({"scenario": name, "clean": False, "seed": seed, "layer": layer,
+                                    "point": f.point if not f.layered else f"L{layer}.{f.point}",
+                                    "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer)})
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    for r in results:
+        print(summary(r))
+
+
+def summary(r: dict) -> str:
+    pts = r["points"]
+
+    def gap(k):
+        a, b = pts[k]["a"], pts[k]["b"]
+        return b["mean_ulp"] - a["mean_ulp"], (1 - b["share_rounded"]) - (1 - a["share_rounded"])
+    worst = max(pts, key=lambda k: abs(gap(k)[1]))
+    s = f"{r['scenario']:<20} seed {r['seed']} layer {r['layer']}  max |d miss| at {worst}: {gap(worst)[1]:+.3f}"
+    if not r["clean"]:
+        k = r["point"]
+        a, b = pts[k]["a"], pts[k]["b"]
+        s += (f" | at {k}: A {a['dtype']} ulp {a['mean_ulp']:.3f}/{a['max_ulp']:.2f} miss {1 - a['share_rounded']:.3f}"
+              f" rel {a['rel_l2']:.2e}; B {b['dtype']} ulp {b['mean_ulp']:.3f}/{b['max_ulp']:.2f}"
+              f" miss {1 - b['share_rounded']:.3f} rel {b['rel_l2']:.2e}")
+    return s
+
+
+if __name__ == "__main__":
+    main()
