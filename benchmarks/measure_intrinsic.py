@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
@@ -70,9 +71,13 @@ def main() -> None:
         work = Path(tmp)
         for seed in range(args.seeds):
             for name, fn in CLEAN.items():
+                if args.only and name not in args.only.split(","):
+                    continue
                 results.append({"scenario": name, "clean": True, "seed": seed, "layer": None,
                                 "points": scenario(work, seed, ids, fn, None)})
             for name, f in PRECISION_FAULTS.items():
+                if args.only and name not in args.only.split(","):
+                    continue
                 for layer in (0, 1):
                     if not f.layered and layer == 0:
                         continue

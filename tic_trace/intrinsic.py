@@ -4,7 +4,7 @@ For every canonical point a side recorded, `replay_side` loads the point and the
 the same side), recomputes the op in float64 (`reference.ExactReference`) and measures the recorded output
 against it in the side's own dtype: mean and max ULP, the share of elements equal to the correctly rounded
 exact value, and relative L2. Unlike A-B, this error does not inherit upstream noise, and it names a side.
-The judging rule that turns two sides' numbers into a verdict is `verdict.intrinsic_verdict`.
+The rule that turns two sides' numbers into a verdict is `intrinsic_verdict.intrinsic_verdict`.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class IntrinsicError:
     share_rounded: float       # share of elements equal to the correctly rounded exact value (ids: rows equal)
     rel_l2: float              # ||y - exact|| / ||exact||
     rel_floor: float = 0.0     # rel L2 of the correctly rounded exact value: the error no output in `dtype` avoids
+    scale_err: float = 0.0     # RMS over rows of the error's component along the exact row, (e.r)/(r.r)
+    scale_floor: float = 0.0   # the same for the correctly rounded exact value
     nonfinite: int = 0         # elements non-finite in y but not in the exact value
     kind: str = "float"        # canonical PointSpec.kind
 
@@ -97,7 +99,8 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
     if kind == "ids":
         same = (y2 == r2).all(axis=1)
         share = float(same.mean()) if n else 1.0
-        return IntrinsicError(point, layer, dtype, n, int(y2.size), 0.0, 0.0, share, 1.0 - share, 0.0, 0, kind)
+        return IntrinsicError(point, layer, dtype, n, int(y2.size), mean_ulp=0.0, max_ulp=0.0, share_rounded=share,
+                              rel_l2=1.0 - share, kind=kind)
     if not (known_dtype(dtype) and dtype_info(dtype).is_float):
         dtype = "float32"
     fin = np.isfinite(r2)
@@ -116,7 +119,19 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
         mean_ulp=float(ulps[ok].mean()) if m else 0.0, max_ulp=float(ulps[ok].max()) if m else 0.0,
         share_rounded=float(rounded.sum() / m) if m else 1.0,
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
+        scale_err=_row_scale(d, np.where(ok, r2, 0.0)), scale_floor=_row_scale(np.where(ok, rr - r2, 0.0), np.where(ok, r2, 0.0)),
         nonfinite=int(bad.sum()), kind=kind)
+
+
+def _row_scale(d: np.ndarray, r: np.ndarray) -> float:
+    """RMS over rows of the error's projection on the exact row: a per-row scale error (a normalisation's
+    denominator rounded, e.g.) shows here at full size, independent rounding noise only at ~1/sqrt(row length)."""
+    rr = (r * r).sum(axis=1)
+    ok = rr > 0
+    if not ok.any():
+        return 0.0
+    s = (d[ok] * r[ok]).sum(axis=1) / rr[ok]
+    return float(np.sqrt((s * s).mean()))
 
 
 # ---------------------------------------------------------------- replaying one side
