@@ -172,3 +172,20 @@ def test_weight_sync_bug_blames_the_side_whose_weights_differ(tmp_path, clean):
     trace_hf(model, tmp_path / "b", IDS)
     got = first_intrinsic_divergence(str(a), str(tmp_path / "b"), ExactReference(str(ck)))
     assert got is not None and got.key == "L1.attn.q" and got.side == "B" and got.kind == "intrinsic", got
+
+
+# ---------------------------------------------------------------- the CLI
+
+def test_cli_replay_exit_codes(tmp_path, clean, capsys):
+    from tic_trace.tools.cli import main as cli
+    ck, a = clean
+    assert cli(["replay", str(a), "--reference", str(ck), "--json", str(tmp_path / "r.json")]) == 0
+    assert "L1.attn_norm" in capsys.readouterr().out
+    model = _bf16()
+    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    assert cli(["replay", str(tmp_path / "b"), "--reference", str(ck), "--layers", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "ABNORMAL at L1.attn_norm" in out and "L0." not in out
+    assert cli(["replay", str(a), "--reference", str(tmp_path / "nowhere")]) == 2
+    assert cli(["replay", str(a), "--reference", str(ck), "--layers", "x"]) == 2

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports")
     sp.set_defaults(fn=cmd_demo)
 
+    from tic_trace.tools import replay_cmd
+    replay_cmd.add_parser(sub)
+
     sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
     sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
     sp.add_argument("--rollout-id", type=int, required=True)
