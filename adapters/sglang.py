@@ -72,6 +72,15 @@ import numpy as np
 
 from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
 from tic_trace.adapter import as_ints as _ints
+from tic_trace.adapter import plain_settings
+
+# Server arguments that change how the engine computes (kernels, backends, precisions, fusions).
+NUMERICS_SERVER_ARGS = (
+    "dtype", "kv_cache_dtype", "quantization", "attention_backend", "prefill_attention_backend",
+    "decode_attention_backend", "sampling_backend", "moe_runner_backend", "moe_a2a_backend",
+    "enable_fp32_lm_head", "enable_deterministic_inference", "rl_on_policy_target", "enable_torch_compile",
+    "disable_cuda_graph", "enable_fused_qk_norm_rope", "triton_attention_reduce_in_fp32",
+    "enable_dp_attention", "disable_radix_cache", "chunked_prefill_size", "tp_size", "ep_size")
 
 log = logging.getLogger("tic_trace.sglang")
 
@@ -487,6 +496,16 @@ class SGLangAdapter(Adapter):
             if r is not None and n is not None:
                 out[f"{k}_rank"], out[f"{k}_size"] = r, n
         return out
+
+    def numerics(self, models: list) -> dict:
+        """The running server's arguments that change numerics ({} when no server context exists, e.g. a
+        model built directly in a test)."""
+        try:
+            from sglang.srt.runtime_context import get_server_args
+            sa = get_server_args()
+        except Exception:  # noqa: BLE001 - outside a server there are no server args to read
+            return {}
+        return plain_settings(sa, NUMERICS_SERVER_ARGS) if sa is not None else {}
 
     def parallel_layout(self) -> dict:
         c = self.rank_coords()
