@@ -30,6 +30,7 @@ class PrecisionFault:
     what: str
     plant: Callable            # fn(hf_model, layer)
     moe_only: bool = False
+    plant_megatron: Callable | None = None   # fn(megatron GPTModel, layer), where the fault has a planter
 
 
 def _layer(model, layer):
@@ -91,6 +92,26 @@ def _plant_rmsnorm_no_upcast(model, layer):
 
 def _plant_qk_norm_no_upcast(model, layer):
     _wrap(_layer(model, layer).self_attn.q_norm, _rmsnorm_bf16)
+
+
+def _rmsnorm_bf16_torch(self, x):
+    """torch.nn.RMSNorm (megatron's local spec) without the upcast: each step rounded to x's dtype."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (x * r) * self.weight.to(x.dtype)
+
+
+def _mg_plant_rmsnorm_no_upcast(model, layer):
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.input_layernorm, _rmsnorm_bf16_torch)
+
+
+def _mg_plant_qk_norm_no_upcast(model, layer):
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.self_attention.q_layernorm, _rmsnorm_bf16_torch)
 
 
 def _plant_softmax_bf16(model, layer):
@@ -164,9 +185,11 @@ def _plant_fused_silu_up(model, layer):
 
 PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("rmsnorm_no_upcast", "attn_norm", True, "planted",
-                   "input RMSNorm computed in bf16 (no fp32 upcast)", _plant_rmsnorm_no_upcast),
+                   "input RMSNorm computed in bf16 (no fp32 upcast)", _plant_rmsnorm_no_upcast,
+                   plant_megatron=_mg_plant_rmsnorm_no_upcast),
     PrecisionFault("qk_norm_no_upcast", "attn.q_norm", True, "planted",
-                   "Q-norm computed in bf16 (no fp32 upcast)", _plant_qk_norm_no_upcast),
+                   "Q-norm computed in bf16 (no fp32 upcast)", _plant_qk_norm_no_upcast,
+                   plant_megatron=_mg_plant_qk_norm_no_upcast),
     PrecisionFault("softmax_bf16", "attn.core", True, "planted",
                    "attention softmax evaluated in bf16", _plant_softmax_bf16),
     PrecisionFault("rope_fp32_tables", "attn.q_rope", True, "clean",
