@@ -32,7 +32,7 @@ class IntrinsicError:
     """One side's output at one point against the exact op on that side's own inputs."""
     point: str
     layer: int | None
-    dtype: str                 # the dtype the side recorded this point in: ULPs are of this dtype
+    dtype: str                 # the dtype the side computed this point's output in: ULPs are of this dtype
     rows: int
     numel: int
     mean_ulp: float            # float points: mean |y - exact| / ulp(exact); ids points: 0
@@ -44,6 +44,7 @@ class IntrinsicError:
     scale_floor: float = 0.0   # the same for the correctly rounded exact value
     nonfinite: int = 0         # elements non-finite in y but not in the exact value
     kind: str = "float"        # canonical PointSpec.kind
+    recorded_dtype: str = ""   # the dtype of the record, when wider than `dtype` (fp32 holding bf16 values)
 
     @property
     def excess(self) -> float:
@@ -90,6 +91,17 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.rint(x / sp) * sp
 
 
+def effective_dtype(y: np.ndarray, dtype: str) -> str:
+    """bfloat16 when a wider record holds only bf16 values (an engine that computes in bf16 and upcasts its
+    output, e.g. logits, to fp32): its precision is that of bf16, and its ULPs must be bf16's."""
+    if dtype not in ("float32", "float64"):
+        return dtype
+    fin = y[np.isfinite(y)]
+    if fin.size and np.array_equal(fin, round_to(fin, "bfloat16")):
+        return "bfloat16"
+    return dtype
+
+
 def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str) -> IntrinsicError:
     """Measure a side's recorded output `y` against the exact values (float64), in ULPs of `dtype`."""
     kind = BY_NAME[point].kind if point in BY_NAME else "float"
@@ -103,6 +115,7 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
                               rel_l2=1.0 - share, kind=kind)
     if not (known_dtype(dtype) and dtype_info(dtype).is_float):
         dtype = "float32"
+    recorded, dtype = dtype, effective_dtype(y2, dtype)
     fin = np.isfinite(r2)
     bad = fin & ~np.isfinite(y2)
     ok = fin & ~bad
@@ -120,7 +133,7 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
         share_rounded=float(rounded.sum() / m) if m else 1.0,
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
         scale_err=_row_scale(d, np.where(ok, r2, 0.0)), scale_floor=_row_scale(np.where(ok, rr - r2, 0.0), np.where(ok, r2, 0.0)),
-        nonfinite=int(bad.sum()), kind=kind)
+        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "")
 
 
 def _row_scale(d: np.ndarray, r: np.ndarray) -> float:

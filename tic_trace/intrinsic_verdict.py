@@ -101,11 +101,11 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
         side = "A" if a.nonfinite else "B"
         return out(side, "nonfinite", f"{side} has non-finite values where the exact op has none")
     if a.dtype != b.dtype and a.kind != "ids":
-        if a.rel_l2 == b.rel_l2:
-            return out(None, "precision", f"recorded as {a.dtype} on A and {b.dtype} on B; equally exact")
-        side = "A" if a.rel_l2 > b.rel_l2 else "B"
-        return out(side, "precision", f"recorded as {a.dtype} on A and {b.dtype} on B; rel error vs exact "
-                                      f"{a.rel_l2:.2e} (A) vs {b.rel_l2:.2e} (B)")
+        worse, better, side = (a, b, "A") if a.rel_l2 > b.rel_l2 else (b, a, "B")
+        said = f"computed in {a.dtype} on A and {b.dtype} on B; rel error vs exact {a.rel_l2:.2e} (A) vs {b.rel_l2:.2e} (B)"
+        if worse.rel_l2 < margins.ratio * better.rel_l2:
+            return out(None, None, said + ": equally exact")
+        return out(side, "precision", said)
     if min(a.numel, b.numel) < margins.min_numel and a.kind != "ids":
         return out(None, None, f"too few elements to judge ({min(a.numel, b.numel)} < {margins.min_numel})")
     for x, y, side in ((a, b, "A"), (b, a, "B")):

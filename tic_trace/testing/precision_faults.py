@@ -31,6 +31,7 @@ class PrecisionFault:
     plant: Callable            # fn(hf_model, layer)
     moe_only: bool = False
     plant_megatron: Callable | None = None   # fn(megatron GPTModel, layer), where the fault has a planter
+    plant_sglang: Callable | None = None     # fn(SGLang *ForCausalLM, layer)
 
 
 def _layer(model, layer):
@@ -183,13 +184,21 @@ def _plant_fused_silu_up(model, layer):
     _wrap(_layer(model, layer).mlp.experts, forward)
 
 
+def _sg_plant_qk_norm_no_upcast(model, layer):
+    """SGLang's RMSNorm (q_norm is called on [tokens*heads, head_dim] without a residual on CPU)."""
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.self_attn.q_norm, _rmsnorm_bf16)
+
+
 PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("rmsnorm_no_upcast", "attn_norm", True, "planted",
                    "input RMSNorm computed in bf16 (no fp32 upcast)", _plant_rmsnorm_no_upcast,
                    plant_megatron=_mg_plant_rmsnorm_no_upcast),
     PrecisionFault("qk_norm_no_upcast", "attn.q_norm", True, "planted",
                    "Q-norm computed in bf16 (no fp32 upcast)", _plant_qk_norm_no_upcast,
-                   plant_megatron=_mg_plant_qk_norm_no_upcast),
+                   plant_megatron=_mg_plant_qk_norm_no_upcast, plant_sglang=_sg_plant_qk_norm_no_upcast),
     PrecisionFault("softmax_bf16", "attn.core", True, "planted",
                    "attention softmax evaluated in bf16", _plant_softmax_bf16),
     PrecisionFault("rope_fp32_tables", "attn.q_rope", True, "clean",
