@@ -86,25 +86,53 @@ def main() -> None:
                                     "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer)})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    print(tables(results))
+
+
+def _excess(d: dict) -> float:
+    return IntrinsicError(**{k: v for k, v in d.items()}).excess
+
+
+def tables(results: list[dict]) -> str:
+    """Markdown: per point, the largest excess of a clean implementation and the largest clean A/B ratio;
+    per fault, both sides at the fault's point and what the rule says there."""
+    from tic_trace.intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
+    env: dict[str, float] = {}
+    ratio: dict[str, float] = {}
     for r in results:
-        print(summary(r))
-
-
-def summary(r: dict) -> str:
-    pts = r["points"]
-
-    def gap(k):
-        a, b = pts[k]["a"], pts[k]["b"]
-        return b["mean_ulp"] - a["mean_ulp"], (1 - b["share_rounded"]) - (1 - a["share_rounded"])
-    worst = max(pts, key=lambda k: abs(gap(k)[1]))
-    s = f"{r['scenario']:<20} seed {r['seed']} layer {r['layer']}  max |d miss| at {worst}: {gap(worst)[1]:+.3f}"
-    if not r["clean"]:
-        k = r["point"]
-        a, b = pts[k]["a"], pts[k]["b"]
-        s += (f" | at {k}: A {a['dtype']} ulp {a['mean_ulp']:.3f}/{a['max_ulp']:.2f} miss {1 - a['share_rounded']:.3f}"
-              f" rel {a['rel_l2']:.2e}; B {b['dtype']} ulp {b['mean_ulp']:.3f}/{b['max_ulp']:.2f}"
-              f" miss {1 - b['share_rounded']:.3f} rel {b['rel_l2']:.2e}")
-    return s
+        for key, v in r["points"].items():
+            point = key.split(".", 1)[1] if key.startswith("L") else key
+            sides = [v["a"], v["b"]] if r["clean"] else [v["a"]]
+            for d in sides:
+                if d["kind"] != "ids" and d["dtype"] == "bfloat16":
+                    env[point] = max(env.get(point, 0.0), _excess(d))
+            if r["clean"] and v["a"]["dtype"] == v["b"]["dtype"] == "bfloat16" and v["a"]["kind"] != "ids":
+                ea, eb = _excess(v["a"]), _excess(v["b"])
+                ratio[point] = max(ratio.get(point, 1.0), max(ea, eb) / min(ea, eb))
+    out = ["| point | largest clean excess | largest clean A/B ratio | limit (rule) |", "|---|---|---|---|"]
+    for point in env:
+        out.append(f"| {point} | {env[point]:.3f} | {ratio.get(point, 1.0):.3f} | "
+                   f"{DEFAULT_MARGINS.limit(point, 'bfloat16'):.2f} |")
+    out += ["", "| fault | seed | point | A dtype / excess | B dtype / excess | B/A | rule |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["clean"]:
+            continue
+        v = r["points"][r["point"]]
+        a, b = (IntrinsicError(**v[s]) for s in ("a", "b"))
+        verdict = intrinsic_verdict(a, b)
+        said = f"{verdict.side} {verdict.kind}" if verdict.side else "none"
+        out.append(f"| {r['scenario']} | {r['seed']} | {r['point']} | {a.dtype} {a.excess:.3f} | "
+                   f"{b.dtype} {b.excess:.3f} | {b.excess / a.excess:.3f} | {said} (want "
+                   f"{'B' if r['worse'] == 'planted' else 'A'}) |")
+    clean_blamed = []
+    for r in results:
+        if r["clean"]:
+            for key, v in r["points"].items():
+                vd = intrinsic_verdict(IntrinsicError(**v["a"]), IntrinsicError(**v["b"]))
+                if vd.side:
+                    clean_blamed.append(f"{r['scenario']} seed {r['seed']} {key}: {vd.reason}")
+    out += ["", f"clean pairs: {sum(r['clean'] for r in results)}, points blamed: {len(clean_blamed)}"] + clean_blamed
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

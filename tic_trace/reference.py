@@ -80,19 +80,17 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec) -> tor
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of one sample's queries q [Tq, H, d] over its keys k, v [Tk, KV, d], where query i
-    sees keys 0..(Tk - Tq + i) (queries are the last Tq positions). GQA: head h reads kv head h // (H/KV)."""
-    h, kv = q.shape[1], k.shape[1]
-    rep = h // kv
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of one sample's queries q [Tq, H, d] at positions q_pos over its keys k, v
+    [Tk, KV, d] at positions k_pos: query i sees the keys at positions <= q_pos[i]. GQA: head h reads kv
+    head h // (H/KV)."""
+    rep = q.shape[1] // k.shape[1]
     kx = k.repeat_interleave(rep, dim=1)
     vx = v.repeat_interleave(rep, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, kx) * scale
-    tq, tk = q.shape[0], k.shape[0]
-    mask = torch.arange(tk, device=q.device)[None, :] > (torch.arange(tq, device=q.device)[:, None] + tk - tq)
-    s = s.masked_fill(mask[None], -math.inf)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, vx)
+    s = s.masked_fill((k_pos[None, :] > q_pos[:, None])[None], -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vx)
 
 
 def route(logits: torch.Tensor, spec: ModelSpec, bias: torch.Tensor | None,
@@ -247,6 +245,9 @@ def _rope(which: str) -> Callable:
     return op
 
 
+_QUERY_BLOCK = 256     # queries per float64 score block: memory O(heads x block x keys)
+
+
 def _attention(ref: ExactReference, layer, feeds, rows, tokens):
     """Per sample: the query rows asked for, over every key position 0..p of that sample (all must be
     present in the side's k_rope/v rows, gathered over passes; a decode step's KV cache is its earlier rows)."""
@@ -258,13 +259,16 @@ def _attention(ref: ExactReference, layer, feeds, rows, tokens):
         qi = [i for i, (s, _) in enumerate(rows) if s == sample]
         last = max(rows[i][1] for i in qi)
         try:
-            kidx = [kv_rows[(sample, p)] for p in range(last + 1)]
+            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=q.device)
         except KeyError as e:
             raise NotReplayable(f"sample {sample!r}: key/value row {e.args[0]} not recorded") from None
-        for i in qi:         # one query at a time: positions need not be contiguous among the queries
-            p = rows[i][1]
-            o = causal_attention(q[i:i + 1], k[kidx[:p + 1]], v[kidx[:p + 1]], scale)
-            out[i] = o.reshape(-1)
+        kpos = torch.arange(last + 1, device=q.device)
+        for lo in range(0, len(qi), _QUERY_BLOCK):
+            blk = torch.tensor(qi[lo:lo + _QUERY_BLOCK], device=q.device)
+            qpos = torch.tensor([rows[i][1] for i in qi[lo:lo + _QUERY_BLOCK]], device=q.device)
+            hi = int(qpos.max()) + 1
+            o = causal_attention(q[blk], k[kidx[:hi]], v[kidx[:hi]], scale, qpos, kpos[:hi])
+            out[blk] = o.reshape(len(blk), -1)
     return out
 
 
