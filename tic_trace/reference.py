@@ -212,9 +212,8 @@ class ExactReference:
 
 def _norm(weight: str) -> Callable:
     def op(ref: ExactReference, layer, feeds, rows, tokens):
-        w = ref.weights(layer if weight != "model.norm.weight" else None)
         (x,) = feeds.values()
-        return rms_norm(x, w.get(weight), ref.spec.rms_norm_eps)
+        return rms_norm(x, ref.weights(layer).get(weight), ref.spec.rms_norm_eps)
     return op
 
 

@@ -17,36 +17,39 @@ from .stats import device_hash
 
 
 class ParameterHasher:
+    """Called once per pass. The first call returns every parameter's hash; later calls only those whose
+    storage, dtype or in-place version changed since (None when nothing did), so a long decode loop does
+    not repeat the whole map in every pass's index."""
+
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, int, str, int]] = {}   # name -> (data_ptr, version, dtype, hash)
+        self._emitted = False
 
-    def __call__(self, models: list) -> dict[str, list]:
-        """{parameter name: [hash, dtype, shape]} for every parameter of `models` (first model's names
-        unprefixed; further models' prefixed with their index, as `1:name`)."""
-        todo: list[tuple[str, torch.Tensor]] = []
+    def __call__(self, models: list) -> dict[str, list] | None:
+        """{parameter name: [hash, dtype, shape]} (first model's names unprefixed; further models' as
+        `i:name`)."""
+        params: dict[str, torch.Tensor] = {}
         for i, model in enumerate(models):
             for name, p in model.named_parameters():
-                key = name if i == 0 else f"{i}:{name}"
-                mark = (p.data_ptr(), p._version, str(p.dtype))
-                old = self._seen.get(key)
-                if old is None or old[:3] != mark:
-                    todo.append((key, p))
+                params[name if i == 0 else f"{i}:{name}"] = p
+        todo = [(k, p) for k, p in params.items()
+                if self._seen.get(k, (None,))[:3] != (p.data_ptr(), p._version, str(p.dtype))]
         if todo:
             with torch.no_grad():
-                hs = torch.stack([device_hash(p.detach()).to("cpu", non_blocking=False) for _, p in todo]).tolist()
-            for (key, p), h in zip(todo, hs):
-                self._seen[key] = (p.data_ptr(), p._version, str(p.dtype), int(h))
-        shapes = {}
-        for i, model in enumerate(models):
-            for name, p in model.named_parameters():
-                shapes[name if i == 0 else f"{i}:{name}"] = list(p.shape)
-        return {k: [v[3], v[2].removeprefix("torch."), shapes.get(k, [])] for k, v in self._seen.items()
-                if k in shapes}
+                hs = torch.stack([device_hash(p.detach()).cpu() for _, p in todo]).tolist()
+            for (k, p), h in zip(todo, hs):
+                self._seen[k] = (p.data_ptr(), p._version, str(p.dtype), int(h))
+        keys = params if not self._emitted else [k for k, _ in todo]
+        self._emitted = True
+        if not keys:
+            return None
+        return {k: [self._seen[k][3], self._seen[k][2].removeprefix("torch."), list(params[k].shape)] for k in keys}
 
 
 def weight_hashes_by_point(view: Any) -> dict[tuple[str, int | None], dict[str, list]]:
-    """{(point, layer): {parameter name: [hash, dtype, shape]}} from the first pass of each rank group
-    that recorded weights. A parameter belongs to the point whose record its module writes (`module:out`)."""
+    """{(point, layer): {parameter name: [hash, dtype, shape]}} from the first pass of rank 0 that recorded
+    weights (the full map; later passes hold only parameters changed since). A parameter belongs to the
+    point whose record its module writes (`module:out`)."""
     adapter, config = view.adapter, view.config
     compiled = [(pm, pm.regex()) for pm in adapter.points if adapter.applies(pm, config)]
     info = view.trace.rank_info(view.trace.ranks[0]) if view.trace.ranks else {}
