@@ -189,3 +189,36 @@ def test_cli_replay_exit_codes(tmp_path, clean, capsys):
     assert "ABNORMAL at L1.attn_norm" in out and "L0." not in out
     assert cli(["replay", str(a), "--reference", str(tmp_path / "nowhere")]) == 2
     assert cli(["replay", str(a), "--reference", str(ck), "--layers", "x"]) == 2
+
+
+# ---------------------------------------------------------------- the rule, as a pure function
+
+def _err(point="attn_norm", dtype="bfloat16", excess=1.4, numel=2048, nonfinite=0, rel=None, kind="float", share=0.7):
+    floor = 1.6e-3
+    return IntrinsicError(point, 1, dtype, 32, numel, mean_ulp=0.3, max_ulp=1.3, share_rounded=share,
+                          rel_l2=rel if rel is not None else excess * floor, rel_floor=floor, nonfinite=nonfinite,
+                          kind=kind)
+
+
+@pytest.mark.parametrize("a,b,want", [
+    (_err(excess=1.40), _err(excess=1.42), (None, None)),                       # clean vs clean
+    (_err(excess=1.40), _err(excess=1.90), ("B", "intrinsic")),                 # over the envelope and worse
+    (_err(excess=1.70), _err(excess=1.62), (None, None)),                       # both abnormal, alike
+    (_err(excess=1.40), _err(excess=1.90, numel=16), (None, None)),             # too few elements
+    (_err("attn.core", excess=1.60), _err("attn.core", excess=1.95), (None, None)),   # eager-like: in envelope
+    (_err(excess=1.4, nonfinite=3), _err(excess=1.4), ("A", "nonfinite")),
+    (_err("logits", rel=1.7e-3), _err("logits", "float32", rel=5e-8), ("A", "precision")),
+    (_err("logits", rel=1.64e-3), _err("logits", "float32", rel=1.66e-3), (None, None)),   # alike: no blame
+    (_err("moe.topk_ids", "int64", kind="ids", share=1.0), _err("moe.topk_ids", "int64", kind="ids", share=0.8),
+     ("B", "intrinsic")),
+])
+def test_intrinsic_verdict_rule(a, b, want):
+    from tic_trace.intrinsic_verdict import intrinsic_verdict
+    v = intrinsic_verdict(a, b)
+    assert (v.side, v.kind if v.side else None) == want, v.reason
+
+
+def test_not_replayed_side_gets_no_verdict():
+    from tic_trace.intrinsic_verdict import intrinsic_verdict
+    v = intrinsic_verdict(NotReplayed("attn.q", 1, "checkpoint has no q_proj"), _err("attn.q", excess=9.0))
+    assert v.side is None and "q_proj" in v.reason
