@@ -71,6 +71,8 @@ def test_clean_sglang_rollout_replays_within_every_envelope(tmp_path, sides):
     assert done["L1.attn.core"].rows == prompt_rows + DECODE * len(PROMPTS)       # decode rows replayed too
     assert done["logits"].dtype == "bfloat16" and done["logits"].recorded_dtype == "float32"
     assert _findings(ck, hf, sg) == ROUTING_WEIGHTS
+    numerics = CanonicalView(str(sg)).trace.manifest["numerics"]      # the engine's own server arguments
+    assert numerics["attention_backend"] == "torch_native" and numerics["kv_cache_dtype"] == "auto"
 
 
 def test_precision_fault_in_sglang_found_with_sglang_blamed(tmp_path, sides):
