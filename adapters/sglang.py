@@ -67,11 +67,20 @@ import logging
 import sys
 from typing import Any, Callable
 
-from tic_trace.adapter import Adapter, PointMap, merge, register_adapter
+from tic_trace.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
 from tic_trace.adapters.sglang_names import ARCH_OF_CLASS, MHA_POINTS, PARTIAL_POINTS, POINTS, tp_copies_equal
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows
 from tic_trace.adapters.sglang_rows import parse_sample_rid, row_rids  # noqa: F401 - part of this adapter's API
+
+# Server arguments that change how the engine computes (kernels, backends, precisions, fusions).
+NUMERICS_SERVER_ARGS = (
+    "dtype", "kv_cache_dtype", "quantization", "attention_backend", "prefill_attention_backend",
+    "decode_attention_backend", "sampling_backend", "moe_runner_backend", "moe_a2a_backend",
+    "enable_fp32_lm_head", "enable_deterministic_inference", "rl_on_policy_target", "enable_torch_compile",
+    "disable_cuda_graph", "enable_fused_qk_norm_rope", "triton_attention_reduce_in_fp32",
+    "enable_dp_attention", "disable_radix_cache", "chunked_prefill_size", "tp_size", "ep_size",
+    "enable_flashinfer_allreduce_fusion", "enforce_disable_flashinfer_allreduce_fusion")
 
 log = logging.getLogger("tic_trace.sglang")
 
@@ -183,6 +192,16 @@ class SGLangAdapter(Adapter):
             if r is not None and n is not None:
                 out[f"{k}_rank"], out[f"{k}_size"] = r, n
         return out
+
+    def numerics(self, models: list) -> dict:
+        """The running server's arguments that change numerics ({} when no server context exists, e.g. a
+        model built directly in a test)."""
+        try:
+            from sglang.srt.runtime_context import get_server_args
+            sa = get_server_args()
+        except Exception:  # noqa: BLE001 - outside a server there are no server args to read
+            return {}
+        return plain_settings(sa, NUMERICS_SERVER_ARGS) if sa is not None else {}
 
     def parallel_layout(self) -> dict:
         c = self.rank_coords()

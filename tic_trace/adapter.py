@@ -170,6 +170,25 @@ def as_ints(x: Any) -> list[int]:
     return [int(v) for v in x]
 
 
+def plain_settings(obj: Any, names: Sequence[str]) -> dict:
+    """`names` read from a config object as JSON values (enums, dtypes and callables by name); absent ones
+    are left out."""
+    out = {}
+    for n in names:
+        if not hasattr(obj, n):
+            continue
+        v = getattr(obj, n)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[n] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+            out[n] = list(v)
+        elif isinstance(v, dict):
+            out[n] = {str(k): x if isinstance(x, (bool, int, float, str, type(None))) else str(x) for k, x in v.items()}
+        else:
+            out[n] = getattr(v, "__name__", None) or getattr(v, "name", None) or str(v).removeprefix("torch.")
+    return out
+
+
 # ---------------------------------------------------------------- the adapter base
 
 class Adapter:
@@ -183,6 +202,11 @@ class Adapter:
 
     def describe(self, models: list) -> dict:
         """Model facts the transforms need (heads, head_dim, vocab, layers, experts, ...)."""
+        return {}
+
+    def numerics(self, models: list) -> dict:
+        """Settings that change how the model computes (kernels, backends, precisions, fusions), as plain
+        JSON values, for the contract diff (tic_trace/contract.py). Default: none known."""
         return {}
 
     def parallel_layout(self) -> dict:

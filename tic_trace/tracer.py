@@ -32,6 +32,7 @@ from .dtypes import torch_dtype_name, dtype_info
 from .filters import MODES, Filters
 from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .stats import device_hash, device_stats, stats_dict
+from .weights import ParameterHasher
 
 log = logging.getLogger("tic_trace")
 
@@ -175,6 +176,9 @@ class Tracer:
         self._paths: dict[int, str] = {}
         self._activity = False
         self._incomplete: str | None = None   # why the open pass is not a whole forward
+        # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
+        self.hash_weights = True
+        self._param_hasher = ParameterHasher()
 
     # ------------------------------------------------------------ public API
     @property
@@ -437,6 +441,7 @@ class Tracer:
         if self.adapter is not None:
             m["model"] = self.adapter.describe(self.models)
             m["parallel"] = self.adapter.parallel_layout()
+            m["numerics"] = self.adapter.numerics(self.models)
         m.update(self.extra_manifest)
         return m
 
@@ -704,6 +709,17 @@ class Tracer:
         arr = _as_storage(x.contiguous(), storage)
         rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr)
 
+    def _weights_meta(self) -> dict | None:
+        """Parameter hashes for this pass's metadata; a failure here only loses them (noted once)."""
+        if not self.hash_weights:
+            return None
+        try:
+            return self._param_hasher(self.models)
+        except Exception as e:  # noqa: BLE001 - never break the user's run over a diagnostic
+            self._notes.add(f"parameter hashes not recorded: {type(e).__name__}: {e}")
+            self.hash_weights = False
+            return None
+
     def _end_pass(self) -> None:
         pw = self._pass
         incomplete = self._incomplete
@@ -730,8 +746,9 @@ class Tracer:
             if p.host is not None:   # the .cpu() above synchronised the stream: pinned copies are complete
                 arr = _as_storage(p.host, dtype_info(p.record.dtype).storage)
                 p.record.offset, p.record.nbytes, p.record.crc = pw.write_bytes(arr)
+        weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
-                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes))
+                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
         self.passes_written.append(pw.close(incomplete=incomplete))
         self._pass = None
         self._pending.clear()

@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tic_trace.tools.slime_report import add_parser as add_slime_report
     add_slime_report(sub)
+
+    from tic_trace.tools import replay_cmd
+    replay_cmd.add_parser(sub)
     return p
 
 
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a crash is "no answer", never "divergence found"
         return _fail(console, f"{args.cmd} failed: {type(e).__name__}: {e}", debug)
     # 1 means "divergence found" and nothing else: a command that fails some other way has no answer.
-    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo"):
+    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo", "replay"):
         return EXIT_ERROR
     return code
 
