@@ -30,7 +30,9 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from . import __version__
 from .dtypes import torch_dtype_name, dtype_info
 from .filters import MODES, Filters
+from .alias import AliasCache
 from .format import PassWriter, Record, TraceWriter
+from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
 from .stats import device_hash, device_stats, stats_dict
 
 log = logging.getLogger("tic_trace")
@@ -61,7 +63,6 @@ class _Frame:
 class _Pending:
     record: Record
     stat_slot: int | None = None
-    host: torch.Tensor | None = None   # device tensors copied asynchronously; written at pass end
 
 
 # Depth of tracer-internal code on this thread, over all tracers: the ops one tracer runs itself (statistics,
@@ -121,7 +122,8 @@ class Tracer:
                  filters: Filters | None = None, rank: int | None = None, record_views: bool = False,
                  record_inputs: Iterable[str] | None = None, skip_recompute: bool = True,
                  auto_step: bool = False, sample_rows: Sequence[int] | None = None,
-                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None):
+                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None,
+                 pinned_cap_bytes: int = DEFAULT_CAP_BYTES, on_cap: str = "wait", reuse_aliases: bool = True):
         if mode not in MODES or (points_mode is not None and points_mode not in MODES):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}/{points_mode!r}")
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -156,6 +158,8 @@ class Tracer:
         self._pending: list[_Pending] = []
         self._stat_rows: list[torch.Tensor] = []
         self._hashes: list[torch.Tensor] = []
+        self._alias = AliasCache() if reuse_aliases else None
+        self._stager = HostStager(pinned_cap_bytes, on_cap)
         self._seq = 0
         self._rows: dict | None = None
         self._row_select: torch.Tensor | None = None
@@ -207,6 +211,10 @@ class Tracer:
             self._live = True
             self._guarded(self._end_pass)
             self._live = False
+        try:
+            self._stager.close()      # the writer thread ends and the host ring is freed
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
         self._uninstall()
 
     def step(self, tag: str | None = None) -> None:
@@ -326,6 +334,14 @@ class Tracer:
         self.stop()
 
     # ------------------------------------------------------------ failure
+    def _discard_host_copies(self) -> None:
+        """Let the writer thread finish what is queued (it may still write into the pass) before the pass
+        is aborted; its error, if any, is the one already being handled."""
+        try:
+            self._stager.drain()
+        except Exception:  # noqa: BLE001
+            pass
+
     def _fail(self, e: BaseException) -> None:
         if self.failed is None:
             self.failed = e
@@ -333,6 +349,7 @@ class Tracer:
                         "passes already written stay readable): %s: %s\n%s", type(e).__name__, e,
                         "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=4)))
         self._live = False
+        self._discard_host_copies()
         if self._pass is not None:
             try:
                 self._pass.abort()
@@ -512,6 +529,8 @@ class Tracer:
 
     def _on_op(self, func, args, kwargs, out) -> None:
         name, skip, written, is_view = _op_info(func)
+        if written and self._alias is not None:
+            self._alias.forget(_written_args(func, written, args, kwargs))
         if skip or (is_view and not self.record_views):
             return
         frame = self._stack[-1] if self._stack else None
@@ -596,11 +615,10 @@ class Tracer:
                      shape=tuple(t.shape), mode=mode, stats=None, hash=None, ops_in_region=ops_in_region)
         self._seq += 1
         x = t.detach()
-        pending = _Pending(rec, stat_slot=len(self._stat_rows))
+        pending = _Pending(rec)
         subset = self._subset_for(name, x) if self._record_rows and kind != "op" else None
         with torch.no_grad():
-            self._stat_rows.append(device_stats(x))
-            self._hashes.append(device_hash(x))
+            pending.stat_slot = self._stats_slot(x)
             if subset is not None:
                 x = self._select_subset(x, rec, subset)
             elif mode == "rows":
@@ -609,6 +627,18 @@ class Tracer:
                 self._store(pw, x, pending)
         pw.add(rec)
         self._pending.append(pending)
+
+    def _stats_slot(self, x: torch.Tensor) -> int:
+        """The slot of x's statistics and hash: an earlier record's when x aliases it (see alias.py), else
+        new ones computed on x's device (bounded transient memory, no host sync)."""
+        slot = self._alias.lookup(x) if self._alias is not None else None
+        if slot is None:
+            slot = len(self._stat_rows)
+            self._stat_rows.append(device_stats(x))
+            self._hashes.append(device_hash(x))
+            if self._alias is not None:
+                self._alias.add(x, slot)
+        return slot
 
     def _subset_for(self, name: str, x: torch.Tensor) -> list[int] | None:
         for rx, rows in self._record_rows:
@@ -666,16 +696,15 @@ class Tracer:
         return idx
 
     def _store(self, pw: PassWriter, x: torch.Tensor, pending: _Pending) -> None:
+        """The value's bytes into the pass's blob: device tensors through the bounded host copy and its writer
+        thread (no host sync); over the cap, the record keeps its statistics only (named in the notes)."""
         rec = pending.record
-        storage = dtype_info(rec.dtype).storage
-        if x.is_cuda:
-            # Non-blocking copy into pinned memory now (the value as produced); bytes hit disk at pass end.
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            host.copy_(x, non_blocking=True)
-            pending.host = host
+        if x.numel() and self._stager.wants(x):
+            if not self._stager.stage(pw, rec, x):
+                rec.mode, rec.row_index = "stats", None
+                rec.extra.pop("row_dims", None)
             return
-        arr = _as_storage(x.contiguous(), storage)
-        rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr)
+        self._stager.write_now(pw, rec, as_storage(x.cpu().contiguous()))
 
     def _end_pass(self) -> None:
         pw = self._pass
@@ -692,13 +721,12 @@ class Tracer:
             # The one host sync of the pass: all statistics and hashes come over together.
             stats_np = torch.stack(self._stat_rows).cpu().numpy()
             hashes_np = torch.stack(self._hashes).cpu().numpy()
+        self._stager.drain()    # every queued host copy is in the blob (the writer's error, if any, raised)
+        self._notes.update(self._stager.take_notes())
         for p in self._pending:
             if p.stat_slot is not None:
                 p.record.stats = stats_dict(stats_np[p.stat_slot])
                 p.record.hash = int(hashes_np[p.stat_slot])
-            if p.host is not None:   # the .cpu() above synchronised the stream: pinned copies are complete
-                arr = _as_storage(p.host, dtype_info(p.record.dtype).storage)
-                p.record.offset, p.record.nbytes, p.record.crc = pw.write_bytes(arr)
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes))
         self.passes_written.append(pw.close())
@@ -706,6 +734,8 @@ class Tracer:
         self._pending.clear()
         self._stat_rows.clear()
         self._hashes.clear()
+        if self._alias is not None:
+            self._alias.clear()
         self._blind.clear()
         self._notes.clear()
         self._rows = None
@@ -717,15 +747,21 @@ class Tracer:
         self._activity = False
 
 
-def _as_storage(x: torch.Tensor, storage: str) -> np.ndarray:
-    size = x.element_size()
-    if x.dtype == torch.bool:
-        return x.numpy()
-    if x.is_complex() or x.dtype in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                                     torch.int16, torch.int8, torch.uint8):
-        return x.numpy()
-    # bf16, fp8 and other dtypes numpy lacks: their bit patterns as unsigned ints of the same width
-    return x.view({1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[size]).numpy()
+def _as_storage(x: torch.Tensor, storage: str | None = None) -> np.ndarray:
+    return as_storage(x)
+
+
+_WRITTEN_POS: dict[Any, tuple[int, ...]] = {}
+
+
+def _written_args(func, written: tuple[str, ...], args: tuple, kwargs: dict) -> list:
+    """The arguments an op writes (schema alias annotations `Tensor(a!)`), positional or keyword."""
+    pos = _WRITTEN_POS.get(func)
+    if pos is None:
+        pos = _WRITTEN_POS[func] = tuple(i for i, a in enumerate(func._schema.arguments) if a.name in written)
+    out = [args[i] for i in pos if i < len(args)]
+    out.extend(v for k, v in kwargs.items() if k in written)
+    return out
 
 
 def _resolve_adapter(adapter: Any):

@@ -1,0 +1,209 @@
+"""Bounded memory and reuse in the tracer's record path (issue 12): statistics and hash in bounded blocks,
+alias reuse that never changes a value, the host-copy cap with its writer thread, and odd tensors."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tic_trace
+from tic_trace import host_copy
+from tic_trace import stats as stats_mod
+from tic_trace.diverge import find_divergence
+from tic_trace.format import open_trace
+from tic_trace.stats import TRANSIENT_BYTES_MAX, device_hash, device_stats, numpy_hash, numpy_stats, stats_dict
+from tic_trace.testing.faults import plant
+from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
+
+from conftest import trace_hf
+
+IDS = sample_tokens(2, 10)
+
+
+def _peak_bytes(fn, tmp_path) -> int:
+    """Peak bytes held by torch's CPU allocator during fn() above what it held before: the profiler reports
+    every allocation and free with the allocator's running total ("Total Allocated")."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    path = tmp_path / "prof.json"
+    prof.export_chrome_trace(str(path))
+    events = [e["args"] for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    path.unlink()
+    if not events:
+        return 0
+    base = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - base
+
+
+def _warm(x):
+    # the per-device index table and the CPU scratch buffers are caches of bounded size, built on first use
+    device_stats(x[:4096]), device_hash(x[:4096])
+
+
+_BIG = 1 << 25     # 128 MiB of float32: twice the bound
+
+
+@pytest.mark.parametrize("path", ["cpu", "device-path-forced"])
+@pytest.mark.parametrize("case", ["contiguous", "transposed", "float64-with-nan", "int64"])
+def test_transient_memory_per_record_is_bounded(monkeypatch, tmp_path, path, case):
+    """Statistics and hash of a tensor twice the bound allocate at most TRANSIENT_BYTES_MAX (64 MiB) at once,
+    on the CPU path and on the accelerator path forced on the CPU; without blocks the same call exceeds it
+    (so the measurement can fail)."""
+    monkeypatch.setattr(stats_mod, "FORCE_DEVICE_PATH", path != "cpu")
+    g = torch.Generator().manual_seed(0)
+    if case == "contiguous":
+        x = torch.randn(_BIG, generator=g)
+    elif case == "transposed":
+        x = torch.randn(1 << 12, 1 << 13, generator=g).t()
+    elif case == "float64-with-nan":
+        x = torch.randn(_BIG // 2, generator=g, dtype=torch.float64)
+        x[5] = float("nan")
+    else:
+        x = torch.randint(-1000, 1000, (_BIG // 2,), generator=g, dtype=torch.int64)
+    _warm(x.reshape(-1)[:8192].contiguous())
+    peak = _peak_bytes(lambda: (device_stats(x), device_hash(x)), tmp_path)
+    assert peak <= TRANSIENT_BYTES_MAX, (peak / 2**20, "MiB")
+    print(f"{path} {case}: peak {peak / 2**20:.1f} MiB")
+    if case == "contiguous":
+        monkeypatch.setattr(stats_mod, "_CHUNK", 1 << 30)
+        monkeypatch.setattr(stats_mod, "_HOST_CHUNK", 1 << 30)
+        monkeypatch.setattr(stats_mod, "_TABLE_MAX", 1 << 30)
+        unbounded = _peak_bytes(lambda: (device_stats(x), device_hash(x)), tmp_path)
+        assert unbounded > 2 * TRANSIENT_BYTES_MAX
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.bool,
+                                   torch.complex64], ids=str)
+def test_forced_device_path_in_many_blocks_matches_numpy(monkeypatch, dtype):
+    """The accelerator path (fresh buffers, branch-free masking), cut into many blocks of a strided tensor,
+    gives numpy's hash bit for bit and its statistics (sums to float64 rounding)."""
+    monkeypatch.setattr(stats_mod, "FORCE_DEVICE_PATH", True)
+    monkeypatch.setattr(stats_mod, "_CHUNK", 37)
+    monkeypatch.setattr(stats_mod, "_TABLE_MAX", 37)
+    base = torch.randn(23, 19, 3, dtype=torch.float64) * 4
+    base[3, 4, 1], base[7, 2, 0] = float("nan"), float("inf")
+    if dtype == torch.bool:
+        t = base > 0
+    elif dtype == torch.complex64:
+        t = torch.complex(base, -base).to(dtype)
+    elif not dtype.is_floating_point:
+        t = base.nan_to_num(0, 0, 0).to(dtype)
+    else:
+        t = base.to(dtype)
+    t = t.permute(1, 2, 0)                         # strided: cut into slabs along the leading dimensions
+    from tic_trace.dtypes import torch_dtype_name
+    raw = host_copy.as_storage(t.contiguous())
+    assert int(device_hash(t)) == numpy_hash(raw)
+    dev, host = stats_dict(device_stats(t).numpy()), numpy_stats(raw, torch_dtype_name(t.dtype))
+    for k in dev:
+        assert dev[k] == pytest.approx(host[k], rel=1e-12, nan_ok=True), k
+
+
+# ------------------------------------------------------------------------------------------------ aliases
+
+def _records(d):
+    return {r.name: r for r in next(open_trace(d).passes()).records}
+
+
+def test_alias_reuse_changes_no_value_and_skips_work(tmp_path):
+    """Traces with and without alias reuse are identical record for record (stats, hashes, values), and reuse
+    happened (a module's output is its last op's output)."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    _, t_on = trace_hf(model, tmp_path / "on", IDS)
+    _, t_off = trace_hf(model, tmp_path / "off", IDS, reuse_aliases=False)
+    assert t_on._alias.hits > 10
+    on, off = _records(tmp_path / "on"), _records(tmp_path / "off")
+    assert on.keys() == off.keys()
+    for name in on:
+        assert on[name].hash == off[name].hash and on[name].stats == off[name].stats, name
+
+
+class _Writes(torch.nn.Module):
+    """Records the same storage before and after in-place writes, through a view, a same-object return and
+    an `_unsafe_view` (its own version counter)."""
+
+    def forward(self, x):
+        y = x * 2                                   # op record of y
+        v = y.view(-1)
+        v.add_(1)                                   # write through a view: version counter shared
+        z = torch.ops.aten._unsafe_view(y, [-1])    # aliases y, fresh version counter
+        z.mul_(3)                                   # dispatcher-visible write: forget()
+        return y                                    # module output: y after both writes
+
+
+def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
+    x = torch.randn(4, 8)
+    with tic_trace.trace(_Writes(), tmp_path / "t", mode="full") as t:
+        out = _Writes()(x) if False else t.models[0](x)
+    assert t.failed is None
+    recs = _records(tmp_path / "t")
+    final = recs["<root>:out"]
+    assert final.hash == numpy_hash(out.numpy()) == numpy_hash(final.values())
+    assert final.stats["sum"] == pytest.approx(float(out.double().sum()), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ host-copy cap
+
+@pytest.fixture
+def staged(monkeypatch):
+    """The device path of the host copy (ring, writer thread, cap) on CPU tensors."""
+    monkeypatch.setattr(host_copy, "FORCE_STAGING", True)
+    monkeypatch.setattr(host_copy, "_MIN_RING", 1 << 12)
+
+
+def _values(d):
+    return {n: (r.mode, r.values().tobytes() if r.has_data else None, r.hash) for n, r in _records(d).items()}
+
+
+def test_cap_wait_keeps_every_value_and_notes_the_waits(tmp_path, staged):
+    """A cap smaller than the pass: the forward waits for the writer, every value is kept bit for bit, the
+    pass notes say so, and the finder's answer is the uncapped one."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    plant(model, "hf", "router_bf16", 1)
+    trace_hf(model, tmp_path / "free", IDS)
+    _, t = trace_hf(model, tmp_path / "capped", IDS, pinned_cap_bytes=64 << 10)
+    assert t._stager.peak_ring_bytes <= 64 << 10
+    assert _values(tmp_path / "capped") == _values(tmp_path / "free")
+    notes = next(open_trace(tmp_path / "capped").passes()).meta["notes"]
+    assert any("waited for the disk writer" in n for n in notes), notes
+    clean = build_hf_model(tiny_qwen3_config(moe=True))
+    trace_hf(clean, tmp_path / "ref", IDS)
+    a, b = find_divergence(tmp_path / "ref", tmp_path / "free"), find_divergence(tmp_path / "ref", tmp_path / "capped")
+    assert a.first["key"] == b.first["key"] == "L1.moe.router_logits"
+    assert a.to_json()["points"] == b.to_json()["points"]
+
+
+def test_cap_degrades_to_statistics_with_a_note_never_silently(tmp_path, staged):
+    """`on_cap="stats"` with a tiny cap: records that do not fit keep statistics and hash (mode stats),
+    every one is counted in the pass notes, the trace reads, and the finder still answers."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    _, t = trace_hf(model, tmp_path / "free", IDS)
+    _, t = trace_hf(model, tmp_path / "capped", IDS, pinned_cap_bytes=8 << 10, on_cap="stats")
+    free, capped = _records(tmp_path / "free"), _records(tmp_path / "capped")
+    degraded = [n for n in free if free[n].has_data and not capped[n].has_data]
+    assert degraded and all(capped[n].mode == "stats" for n in degraded)
+    assert all(capped[n].hash == free[n].hash and capped[n].stats == free[n].stats for n in free)
+    kept = [n for n in free if capped[n].has_data]
+    assert kept and all(np.array_equal(capped[n].values(), free[n].values()) for n in kept)
+    notes = next(open_trace(tmp_path / "capped").passes()).meta["notes"]
+    assert any(f"{len(degraded)} record(s) kept statistics" in n for n in notes), notes
+    rep = find_divergence(tmp_path / "free", tmp_path / "capped")
+    assert rep.verdict == "consistent"
+
+
+def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeypatch):
+    """A failing blob write in the writer thread surfaces at pass end as a tracer failure: the forward's
+    output is untouched and no half-written pass is left as complete."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    ref = model(IDS).logits
+    from tic_trace import format as fmt
+
+    def boom(self, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(fmt.PassWriter, "write_bytes", boom)
+    with tic_trace.trace(model, tmp_path / "t", adapter="hf", points_mode="full") as t, torch.no_grad():
+        out = model(IDS).logits
+    assert torch.equal(out, ref)
+    assert isinstance(t.failed, OSError)
+    assert not list((tmp_path / "t").rglob("*.idx"))
