@@ -207,3 +207,92 @@ def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeyp
     assert torch.equal(out, ref)
     assert isinstance(t.failed, OSError)
     assert not list((tmp_path / "t").rglob("*.idx"))
+
+
+# ------------------------------------------------------------------------------------------------ comparator
+
+def _reference_metrics(a, b, mant):
+    """The metrics' definitions, whole-array (what compare_values computed before it streamed)."""
+    n = a.shape[0]
+    a2, b2 = a.reshape(n, -1).astype(np.float64), b.reshape(n, -1).astype(np.float64)
+    fa, fb = np.isfinite(a2), np.isfinite(b2)
+    both = fa & fb
+    with np.errstate(invalid="ignore"):
+        d = np.where(both, a2 - b2, 0.0)
+    ra, rb = np.where(both, a2, 0.0), np.where(both, b2, 0.0)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ra), 2.0 ** -126))) - mant)
+    return {"max_abs": np.abs(d).max(), "mean_abs": np.abs(d).mean(),
+            "rel_l2": np.sqrt((d * d).sum() / (ra * ra).sum()),
+            "cosine": (ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()),
+            "max_ulp": (np.abs(d) / ulp).max(), "mean_ulp": (np.abs(d) / ulp).mean(),
+            "bitwise_equal": ((a2 == b2) | (np.isnan(a2) & np.isnan(b2))).mean(),
+            "nonfinite": int((fa != fb).sum() + ((~fa & ~fb) & ~(np.isnan(a2) & np.isnan(b2)) & (a2 != b2)).sum()),
+            "per_row_rel": np.sqrt((d * d).sum(1) / (ra * ra).sum(1)), "per_row_max": np.abs(d).max(1)}
+
+
+@pytest.mark.parametrize("block", [1 << 20, 37, 5])
+@pytest.mark.parametrize("case", ["close", "equal-rows", "nonfinite", "rows-longer-than-a-block"])
+def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, case):
+    from tic_trace import compare
+    monkeypatch.setattr(compare, "BLOCK_ELEMS", block)
+    rng = np.random.default_rng(1)
+    shape = (40, 3, 16) if case != "rows-longer-than-a-block" else (3, 200)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = (a + rng.standard_normal(shape).astype(np.float32) * 1e-3).astype(np.float32)
+    if case == "equal-rows":
+        b[::2] = a[::2]
+    if case == "nonfinite":
+        a[1, 0, 2], b[1, 0, 2] = np.nan, np.nan
+        a[2, 1, 3], b[3, 0, 0], a[4, 0, 0], b[4, 0, 0] = np.inf, -np.inf, np.inf, np.inf
+    got, want = compare.compare_values(a, b, "float32"), _reference_metrics(a, b, 23)
+    for k, v in want.items():
+        g = getattr(got, k)
+        assert np.allclose(g, v, rtol=1e-12, atol=0, equal_nan=True), (k, g, v)
+    assert got.rows == shape[0] and got.numel == a.size
+    assert got.to_json().keys() == {"rows", "numel", "max_abs", "mean_abs", "rel_l2", "cosine", "max_ulp",
+                                    "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite"}
+
+
+def test_routing_comparison_matches_per_row_sets():
+    from tic_trace.compare import compare_routing
+    rng = np.random.default_rng(2)
+    n, k, e = 300, 4, 16
+    A = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    B = A.copy()
+    B[::7, 0] = (B[::7, 0] + 1) % e                    # some rows flip (or land on a member: no flip)
+    B[5] = B[5, 0]                                     # duplicate ids in one row
+    logits = rng.standard_normal((n, e)).astype(np.float32)
+    err = np.abs(rng.standard_normal(n)) * 0.2
+    got = compare_routing(A, B, logits, err)
+    inter = [len(set(A[i]) & set(B[i])) for i in range(n)]
+    flipped = [i for i in range(n) if inter[i] < k]
+    margins = [float(np.sort(logits[i])[::-1][k - 1] - np.sort(logits[i])[::-1][k]) for i in flipped]
+    assert got.flipped_index == flipped and got.flipped_rows == len(flipped)
+    assert got.flip_margins == margins
+    assert got.unexplained_flips == sum(not (m <= 2 * err[i]) for m, i in zip(margins, flipped))
+    assert got.set_agreement == pytest.approx(np.mean(inter) / k, rel=1e-15)
+    assert compare_routing(A, B).unexplained_flips == len(flipped)      # no logits: no flip is explained
+
+
+def test_comparator_heap_is_bounded_by_blocks_not_the_tensor(tmp_path):
+    """compare_values on two memory-mapped 128 MiB float32 arrays: the Python heap peak (tracemalloc sees
+    numpy's allocations) stays within four float64 blocks, 1/4 of one input."""
+    import tracemalloc
+    from tic_trace.compare import BLOCK_ELEMS, compare_values
+    rows, cols = 8192, 4096
+    paths = []
+    for side in "ab":
+        mm = np.lib.format.open_memmap(tmp_path / f"{side}.npy", mode="w+", dtype=np.float32, shape=(rows, cols))
+        mm[:] = 1.0
+        if side == "b":
+            mm[::5, 7] = 1.5
+        mm.flush()
+        paths.append(tmp_path / f"{side}.npy")
+        del mm
+    a, b = (np.load(p, mmap_mode="r") for p in paths)
+    tracemalloc.start()
+    m = compare_values(a, b, "float32")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert m.max_abs == 0.5 and m.rows == rows
+    assert peak <= 3.5 * 8 * BLOCK_ELEMS, peak / 2**20
