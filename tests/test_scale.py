@@ -296,3 +296,87 @@ def test_comparator_heap_is_bounded_by_blocks_not_the_tensor(tmp_path):
     tracemalloc.stop()
     assert m.max_abs == 0.5 and m.rows == rows
     assert peak <= 3.5 * 8 * BLOCK_ELEMS, peak / 2**20
+
+
+# ------------------------------------------------------------------------------------------------ odd tensors
+
+class _Sub(torch.Tensor):
+    pass
+
+
+class _Odd(torch.nn.Module):
+    """One child per odd kind, each returning it as its module output, and a plain output at the end."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        k, y = self.kind, x * 2
+        if k == "zero-size":
+            return y[:0] + 1                      # an expert that got no tokens
+        if k == "sparse":
+            return y.to_sparse()
+        if k == "sparse_csr":
+            return y.to_sparse_csr()
+        if k == "complex":
+            return torch.complex(y, x)
+        if k == "quantized":
+            return torch.quantize_per_tensor(y, 0.05, 3, torch.quint8)
+        if k == "subclass":
+            return y.as_subclass(_Sub)
+        if k == "nested":
+            return torch.nested.nested_tensor([y[0], y[1, :2]])
+        raise AssertionError(k)
+
+
+class _OddModel(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.odd = _Odd(kind)
+
+    def forward(self, x):
+        self.odd(x)
+        return x + 1
+
+
+_ODD_NOTES = {"zero-size": None, "sparse": "sparse_coo tensors not recorded", "sparse_csr": "sparse_csr tensors",
+              "complex": "complex64 tensors recorded as their real view", "quantized": "quantized tensors (quint8)",
+              "subclass": "tensor subclass _Sub recorded as the plain tensor", "nested": "nested tensors not recorded"}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", list(_ODD_NOTES))
+@pytest.mark.parametrize("staged_copy", [False, True], ids=["direct", "staged"])
+def test_odd_tensors_are_recorded_or_named_never_fatal(tmp_path, monkeypatch, kind, staged_copy):
+    monkeypatch.setattr(host_copy, "FORCE_STAGING", staged_copy)
+    x = torch.randn(4, 3)
+    model = _OddModel(kind)
+    with tic_trace.trace(model, tmp_path / "t", mode="full") as t:
+        out = model(x)
+    assert t.failed is None, t.failed
+    assert torch.equal(out, x + 1)
+    p = next(open_trace(tmp_path / "t").passes())
+    recs = {r.name: r for r in p.records}
+    for r in p.records:                                   # every record reads back, with its CRC checked
+        if r.has_data:
+            r.raw()
+    assert np.array_equal(recs["<root>:out"].values(), (x + 1).numpy())
+    want_note = _ODD_NOTES[kind]
+    assert (want_note is None and not p.meta["notes"]) or any(want_note in n for n in p.meta["notes"]), p.meta
+    rec = recs.get("odd:out")
+    y = x * 2
+    if kind == "zero-size":
+        assert rec.shape == (0, 3) and rec.values().shape == (0, 3) and rec.stats["count"] == 0
+    elif kind == "complex":
+        assert rec.extra["complex"] == "complex64" and rec.shape == (4, 3, 2)
+        assert np.array_equal(rec.values(), torch.view_as_real(torch.complex(y, x)).numpy())
+        assert rec.hash == numpy_hash(torch.complex(y, x).numpy())
+    elif kind == "quantized":
+        q = torch.quantize_per_tensor(y, 0.05, 3, torch.quint8)
+        assert rec.extra == {"quantized": "quint8", "qscheme": "per_tensor_affine", "scale": 0.05, "zero_point": 3}
+        assert np.array_equal(rec.raw(), q.int_repr().numpy())
+    elif kind == "subclass":
+        assert np.array_equal(rec.values(), y.numpy())
+    else:
+        assert rec is None

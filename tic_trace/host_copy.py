@@ -119,8 +119,8 @@ class HostStager:
         return x.is_cuda or FORCE_STAGING
 
     def write_now(self, pw: PassWriter, rec: Record, arr: np.ndarray) -> None:
-        with self.write_lock:
-            rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr)
+        with self.write_lock:   # a memoryview of an array with a zero in its shape cannot be cast to bytes
+            rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr if arr.size else b"")
 
     def stage(self, pw: PassWriter, rec: Record, x: torch.Tensor) -> bool:
         """Queue x's value for the blob; False (and a note) when it was degraded to statistics."""

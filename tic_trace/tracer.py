@@ -33,6 +33,7 @@ from .filters import MODES, Filters
 from .alias import AliasCache
 from .format import PassWriter, Record, TraceWriter
 from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
+from .odd_tensors import recordable
 from .stats import device_hash, device_stats, stats_dict
 
 log = logging.getLogger("tic_trace")
@@ -107,11 +108,6 @@ def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool]:
         info = (name, skip, written, is_view)
         _OP_INFO_CACHE[func] = info
     return info
-
-
-def _plain_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) \
-        and x.device.type != "meta"
 
 
 class Tracer:
@@ -581,11 +577,11 @@ class Tracer:
                             self._capture_tree(f"{base}{keystr(p)}.{f.name}", path, kind, op, call, fv, mode,
                                                ops_in_region, depth + 1)
         for key, t in leaves:
-            if not _plain_tensor(t):
-                if isinstance(t, torch.Tensor):
-                    self._notes.add(f"tensor subclass {type(t).__name__} not recorded")
-                continue
-            self._capture(base + key, path, kind, op, call, t, mode, ops_in_region)
+            rec_t, note, extra = recordable(t)     # odd tensors: recorded in another form, or named
+            if note:
+                self._notes.add(note)
+            if rec_t is not None:
+                self._capture(base + key, path, kind, op, call, rec_t, mode, ops_in_region, extra)
 
     def _open_pass(self) -> PassWriter:
         if self._pass is None:
@@ -596,7 +592,7 @@ class Tracer:
         return self._pass
 
     def _capture(self, name: str, path: str, kind: str, op: str | None, call: int, t: torch.Tensor, mode: str,
-                 ops_in_region: int | None) -> None:
+                 ops_in_region: int | None, extra: dict | None = None) -> None:
         phase = "forward"
         if torch._C._current_graph_task_id() != -1:
             phase = "recompute"
@@ -613,6 +609,8 @@ class Tracer:
         dtype = torch_dtype_name(t.dtype)
         rec = Record(name=name, module=path, kind=kind, op=op, call=call, seq=self._seq, phase=phase, dtype=dtype,
                      shape=tuple(t.shape), mode=mode, stats=None, hash=None, ops_in_region=ops_in_region)
+        if extra:
+            rec.extra.update(extra)
         self._seq += 1
         x = t.detach()
         pending = _Pending(rec)
