@@ -690,7 +690,8 @@ class Tracer:
         """The selected row indices on `device`, copied there once per pass (not once per record)."""
         idx = self._row_select_dev.get(device)
         if idx is None:
-            idx = self._row_select_dev[device] = self._row_select.to(device)
+            src = self._row_select.pin_memory() if device.type == "cuda" else self._row_select
+            idx = self._row_select_dev[device] = src.to(device, non_blocking=True)   # no host sync
         return idx
 
     def _store(self, pw: PassWriter, x: torch.Tensor, pending: _Pending) -> None:
