@@ -131,7 +131,7 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
     except OSError:
         hwm_reset = False
     with _AnonPeak() as anon:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if kind == "finder":
             rep = find_divergence(a, b)
             extra = {"verdict": rep.verdict, "first": rep.first["key"] if rep.first else None,
@@ -140,13 +140,13 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
             extra = values_pass(Path(a), Path(b), int(kind.split(":")[1]))
         else:
             extra = bare_pass(Path(a), Path(b))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     # ru_maxrss = max(peak RSS of this process, peak inherited at exec from the parent that forked us); the
     # parent holds the model, so the raw value says nothing about this call. VmHWM is the same kernel counter
     # without the inherited part, reset just before the call: its excess over the RSS before is the call's
     # peak growth (file pages of touched memory maps count in RSS too).
     peak = _status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"seconds": dt, "peak_rss_growth_kib": max(0, peak - rss0), "hwm_reset": hwm_reset,
+    out = {"seconds": dt, "cpu_seconds": cpu, "loadavg": os.getloadavg()[0], "peak_rss_growth_kib": max(0, peak - rss0), "hwm_reset": hwm_reset,
            "ru_maxrss_raw_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rss_before_kib": rss0,
            "anon_peak_growth_kib": anon.peak - anon.base, **extra}
     if trace_mem:
@@ -235,8 +235,19 @@ def main() -> None:
               f"{meta['largest_tensor_bytes'] / mb:.1f} / {meta['logits_bytes'] / mb:.1f} MB | "
               f"{fin['seconds']:.2f} | {both / mb / fin['seconds']:.0f} | "
               f"{bare['seconds']:.3f} | {both / mb / bare['seconds']:.0f} | {fin['seconds'] / bare['seconds']:.0f}× |")
+    print("\nCPU time of this process (the machine is shared: wall time includes other jobs' load); "
+          "load average during the finder call: " + ", ".join(f"{r[0]}: {r[2]['loadavg']:.1f}" for r in rows))
+    print("\n| layers×tokens | find_divergence CPU s | MB/s | bare CPU s | MB/s | finder ÷ bare | compare_values "
+          "(1 worker, in process) CPU s | MB/s | ÷ bare |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size, meta, fin, _, bare, _, _, vals, _ in rows:
+        both, v1 = 2 * meta["blob_bytes"], vals.get(1)
+        cells = (f"{v1['cpu_seconds']:.2f} | {v1['bytes'] / mb / v1['cpu_seconds']:.0f} | "
+                 f"{(v1['bytes'] / v1['cpu_seconds']) / (both / bare['cpu_seconds']):.2f}×") if v1 else "- | - | -"
+        print(f"| {size} | {fin['cpu_seconds']:.2f} | {both / mb / fin['cpu_seconds']:.0f} | {bare['cpu_seconds']:.3f} | "
+              f"{both / mb / bare['cpu_seconds']:.0f} | {fin['cpu_seconds'] / bare['cpu_seconds']:.0f}× | {cells} |")
     print("\ncompare_values on every record stored on both sides, memory-mapped, through tic_trace.parallel "
-          "(time includes starting the workers):\n")
+          "(wall time; includes starting the workers):\n")
     print("| layers×tokens | records | bytes (both sides) | " + " | ".join(
         f"{w} worker{'s' if w > 1 else ''}: s / MB/s / ÷ bare" for w in args.workers)
           + " | tracemalloc peak (1 worker) |")
