@@ -138,9 +138,8 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
     """Order-sensitive hash of the exact bits, as an int64 scalar on t's device (wrapping arithmetic).
 
     sum_i mix((bits_i as int64) ^ (i * K1)), mix(v) = w ^ (w >> 31) with w = v * K2: the same definition as
-    `numpy_hash`. Per block of at most _CHUNK elements, four elementwise passes and a sum: the widening is
-    fused into the xor with the index table (type promotion into an int64 `out`), everything else in place
-    in two int64 buffers."""
+    `numpy_hash`. Per block, in place in two int64 buffers: widen, xor the index table, multiply, shift, xor,
+    sum (on an accelerator the widening is fused into the xor: type promotion into an int64 `out`)."""
     with torch._C._DisableTorchDispatch():   # our own kernels are not the model's: no dispatch-mode overhead
         x = _logical(t)
         total = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -149,8 +148,15 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
             v, tmp = _buffers(m, x.device)
             v, tmp = v.view(blk.shape), tmp.view(blk.shape)
             idx = _idx_k1(start, m, x.device, out=tmp.view(-1)).view(blk.shape)
-            torch.bitwise_xor(_bits_view(blk), idx, out=v)      # bool -> 0/1, ints sign-extended, as numpy
-            v.mul_(_K2)
+            if _host_path(x.device):
+                # CPU: widen, then xor in place (a mixed-dtype xor takes a slow casting loop, 2x the two
+                # passes); numpy's int64 multiply is vectorised where torch's is not (measured 0.27 vs 0.65 ns)
+                v.copy_(_bits_view(blk))
+                v.bitwise_xor_(idx)
+                np.multiply(v.numpy(), np.int64(_K2), out=v.numpy())
+            else:
+                torch.bitwise_xor(_bits_view(blk), idx, out=v)  # widening fused into the xor: one pass less
+                v.mul_(_K2)
             torch.bitwise_right_shift(v, 31, out=tmp)
             v.bitwise_xor_(tmp)
             total += v.sum()
