@@ -102,13 +102,13 @@ def _idx_k1(start: int, n: int, device: torch.device, out: torch.Tensor) -> torc
     """`arange(start, start + n) * K1` (wrapping), n <= _TABLE_MAX: a slice of a per-device table of
     `arange * K1` (no arange and no multiply per record), plus `start * K1` (into `out`) after the first block."""
     table = _IDX_TABLE.get(device)
-    if table is None or table.numel() < n:
-        size = min(_TABLE_MAX, max(n, 1 << 16, 2 * (table.numel() if table is not None else 0)))
+    if table is None or table.numel() < min(start + n, _TABLE_MAX):
+        size = min(_TABLE_MAX, max(start + n, 1 << 16, 2 * (table.numel() if table is not None else 0)))
         with torch.inference_mode(False):   # a normal tensor, usable in and out of inference mode
             table = torch.arange(size, dtype=torch.int64, device=device) * _K1
         _IDX_TABLE[device] = table
-    if start == 0:
-        return table[:n]
+    if start + n <= table.numel():
+        return table[start:start + n]        # within the table: a slice, no pass
     return torch.add(table[:n], _wrap64(start * _K1), out=out)   # (start+j)*K1 == start*K1 + j*K1 mod 2**64
 
 
@@ -204,8 +204,7 @@ def _float64_copy(b: torch.Tensor) -> torch.Tensor:
 def _int_block(b: torch.Tensor) -> tuple:
     mn, mx = torch.aminmax(b)
     xd = _float64_copy(b).view(-1)
-    zero = torch.zeros((), dtype=torch.int64, device=b.device)
-    return xd.sum(), _sumsq(xd), mn.to(torch.float64), mx.to(torch.float64), zero, zero
+    return xd.sum(), _sumsq(xd), mn.to(torch.float64), mx.to(torch.float64), 0, 0
 
 
 def _host_float_block(b: torch.Tensor) -> tuple:
@@ -214,8 +213,7 @@ def _host_float_block(b: torch.Tensor) -> tuple:
     if not (math.isfinite(mn.item()) and math.isfinite(mx.item())):
         return _masked_block(b)
     xd = _float64_copy(b).view(-1)
-    zero = torch.zeros((), dtype=torch.int64, device=b.device)
-    return xd.sum(), _sumsq(xd), mn.to(torch.float64), mx.to(torch.float64), zero, zero
+    return xd.sum(), _sumsq(xd), mn.to(torch.float64), mx.to(torch.float64), 0, 0
 
 
 def _masked_block(b: torch.Tensor) -> tuple:
@@ -246,8 +244,12 @@ def _combine(count: torch.Tensor, parts: list[tuple]) -> torch.Tensor:
         mn, mx = torch.minimum(mn, pmn), torch.maximum(mx, pmx)
     # absmax of the zero-filled values: max(-min, max) over the finite ones (>= 0), or 0 when there are none.
     amax = torch.clamp_min(torch.maximum(-mn, mx), 0.0)
-    nan_f = nan.to(torch.float64)
-    return torch.stack([count, s, ss, amax, mn, mx, nan_f, nonfinite.to(torch.float64) - nan_f])
+    if isinstance(nan, int):                 # every block finite (CPU fast path): no counts to convert
+        zero = torch.zeros((), dtype=torch.float64, device=count.device)
+        return torch.stack([count, s, ss, amax, mn, mx, zero, zero])
+    nan_f = torch.as_tensor(nan, dtype=torch.float64, device=count.device)
+    nonf_f = torch.as_tensor(nonfinite, dtype=torch.float64, device=count.device)
+    return torch.stack([count, s, ss, amax, mn, mx, nan_f, nonf_f - nan_f])
 
 
 def _sumsq(xd: torch.Tensor) -> torch.Tensor:
