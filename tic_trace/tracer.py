@@ -781,5 +781,10 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `mode` applies to dispatcher ops, `points_mode` (default: `mode`) to module inputs/outputs and taps, the
     records adapters map to canonical points. Use `start()`/`stop()` instead of `with`, and `step()` between the
     forwards of an engine (or `auto_step=True`: one pass per root forward).
+
+    Memory (docs/scale.md): stored values of device tensors go through a pinned ring of at most
+    `pinned_cap_bytes` (default 4 GiB) written to disk by a writer thread; when it is full the forward waits
+    (`on_cap="wait"`) or the record keeps statistics only (`on_cap="stats"`), named in the pass notes.
+    `reuse_aliases=False` recomputes statistics for records that alias an earlier one of the same pass.
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)
