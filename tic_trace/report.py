@@ -273,21 +273,9 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
-    """Write atomically: a hidden temporary file beside `path` (mode from the umask), renamed over it, and
-    removed if anything fails (nothing is left behind)."""
-    from .format import new_temp_file
-    p = Path(path)
-    fd, tmp = new_temp_file(p.parent, p.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(report, indent=1))
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
+    from .format import atomic_write
+    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
 
 
 def _skipped(c: Console, report: dict) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from tic_trace.text import error_line, visible
+from tic_trace.text import visible
 from tic_trace.tools.options import Parser as _Parser
 from tic_trace.tools.options import count as _count
 from tic_trace.tools.options import input_file as _input_file
