@@ -86,7 +86,7 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         m.flipped = [pair.rows[i] for i in rm.flipped_index]
         m.error = rm.error
         return m
-    if ta.dtype != tb.dtype:
+    if ta.dtype != tb.dtype and not derived:      # a derived point's dtype is tic-trace's, not a side's
         m.dtypes = _effective_dtypes(ta.dtype, pair.a, tb.dtype, pair.b)
     met = compare_values(pair.a, pair.b, m.dtype)
     m.metrics = met.to_json()

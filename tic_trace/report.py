@@ -107,10 +107,10 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
         _contract(c, contract)
     # the answer and its causes are one line each, whatever the width: CI logs grep them
     c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
-    if not contract and "contract" in report:
-        c.print(text("  contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
-                     style="dim"))
     _causes(c, report)
+    if not contract and "contract" in report:
+        c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
+                     style="dim"))
     if fd:
         point, layer = fd["point"], fd["layer"]
         c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
