@@ -149,8 +149,9 @@ def test_weight_sync_bug_is_a_weights_finding_and_an_intrinsic_one(tmp_path, cle
     w = [f for f in rep.findings if f.cause == "weights"]
     assert [(f.key, f.detail["sides"]) for f in w] == [("L1.attn.q", ["B"])]
     assert w[0].detail["parameters"] == ["model.layers.1.self_attn.q_proj.weight"]
-    without = find_divergence(str(a), str(tmp_path / "b"))       # no reference: the weights finding still counts
-    assert without.verdict == "divergent" and any(f.cause == "weights" and f.divergent for f in without.findings)
+    # no reference: the weights finding is shown (not counted: hashes compare storage, the tensors decide)
+    without = find_divergence(str(a), str(tmp_path / "b"))
+    assert [(f.key, f.divergent) for f in without.findings if f.cause == "weights"] == [("L1.attn.q", False)]
     _round_trip(rep)
 
 
