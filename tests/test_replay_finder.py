@@ -173,3 +173,13 @@ def test_cli_reference_contract_first_and_the_side_in_every_rendering(tmp_path, 
     assert page.index('id="contract"') < page.index('id="answer"')
     assert cli(["report", "x", "--from-json", str(js)]) == 1          # re-rendered from the saved numbers
     assert cli(["first-divergence", str(a), str(tmp_path / "b"), "--reference", str(tmp_path)]) == 2   # no config.json
+
+
+def test_demo_bf16_precision_fault_names_the_point_and_the_side(tmp_path, capsys):
+    assert cli(["demo", "--fault", "rmsnorm_no_upcast", "--dtype", "bfloat16", "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "FIRST DIVERGENCE at L1.attn_norm [intrinsic]: side B is less exact" in out
+    assert (tmp_path / "d" / "checkpoint" / "config.json").is_file()
+    doc = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert doc["settings"]["reference"]["path"] == str(tmp_path / "d" / "checkpoint")
+    assert cli(["demo", "--fault", "router_bf16", "--dtype", "bfloat16", "--out", str(tmp_path / "d")]) == 2

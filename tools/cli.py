@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fault", default="router_bf16",
                     help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
     sp.add_argument("--layer", type=_count, default=1)
+    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: a bf16 pair judged with the exact reference (a checkpoint saved in --out); "
+                         "faults from tic_trace/testing/precision_faults.py, e.g. rmsnorm_no_upcast")
     sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports "
                     "(new, empty, or an earlier demo's)")
     sp.set_defaults(fn=cmd_demo)
