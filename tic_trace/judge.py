@@ -210,11 +210,25 @@ def decode_intrinsic(d: dict | None):
     from dataclasses import fields as _fields
     from .report_schema import num
     kw = {}
-    for f in _fields(IntrinsicError):
-        if f.name in d:
-            v = d[f.name]
-            kw[f.name] = num(v) if f.type in ("float",) else v
-    return IntrinsicError(**kw)
+    for f in _fields(IntrinsicError):       # a saved report is untrusted input: wrong types read as absent
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.type == "float":
+            v = num(v)
+        elif f.type == "int":
+            v = v if isinstance(v, int) and not isinstance(v, bool) else None
+        elif f.type == "str":
+            v = v if isinstance(v, str) else None
+        elif f.name == "layer":
+            v = v if v is None or (isinstance(v, int) and not isinstance(v, bool)) else None
+        if v is None and f.name != "layer":
+            return None
+        kw[f.name] = v
+    try:
+        return IntrinsicError(**kw)
+    except TypeError:                       # a required field missing
+        return None
 
 
 def encode_intrinsic(e, margins=None) -> dict:
