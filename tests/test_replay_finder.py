@@ -183,3 +183,39 @@ def test_demo_bf16_precision_fault_names_the_point_and_the_side(tmp_path, capsys
     doc = json.loads((tmp_path / "d" / "report.json").read_text())
     assert doc["settings"]["reference"]["path"] == str(tmp_path / "d" / "checkpoint")
     assert cli(["demo", "--fault", "router_bf16", "--dtype", "bfloat16", "--out", str(tmp_path / "d")]) == 2
+
+
+def test_slime_report_replays_against_the_recorded_hf_checkpoint(tmp_path, clean, capsys):
+    """The Megatron side's manifest records slime's --hf-checkpoint (integrations/slime/megatron_hooks.py);
+    slime-report replays against it, --reference overrides it, --no-reference turns it off. (The sides here
+    are HF traces laid out as a slime rollout directory: the report reads adapters from the manifests.)"""
+    from tic_trace.integrations.slime.config import rollout_dir
+    ck, _, _ = clean
+    rdir = rollout_dir(tmp_path / "run", 0)
+    model = _bf16()
+    trace_hf(model, rdir / "megatron", IDS, manifest={"slime": {"rollout_id": 0, "hf_checkpoint": str(ck)}})
+    model = _bf16()
+    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
+    trace_hf(model, rdir / "sglang", IDS)
+    js = tmp_path / "r.json"
+    assert cli(["slime-report", str(tmp_path / "run"), "--rollout-id", "0", "--json", str(js)]) == 1
+    out = capsys.readouterr().out
+    assert f"exact replay against the run's --hf-checkpoint {ck}" in out
+    doc = json.loads(js.read_text())
+    assert (doc["first_divergence"]["key"], doc["first_divergence"]["cause"]) == ("L1.attn_norm", "intrinsic")
+    assert doc["slime"]["reference"] == str(ck)
+    assert cli(["slime-report", str(tmp_path / "run"), "--rollout-id", "0", "--no-reference", "--json", str(js)]) == 0
+    assert "exact replay: off (--no-reference)" in capsys.readouterr().out
+
+
+def test_rejudge_of_a_tampered_replay_record_does_not_crash(tmp_path, clean):
+    ck, a, ref = clean
+    model = _bf16()
+    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))
+    p = next(p for p in doc["points"] if p["key"] == "L1.attn_norm")
+    p["intrinsic"]["b"]["rel_l2"] = "not a number"
+    p["intrinsic"]["a"]["numel"] = "many"
+    out = rejudge(doc)
+    assert out["first_divergence"] is None or out["first_divergence"]["key"] != "L1.attn_norm"
