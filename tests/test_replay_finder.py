@@ -164,9 +164,9 @@ def test_cli_reference_contract_first_and_the_side_in_every_rendering(tmp_path, 
     assert cli(["first-divergence", str(a), str(tmp_path / "b"), "--reference", str(ck), "--json", str(js),
                 "--html", str(html)]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("CONTRACT: 1 difference")
-    assert "dtype" in lines[1] and "L1.moe.router_logits [precision]" in lines[1]
-    assert lines[2].startswith("FIRST DIVERGENCE at L1.moe.router_logits [precision]: side A")
+    assert lines[0].startswith("FIRST DIVERGENCE at L1.moe.router_logits [precision]: side A")
+    assert lines[1].startswith("CONTRACT: 1 difference")
+    assert "dtype" in lines[2] and "L1.moe.router_logits [precision]" in lines[2]
     doc = json.loads(js.read_text())
     assert list(doc)[:4] == ["schema", "verdict", "exit_code", "contract"]
     page = html.read_text()

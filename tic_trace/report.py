@@ -103,10 +103,10 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c = console or Console()
     fd = report.get("first_divergence")
     contract = [d for d in report.get("contract") or [] if isinstance(d, dict)]
-    if contract:          # what the two sides claim to compute, diffed before any tensor: first when it differs
-        _contract(c, contract)
-    # the answer and its causes are one line each, whatever the width: CI logs grep them
+    # the answer is line 0, whatever the width: CI logs grep it
     c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    if contract:          # what the two sides claim to compute, diffed before any tensor: first of the details
+        _contract(c, contract)
     _causes(c, report)
     if not contract and "contract" in report:
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
