@@ -19,7 +19,8 @@ from typing import Callable
 from .align import CanonicalView, RowId, common_points
 from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
-from .measure import PointMeasurement, measure_point, subset_error
+from .measure import PointMeasurement, measure_point, subset_error  # noqa: F401 - measure_point: public name
+from .measure_workers import measure_all
 from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
 from .verdict import Assessment, assess
 
@@ -29,17 +30,14 @@ FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cov
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
-                    accept_near_tie: bool = False) -> Report:
-    """Compare side B against reference side A over every canonical point both have."""
+                    accept_near_tie: bool = False, workers: int = 1, backend: str = "processes") -> Report:
+    """Compare side B against reference side A over every canonical point both have. `workers` > 1 measures
+    the points in that many processes (`backend="ray"`: Ray tasks); the report is the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
     both, only_a, only_b = common_points(va, vb)
-    measured = []
-    for point, layer in both:
-        if progress:
-            progress(key_name(point, layer))
-        measured.append(measure_point(va, vb, point, layer))
+    measured = _measure_all(va, vb, both, workers, backend, progress)
     kept = [m for m in measured if m.compared or not m.derived]
     n_layers = va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
@@ -55,6 +53,12 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
         worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie),
         sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors)
+
+
+def _measure_all(va: CanonicalView, vb: CanonicalView, points: list, workers: int, backend: str,
+                 progress: Callable[[str], None] | None) -> list[PointMeasurement]:
+    """Step 1 over every point (measure_workers: in this process for one worker, else split by point)."""
+    return measure_all(va, vb, points, workers=workers, backend=backend, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------ step 2

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.text import Text
 
 from tic_trace.text import error_line, text
-from tic_trace.tools.options import count, output_file, positive, tol_item
+from tic_trace.tools.options import count, output_file, positive, tol_item, workers, WORKERS_HELP
 
 
 def add_parser(sub) -> None:
@@ -20,6 +20,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--growth", type=positive, default=None)
     sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=tol_item)
     sp.add_argument("--worst-tokens", type=count, default=8)
+    sp.add_argument("--workers", type=workers, default=("processes", 1), metavar="N|ray:N",
+                    help=WORKERS_HELP)
     sp.add_argument("--json", type=output_file)
     sp.add_argument("--html", type=output_file)
     sp.set_defaults(fn=slime_report)
@@ -68,7 +70,9 @@ def slime_report(args, console) -> int:
             console.print(error_line(f"{name} side missing: {p} {state}: {why[name]}"), soft_wrap=True)
             return 2
     va, vb = CanonicalView(str(sides["megatron"])), CanonicalView(str(sides["sglang"]))
-    rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8))
+    backend, n = getattr(args, "workers", ("processes", 1))
+    rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
+                          workers=n, backend=backend)
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"])}
