@@ -335,3 +335,31 @@ def test_cli_workers_error_names_the_point(tmp_path, clean_moe, capsys, monkeypa
     out = capsys.readouterr().out
     assert out.startswith("error: diff: work item 0 (point embed) failed: TraceFormatError: "), out
     assert "pass00000.bin" in out and "truncated" in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
+    """The same split as Ray tasks on a local Ray of two CPUs: the same report; a point that fails in a task
+    is named in one line."""
+    import shutil
+
+    import ray
+
+    from tic_trace.parallel import ItemFailed
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    plant(model, "hf", "qk_norm_weight", 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    shutil.copytree(clean_moe, tmp_path / "cut")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        (one, keys1), (two, keys2) = _reports_by_workers(clean_moe, tmp_path / "b", backend="ray")
+        assert one["first_divergence"]["key"] == "L1.attn.k_norm"
+        assert two == one and keys2 == keys1
+        va, vb = CanonicalView(str(clean_moe)), CanonicalView(str(tmp_path / "cut"))
+        blob = tmp_path / "cut" / "rank00000" / "pass00000.bin"
+        blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+        with pytest.raises(ItemFailed) as err:
+            find_divergence(va, vb, workers=2, backend="ray")
+        assert str(err.value).startswith("work item 0 (point embed) failed: TraceFormatError: ")
+        assert "truncated" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        ray.shutdown()
