@@ -313,6 +313,21 @@ def test_measurements_sent_back_by_workers_are_small(clean_moe):
     assert sizes["logits"] * 4 < va.load("logits", None).values.nbytes
 
 
+def test_one_worker_stays_in_process_and_workers_need_a_nameable_adapter(clean_moe, monkeypatch):
+    """workers=1 measures with the caller's views (no pool: an adapter defined in a function is fine); more
+    workers must reopen each side by its adapter's name, and say so when it has none."""
+    from tic_trace import measure_workers
+    from tic_trace.adapters.hf import HFAdapter
+
+    class LocalHF(HFAdapter):
+        pass
+    va = CanonicalView(str(clean_moe), LocalHF())
+    monkeypatch.setattr(measure_workers, "imap_ordered", None)    # one worker never reaches the pool
+    assert find_divergence(va, str(clean_moe)).verdict == "consistent"
+    with pytest.raises(ValueError, match="neither registered nor importable by name: register it"):
+        find_divergence(va, str(clean_moe), workers=2)
+
+
 def _cut_after_indexing(monkeypatch, blob):
     """The CLI's views are indexed, then `blob` is cut short (a trace rewritten while the command runs):
     only the workers, which reopen the trace, meet the damage."""

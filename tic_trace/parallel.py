@@ -8,10 +8,10 @@ file paths. `map_ordered(fn, items, workers)` is that split; the finder's measur
 undefined state.
 
 `backend="ray"` runs the same split as Ray tasks (slime's clusters already run Ray) on nodes that see the
-traces (a shared filesystem): one task per item, `ray.get` on the list of object refs keeps the order;
-each task reads on the node that runs it, so traces larger than one node's disk bandwidth are compared at
-the sum of the nodes' bandwidths. Ray is optional: tic-trace does not depend on it (benchmarks/README.md
-has the install time and a measured run).
+traces (a shared filesystem): one task per item, results taken from the object refs in item order; each
+task reads on the node that runs it, so traces larger than one node's disk bandwidth are compared at the
+sum of the nodes' bandwidths. tic-trace does not depend on Ray (imported only for this backend); the tests
+pin it (requirements/test.txt) and run the finder's split on a local Ray.
 """
 from __future__ import annotations
 
