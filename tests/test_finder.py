@@ -350,6 +350,9 @@ def test_cli_workers_error_names_the_point(tmp_path, clean_moe, capsys, monkeypa
     out = capsys.readouterr().out
     assert out.startswith("error: diff: work item 0 (point embed) failed: TraceFormatError: "), out
     assert "pass00000.bin" in out and "truncated" in out and len(out.strip().splitlines()) == 1, out
+    for bad in ("0", "ray:x", "threads:2"):
+        assert cli(["diff", str(clean_moe), str(clean_moe), "--workers", bad]) == 2
+        assert "argument --workers" in capsys.readouterr().err
 
 
 def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
