@@ -19,7 +19,7 @@ from typing import Callable
 from .align import CanonicalView, RowId, common_points
 from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
-from .measure import PointMeasurement, measure_point, subset_error  # noqa: F401 - measure_point: public name
+from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
 from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
 from .verdict import Assessment, assess
