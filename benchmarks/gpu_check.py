@@ -241,23 +241,6 @@ def _strict_sync_check(ctx: Ctx, ids: torch.Tensor) -> dict:
     return {"status": "pass" if all(v == "no sync" for v in res.values()) else "fail", **res}
 
 
-class _CloneHooks:
-    def __init__(self, model):
-        self.model, self.saved, self.handles = model, [], []
-
-    def __enter__(self):
-        def hook(mod, args, out):
-            self.saved.append(torch.utils._pytree.tree_map(
-                lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else None, out))
-        self.handles = [m.register_forward_hook(hook) for m in self.model.modules()]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.saved.clear()
-
-
 def check_overhead(ctx: Ctx) -> dict:
     try:
         from torch.utils._debug_mode import DebugMode
@@ -282,7 +265,8 @@ def check_overhead(ctx: Ctx) -> dict:
         return run
 
     def hooks():
-        with _CloneHooks(model):
+        from bench_tracer import CloneHooks   # the same naive hooks the CPU benchmark measures
+        with CloneHooks(model):
             model(ids)
 
     variants = {"untraced": lambda: model(ids), "tic-trace stats": traced(),

@@ -247,7 +247,10 @@ def test_cli_exit_codes_and_answer_first(tmp_path, clean_moe, capsys):
     trace_hf(model, tmp_path / "b", IDS)
     assert cli(["first-divergence", str(clean_moe), str(tmp_path / "b"), "--json", str(tmp_path / "r.json")]) == 1
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("FIRST DIVERGENCE at L1.attn.k_norm")
+    # the contract comes first (the planted fault changed a weight: its hash differs), then the answer
+    lines = out.splitlines()
+    assert lines[0].startswith("CONTRACT: 1 difference") and "L1.attn.k_norm" in lines[1]
+    assert lines[2].startswith("FIRST DIVERGENCE at L1.attn.k_norm")
     assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "divergent"
     assert cli(["diff", str(clean_moe), str(clean_moe)]) == 0
     assert capsys.readouterr().out.startswith("CONSISTENT")

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -32,6 +30,7 @@ from tic_trace.report import write_json
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.text import visible
 from tic_trace.tools.cli import main as cli
+from tic_trace.testing.deadline import deadline
 
 from conftest import trace_hf
 
@@ -85,18 +84,6 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return rc, out.out + out.err
 
 
-@contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging (a FIFO opened for reading blocks until a writer comes)."""
-    def boom(*_):
-        raise TimeoutError(f"still running after {seconds} s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def small_peak(fn, budget: int = 16 << 20):

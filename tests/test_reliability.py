@@ -45,6 +45,7 @@ from tic_trace import TraceFormatError, open_trace  # noqa: E402
 from tic_trace import format as fmt  # noqa: E402
 from tic_trace.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
+from tic_trace.testing.deadline import deadline
 
 FUZZ_EXAMPLES = int(os.environ.get("TIC_TRACE_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=False, database=None,
@@ -344,18 +345,6 @@ def test_fuzz_structure_with_valid_crc(pristine, scratch, data):
     expect_ok_or_format_error(materialize(files, scratch), hypothesis.event)
 
 
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail an example instead of hanging (a FIFO read without O_NONBLOCK waits for a writer forever)."""
-    def boom(*_):
-        raise TimeoutError(f"reader still running after {seconds} s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

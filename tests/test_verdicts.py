@@ -175,7 +175,9 @@ def test_nan_on_one_side_is_a_cause_not_a_crash(tmp_path, capsys):
     a, b = _pair(tmp_path, "final_norm_nan", 1)
     rep = find_divergence(a, b)
     assert rep.first["key"] == "final_norm" and rep.first["cause"] == "nonfinite"
-    assert [f.cause for f in rep.findings] == ["nonfinite"]
+    assert [f.cause for f in rep.findings if f.divergent] == ["nonfinite"]
+    # the NaN was planted in a weight: the contract says so (shown, not counted)
+    assert [(f.cause, f.key) for f in rep.findings if not f.divergent] == [("weights", "final_norm")]
     # downstream points carry the NaN: "over", never a second divergence
     assert [p.status for p in rep.points if p.key in ("logits", "logprobs")] == ["over", "over"]
     # per-token: NaN rows are never 0

@@ -106,7 +106,9 @@ def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
     wa, wb = weight_hashes_by_point(view_a), weight_hashes_by_point(view_b)
     out = []
     for k in sorted(set(wa) & set(wb), key=lambda k: (k[1] is None, k[1] or 0, k[0])):
-        names = sorted(n for n in set(wa[k]) & set(wb[k]) if wa[k][n][0] != wb[k][n][0])
+        # only parameters held alike (dtype and shape) are comparable bit for bit
+        names = sorted(n for n in set(wa[k]) & set(wb[k])
+                       if list(wa[k][n][1:3]) == list(wb[k][n][1:3]) and wa[k][n][0] != wb[k][n][0])
         if names:
             out.append(ContractDiff("weights", key_name(*k), names, names,
                                     note=f"parameters whose bits differ between A and B: {', '.join(names)}"))

@@ -30,29 +30,71 @@ FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cov
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
-                    accept_near_tie: bool = False, workers: int = 1, backend: str = "processes") -> Report:
-    """Compare side B against reference side A over every canonical point both have. `workers` > 1 measures
-    the points in that many processes (`backend="ray"`: Ray tasks); the report is the same."""
+                    accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
+                    backend: str = "processes") -> Report:
+    """Compare side B against reference side A over every canonical point both have.
+
+    `reference` (an HF checkpoint directory or an `ExactReference`): every point is also replayed exactly
+    from each side's own inputs (docs/replay.md); a side whose op is less exact than clean implementations
+    (or that computes in a coarser dtype) is named, and the first such point leads the report.
+    `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
+    the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
+    ref = _reference(reference)
+    contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
     measured = _measure_all(va, vb, both, workers, backend, progress)
     kept = [m for m in measured if m.compared or not m.derived]
     n_layers = va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
+    if ref is not None:
+        add_replay_facts(points, va, vb, ref, margins, progress)
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
     verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
-                     token_errors=token_errors, routing=routing)
+                     token_errors=token_errors, routing=routing, contract=contract, margins=margins)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     matched = set().union(*(m.rows for m in kept)) if kept else set()
     return Report(
         verdict=verdict.verdict, first=first, findings=verdict.findings, notes=verdict.notes, points=points,
         not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
-        worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie),
-        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors)
+        worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie, margins, ref),
+        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors, contract=contract)
+
+
+# ------------------------------------------------------------------------------------------------ contract, replay
+
+def _reference(reference):
+    """An ExactReference from a checkpoint directory (or None / an ExactReference as given)."""
+    if reference is None:
+        return None
+    from .reference import ExactReference
+    return reference if isinstance(reference, ExactReference) else ExactReference(str(reference))
+
+
+def diff_contract_json(va: CanonicalView, vb: CanonicalView, ref) -> list[dict]:
+    """The contract differences (contract.diff_contract) as report dicts; manifests and headers only."""
+    from dataclasses import asdict
+
+    from .contract import diff_contract
+    return [asdict(d) for d in diff_contract(va, vb, ref.ckpt if ref is not None else None)]
+
+
+def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, ref, margins=None,
+                     progress: Callable[[str], None] | None = None) -> None:
+    """Each point's intrinsic error on each side (the side's output against the exact op on its own
+    inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`."""
+    from .intrinsic import SideReplayer
+    from .judge import encode_intrinsic
+    ra, rb = SideReplayer(va, ref), SideReplayer(vb, ref)
+    for p in points:
+        if progress:
+            progress(f"replay {p.key}")
+        p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer), margins),
+                       "b": encode_intrinsic(rb.replay(p.point, p.layer), margins)}
 
 
 def _measure_all(va: CanonicalView, vb: CanonicalView, points: list, workers: int, backend: str,
@@ -77,7 +119,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
     for m in measured:
         p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
                   only_b=m.only_b, metrics=m.metrics, stats=m.stats, reason=m.reason, sources=m.sources,
-                  nonfinite=m.nonfinite, carried_error=m.error)
+                  nonfinite=m.nonfinite, carried_error=m.error, dtypes=m.dtypes)
         feeds = feeds_of(m.point, m.layer, present, n_layers)
         p.inputs = [key_name(*f) for f in feeds]
         ins = [(judged if is_routed(m.point) and is_routed(f[0]) and f[1] == m.layer else carried)[f]
@@ -240,8 +282,13 @@ def _not_comparable(va, vb, only_a, only_b, measured: list[PointMeasurement]) ->
     return nc
 
 
-def _settings(tol: Tolerance, accept_near_tie: bool) -> dict:
-    return {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie)}
+def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> dict:
+    from .intrinsic_verdict import DEFAULT_MARGINS
+    out = {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie),
+           "margins": (margins or DEFAULT_MARGINS).to_json()}
+    if ref is not None:
+        out["reference"] = {"path": str(ref.ckpt.path), "device": str(ref.device)}
+    return out
 
 
 def _side(v: CanonicalView) -> dict:
@@ -253,18 +300,22 @@ def _side(v: CanonicalView) -> dict:
 
 # ------------------------------------------------------------------------------------------------ rejudge
 
-def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie: bool | None = None) -> dict:
+def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie: bool | None = None,
+            margins=None) -> dict:
     """Re-judge a saved JSON report with new settings, without reading any tensor. With the settings it was
     made with (the default for each one not given), the result equals the report."""
+    from .intrinsic_verdict import Margins
     rep = Report.from_json(report)
     saved = rep.settings or {}
     tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
     accept = bool(saved.get("accept_near_tie_routing")) if accept_near_tie is None else accept_near_tie
+    marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
     v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
-               token_errors=rep.token_errors, routing=rep.routing)
+               token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg)
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, v.notes
-    rep.settings = {**saved, **_settings(tol, accept)}
+    new = _settings(tol, accept, marg)
+    rep.settings = {**saved, **new}
     return rep.to_json()
 
 

@@ -68,7 +68,9 @@ def new_temp_file(directory: Path, stem: str, suffix: str = ".tmp") -> tuple[int
     raise FileExistsError(f"{directory}: could not create a temporary file")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to a hidden temporary file beside `path` (mode from the umask) and rename it over `path`;
+    nothing is left behind when anything fails."""
     fd, tmp = new_temp_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -86,7 +88,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def write_framed(path: Path, kind: int, obj: Any) -> None:
     payload = msgpack.packb(obj, use_bin_type=True)
     header = _HEADER.pack(MAGIC, SCHEMA_VERSION, kind, len(payload), zlib.crc32(payload))
-    _atomic_write(path, header + payload)
+    atomic_write(path, header + payload)
 
 
 def read_framed(path: Path, kind: int, root: Path | None = None) -> Any:

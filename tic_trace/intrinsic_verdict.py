@@ -58,6 +58,21 @@ class Margins:
             return math.inf
         return self.envelope.get(point, SINGLE_ROUNDING) * self.over
 
+    def to_json(self) -> dict:
+        return {"over": self.over, "ratio": self.ratio, "min_numel": self.min_numel, "ids_share": self.ids_share,
+                "envelope": dict(self.envelope)}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "Margins":
+        """Margins saved in a report's settings (missing keys: the defaults)."""
+        d = d if isinstance(d, dict) else {}
+        base = cls()
+        env = d.get("envelope")
+        return cls(over=float(d.get("over", base.over)), ratio=float(d.get("ratio", base.ratio)),
+                   min_numel=int(d.get("min_numel", base.min_numel)),
+                   ids_share=float(d.get("ids_share", base.ids_share)),
+                   envelope={str(k): float(v) for k, v in env.items()} if isinstance(env, dict) else base.envelope)
+
 
 DEFAULT_MARGINS = Margins()
 

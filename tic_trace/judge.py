@@ -166,3 +166,79 @@ def growth_of(error: float | None, input_error: float | None) -> float | None:
 def point_kind(point: str) -> str:
     ps = BY_NAME.get(point)
     return ps.kind if ps else "float"
+
+
+# ------------------------------------------------------------------------------------------------ replay
+
+INTRINSIC, PRECISION, WEIGHTS = "intrinsic", "precision", "weights"
+
+
+@dataclass(frozen=True)
+class ReplayJudgement:
+    side: str | None = None      # "A" | "B": the side whose op is the less exact one (None: no blame)
+    kind: str | None = None      # intrinsic | precision | nonfinite
+    reason: str = ""
+
+
+def judge_replay(intrinsic: dict | None, dtypes: dict | None, margins=None) -> ReplayJudgement:
+    """The replay verdict of one point from its saved facts: both sides' intrinsic errors against the exact
+    op (`intrinsic_verdict.intrinsic_verdict`, the replay's one rule), or, where the point was not replayed
+    on both sides, the effective dtypes each side computed it in (the less precise dtype is blamed, kind
+    `precision`). The finder and `rejudge` both call this, on the same saved numbers."""
+    from .intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
+    sides = [decode_intrinsic((intrinsic or {}).get(s)) for s in ("a", "b")]
+    if all(x is not None for x in sides):
+        v = intrinsic_verdict(sides[0], sides[1], margins or DEFAULT_MARGINS)
+        if v.side is not None or not v.reason.startswith("not replayed"):
+            return ReplayJudgement(v.side, v.kind, v.reason)
+    da, db = (dtypes or {}).get("a"), (dtypes or {}).get("b")
+    if not (da and db and da != db and known_dtype(da) and known_dtype(db)
+            and dtype_info(da).is_float and dtype_info(db).is_float):
+        return ReplayJudgement()
+    side = "A" if coarser(da, db) == da else "B"
+    return ReplayJudgement(side, PRECISION, f"computed in {da} on A and {db} on B (recorded values; without a "
+                                            "replay the side with the coarser dtype is taken as the less exact)")
+
+
+def decode_intrinsic(d: dict | None):
+    """A saved side's intrinsic error (`IntrinsicError` / `NotReplayed`) from its report dict; None if absent."""
+    if not isinstance(d, dict):
+        return None
+    from .intrinsic import IntrinsicError, NotReplayed
+    if "not_replayed" in d:
+        return NotReplayed(str(d.get("point")), d.get("layer"), str(d["not_replayed"]))
+    from dataclasses import fields as _fields
+    from .report_schema import num
+    kw = {}
+    for f in _fields(IntrinsicError):       # a saved report is untrusted input: wrong types read as absent
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.type == "float":
+            v = num(v)
+        elif f.type == "int":
+            v = v if isinstance(v, int) and not isinstance(v, bool) else None
+        elif f.type == "str":
+            v = v if isinstance(v, str) else None
+        elif f.name == "layer":
+            v = v if v is None or (isinstance(v, int) and not isinstance(v, bool)) else None
+        if v is None and f.name != "layer":
+            return None
+        kw[f.name] = v
+    try:
+        return IntrinsicError(**kw)
+    except TypeError:                       # a required field missing
+        return None
+
+
+def encode_intrinsic(e, margins=None) -> dict:
+    """A side's intrinsic error as a report dict: every field (so the rule can be re-run on it), plus the
+    derived excess and the point's limit for readers."""
+    from dataclasses import asdict
+    from .intrinsic import NotReplayed
+    if isinstance(e, NotReplayed):
+        return {"point": e.point, "layer": e.layer, "not_replayed": e.reason}
+    from .intrinsic_verdict import DEFAULT_MARGINS
+    m = margins or DEFAULT_MARGINS
+    limit = None if e.kind == "ids" else m.limit(e.point, e.dtype)
+    return {**asdict(e), "excess": e.excess, "limit": limit}

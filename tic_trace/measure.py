@@ -48,6 +48,7 @@ class PointMeasurement:
     values_b: list[float] | None = None
     reason: str | None = None
     derived: bool = False                 # computed by the reader (log-probs from logits), not recorded
+    dtypes: dict | None = None            # {"a", "b"}: the effective dtypes, where the sides' differ
     sources: dict = field(default_factory=dict)
 
     @property
@@ -85,6 +86,8 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         m.flipped = [pair.rows[i] for i in rm.flipped_index]
         m.error = rm.error
         return m
+    if ta.dtype != tb.dtype and not derived:      # a derived point's dtype is tic-trace's, not a side's
+        m.dtypes = _effective_dtypes(ta.dtype, pair.a, tb.dtype, pair.b)
     met = compare_values(pair.a, pair.b, m.dtype)
     m.metrics = met.to_json()
     m.error, m.nonfinite = met.error, met.nonfinite
@@ -102,6 +105,15 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         m.values_a = [float(x) for x in pair.a.reshape(-1)]
         m.values_b = [float(x) for x in pair.b.reshape(-1)]
     return m
+
+
+def _effective_dtypes(da: str, a: np.ndarray, db: str, b: np.ndarray) -> dict | None:
+    """The dtype each side computed in, where the records' dtypes differ: an fp32 record whose values all lie
+    on the bf16 grid (an engine that upcasts its bf16 output) computed in bf16. None when they agree."""
+    from .intrinsic import effective_dtype
+    ea = effective_dtype(np.asarray(a, dtype=np.float64), da)
+    eb = effective_dtype(np.asarray(b, dtype=np.float64), db)
+    return {"a": ea, "b": eb} if ea != eb else None
 
 
 def _measure_stats(m: PointMeasurement, ta, tb) -> PointMeasurement:

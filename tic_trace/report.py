@@ -44,7 +44,9 @@ def headline(report: dict) -> str:
     verdict = report.get("verdict")
     if verdict == "divergent" and fd:
         cause = fd.get("cause") or "operator"
-        if cause == "operator":
+        if cause in ("intrinsic", "precision") and isinstance(fd.get("intrinsic") or fd.get("dtypes"), dict):
+            detail = _replay_headline(fd, cause)
+        elif cause == "operator":
             ie = num(fd.get("input_error"))
             grew = ("its inputs agree exactly" if not ie else
                     f"{_f(num(fd.get('growth')), 1)}x its inputs' {_f(ie)}")
@@ -70,12 +72,45 @@ def headline(report: dict) -> str:
     return "NOT COMPARABLE: no canonical point could be compared (see the reasons below)"
 
 
+def _replay_headline(fd: dict, cause: str) -> str:
+    """The answer's numbers for a replay finding: the side to blame and both sides against the exact op."""
+    side = (fd.get("replay") or {}).get("side") or "?"
+    i = fd.get("intrinsic") or {}
+    ea, eb = i.get("a") if isinstance(i.get("a"), dict) else {}, i.get("b") if isinstance(i.get("b"), dict) else {}
+    if cause == "precision":
+        dt = fd.get("dtypes") or {}
+        da, db = dt.get("a") or ea.get("dtype"), dt.get("b") or eb.get("dtype")
+        rel = (f"; rel error vs exact A {_f(ea.get('rel_l2'))}, B {_f(eb.get('rel_l2'))}"
+               if "rel_l2" in ea and "rel_l2" in eb else " (by dtype: no replay)")
+        return f"side {side} computes it in the coarser precision: A {da}, B {db}{rel}"
+    if "excess" not in ea or "excess" not in eb:
+        return f"side {side} computes it less exactly than clean implementations"
+
+    def one(e):
+        lim = num(e.get("limit"))
+        return (f"excess {_g(e.get('excess'))}" + (f"/{_g(lim)}" if lim is not None and math.isfinite(lim) else "")
+                + f", {_g(e.get('mean_ulp'), 3)}/{_g(e.get('max_ulp'))} mean/max ULP, "
+                  f"{100 * (num(e.get('share_rounded')) or 0):.0f}% correctly rounded")
+    return f"side {side} is less exact than clean implementations of this op — A {one(ea)}; B {one(eb)}"
+
+
+def _g(x, digits: int = 2) -> str:
+    v = num(x)
+    return "-" if v is None else ("inf" if math.isinf(v) else f"{v:.{digits}f}")
+
+
 def render_terminal(report: dict, console: Console | None = None, *, all_points: bool = False) -> None:
     c = console or Console()
     fd = report.get("first_divergence")
+    contract = [d for d in report.get("contract") or [] if isinstance(d, dict)]
+    if contract:          # what the two sides claim to compute, diffed before any tensor: first when it differs
+        _contract(c, contract)
     # the answer and its causes are one line each, whatever the width: CI logs grep them
     c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     _causes(c, report)
+    if not contract and "contract" in report:
+        c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
+                     style="dim"))
     if fd:
         point, layer = fd["point"], fd["layer"]
         c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
@@ -113,6 +148,33 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             seen.add((x["key"], x["reason"]))
             t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
+
+
+def contract_line(d: dict) -> str:
+    """One contract difference as plain text (renderers print it as text, never markup)."""
+    sec, key, a, b = d.get("section"), d.get("key"), d.get("a"), d.get("b")
+    if d.get("against") == "checkpoint":
+        who = d.get("side") or "?"
+        if sec == "weights":
+            body = f"side {who}'s parameters differ from the checkpoint: {', '.join(map(str, a or []))}"
+        else:
+            body = f"side {who} {a!r}, checkpoint {b!r}"
+    elif sec == "weights":
+        body = f"parameters differ between A and B: {', '.join(map(str, a or []))}"
+    else:
+        body = f"A {a!r}, B {b!r}"
+    kind = " [precision]" if d.get("kind") == "precision" else ""
+    return f"{sec:<9} {key}{kind}: {body}"
+
+
+def _contract(c: Console, contract: list[dict]) -> None:
+    c.print(text(f"CONTRACT: {len(contract)} difference(s) between what the sides claim to compute "
+                 "(versions, model config, numerics settings, point dtypes, weights; read before any tensor)",
+                 style="bold yellow"), soft_wrap=True)
+    for d in contract[:40]:
+        c.print(text("  " + contract_line(d), limit=400), soft_wrap=True)
+    if len(contract) > 40:
+        c.print(text(f"  … {len(contract) - 40} more in the JSON report"))
 
 
 def _causes(c: Console, report: dict) -> None:
@@ -273,21 +335,9 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
-    """Write atomically: a hidden temporary file beside `path` (mode from the umask), renamed over it, and
-    removed if anything fails (nothing is left behind)."""
-    from .format import new_temp_file
-    p = Path(path)
-    fd, tmp = new_temp_file(p.parent, p.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(report, indent=1))
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
+    from .format import atomic_write
+    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
 
 
 def _skipped(c: Console, report: dict) -> None:

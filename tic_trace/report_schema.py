@@ -26,8 +26,15 @@ CAUSES = {
     "operator": "an operator computes differently: the error jumps at a point whose inputs agree",
     "routing": "top-k expert sets differ between the sides",
     "nonfinite": "NaN/Inf on one side only",
+    "intrinsic": "one side's op is further from the exact op on its own inputs than clean implementations are",
+    "precision": "the sides compute a point's output in different precisions (fp32 on one, bf16 on the other)",
+    "weights": "the parameters behind a point differ bit for bit between the sides (or from the checkpoint)",
 }
-NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated"}
+# Findings that compare each side with the exact op or read the contract lead the report: the first of them
+# in dataflow order is the first divergence, ahead of the A-B rule (docs/replay.md).
+LEADING_CAUSES = ("intrinsic", "precision")
+NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
+              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)"}
 
 
 # ------------------------------------------------------------------------------------------------ codec
@@ -122,6 +129,10 @@ class Point(_Indexable):
     carried_error: float | None = None   # the error this point passes downstream (over every row)
     nonfinite: int = 0                   # elements NaN/Inf on one side only
     cause: str | None = None             # for a divergent point: a class of CAUSES
+    intrinsic: dict | None = None        # with a reference: {"a": side A's intrinsic error, "b": B's, and the
+                                         # replay verdict "side", "kind", "reason"} (docs/report.md)
+    dtypes: dict | None = None           # {"a", "b"}: each side's effective dtype, where they differ
+    replay: dict | None = None           # the judged replay verdict {"side", "kind", "reason"} (judge_replay)
 
     _FLOATS = ("error", "tol", "input_error", "growth", "error_all_rows", "carried_error")
 
@@ -218,6 +229,7 @@ class Report(_Indexable):
     settings: dict
     sides: dict
     token_errors: dict = field(default_factory=dict)   # row label -> {point key: per-token error}
+    contract: list = field(default_factory=list)       # contract differences (contract.ContractDiff as dicts)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
@@ -227,7 +239,7 @@ class Report(_Indexable):
     def to_json(self) -> dict:
         doc = {
             "schema": SCHEMA_ID, "verdict": self.verdict, "exit_code": self.exit_code,
-            "first_divergence": self.first, "findings": self.findings, "notes": self.notes,
+            "contract": self.contract, "first_divergence": self.first, "findings": self.findings, "notes": self.notes,
             "points": self.points, "not_comparable": self.not_comparable, "rows": self.rows,
             "worst_tokens": self.worst_tokens, "routing": self.routing, "settings": self.settings,
             "sides": self.sides, "token_errors": self.token_errors,
@@ -236,7 +248,7 @@ class Report(_Indexable):
 
     @classmethod
     def from_json(cls, d: dict) -> "Report":
-        known = {"schema", "verdict", "exit_code", "first_divergence", "findings", "notes", "points",
+        known = {"schema", "verdict", "exit_code", "contract", "first_divergence", "findings", "notes", "points",
                  "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors"}
         fd = d.get("first_divergence")
         wt_names = {f.name for f in fields(WorstToken)}
@@ -252,6 +264,7 @@ class Report(_Indexable):
             routing=dict(d.get("routing") or {}), settings=dict(d.get("settings") or {}),
             sides=dict(d.get("sides") or {}),
             token_errors={k: {kk: num(vv) for kk, vv in v.items()} for k, v in (d.get("token_errors") or {}).items()},
+            contract=[dict(x) for x in d.get("contract") or [] if isinstance(x, dict)],
             extra={k: v for k, v in d.items() if k not in known})
 
 

@@ -191,6 +191,9 @@ class ReportPoint(TypedDict, total=False):
     carried_error: Number
     nonfinite: int
     cause: str | None
+    intrinsic: dict[str, Any] | None
+    dtypes: dict[str, str] | None
+    replay: dict[str, Any] | None
 
 
 class ReportOps(TypedDict, total=False):
@@ -261,6 +264,7 @@ class ReportDoc(TypedDict, total=False):
     schema: Literal["tic-trace.report/1", "tic-trace.report/2"]
     verdict: Required[Literal["consistent", "divergent", "not_comparable"]]
     exit_code: int
+    contract: list[dict[str, Any]]
     first_divergence: ReportFirst | None
     findings: list[ReportFinding]
     notes: list[ReportNote]

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from . import __version__
-from .dtypes import torch_dtype_name, dtype_info
+from .dtypes import torch_dtype_name
 from .filters import MODES, Filters
 from .alias import AliasCache
 from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory

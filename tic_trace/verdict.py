@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 from .canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
-from .judge import (DIVERGENT, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, ROUTING, FlipFacts, Tolerance,
-                    growth_of, judge, point_kind)
-from .report_schema import Finding, Note, Point, WorstToken, num
+from .canonical import order_key, parse_key
+from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
+                    FlipFacts, Tolerance, growth_of, judge, judge_replay, point_kind)
+from .report_schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
                    "and reduction order), or routing replay (training reuses the rollout's expert choice) "
@@ -37,9 +38,14 @@ class Assessment:
 
 def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool = False,
            worst_tokens: list[WorstToken] | None = None, token_errors: dict | None = None,
-           routing: dict | None = None) -> Assessment:
-    """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict."""
-    judge_points(points, tolerance, accept_near_tie)
+           routing: dict | None = None, contract: list[dict] | None = None, margins=None) -> Assessment:
+    """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict.
+
+    With replay facts (a reference) or different effective dtypes at a point, `judge.judge_replay` decides
+    whether one side's op is intrinsically (or by precision) the less exact one; the first such finding in
+    dataflow order is the first divergence, ahead of the A-B rule. `contract` (report.contract) adds a
+    `weights` finding per point whose parameters differ."""
+    judge_points(points, tolerance, accept_near_tie, margins)
     for w in worst_tokens or []:
         w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
                                                accept_near_tie)
@@ -47,10 +53,12 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
         routing["layers"] = {str(p.layer): _layer_summary(p.routing) for p in points
                              if is_ids(p.point) and p.routing is not None}
     findings = [f for p in points if (f := _finding(p)) is not None]
+    findings = _with_weights(findings, contract or [])
     computational = [f for f in findings if f.divergent and f.computational]
-    counted = computational or [f for f in findings if f.divergent]
+    leading = [f for f in computational if f.cause in LEADING_CAUSES]
+    counted = leading or computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
-    notes = [n for n in (_accumulated_noise(points, findings),) if n is not None]
+    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings)) if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     if first is not None:
         verdict = "divergent"
@@ -61,7 +69,7 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     return Assessment(verdict, findings, notes, first)
 
 
-def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool) -> None:
+def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None) -> None:
     by_key = {p.key: p for p in points}
     for p in points:
         if p.error is None:
@@ -79,6 +87,11 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
             j = judge(p.error, p.input_error or 0.0, p.tol, tolerance.growth, nonfinite=p.nonfinite > 0)
         p.status, p.cause = j.status, j.cause
         p.growth = growth_of(p.error, p.input_error) if p.routing is None else None
+        if p.intrinsic is not None or p.dtypes:
+            r = judge_replay(p.intrinsic, p.dtypes, margins)
+            p.replay = {"side": r.side, "kind": r.kind, "reason": r.reason}
+            if r.side is not None:          # the replay names a side: this point diverges for that reason
+                p.status, p.cause = DIVERGENT, PRECISION if r.kind == PRECISION else INTRINSIC
 
 
 def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> FlipFacts:
@@ -139,6 +152,8 @@ def _layer_summary(r: dict) -> dict:
 
 
 def _finding(p: Point) -> Finding | None:
+    if p.status == DIVERGENT and p.cause in (INTRINSIC, PRECISION):
+        return _replay_finding(p)
     if is_ids(p.point):
         r = p.routing or {}
         if not r.get("flipped"):
@@ -156,6 +171,79 @@ def _finding(p: Point) -> Finding | None:
                        "look for an overflow (a dtype too narrow), a division by zero or uninitialised memory "
                        "in this region", {"nonfinite": p.nonfinite})
     return None
+
+
+def _side_numbers(e: dict | None) -> str:
+    """One side's intrinsic error in a line: excess vs limit, ULPs, share correctly rounded, relative L2."""
+    if not isinstance(e, dict):
+        return "not replayed"
+    if "not_replayed" in e:
+        return f"not replayed ({e['not_replayed']})"
+    dt = e.get("dtype") + (f" in a {e['recorded_dtype']} record" if e.get("recorded_dtype") else "")
+    if e.get("kind") == "ids":
+        return f"{dt}: top-k equals the exact choice in {100 * (num(e.get('share_rounded')) or 0):.1f}% of rows"
+    limit = num(e.get("limit"))
+    lim = f" (limit {limit:.2f})" if limit is not None and math.isfinite(limit) else ""
+    return (f"{dt}: excess {_x(e.get('excess'))}{lim}, mean {_x(e.get('mean_ulp'), 3)} / max "
+            f"{_x(e.get('max_ulp'))} ULP, {100 * (num(e.get('share_rounded')) or 0):.1f}% correctly rounded, "
+            f"rel error {_f(num(e.get('rel_l2')))}"
+            + (f", {e['nonfinite']} non-finite" if e.get("nonfinite") else ""))
+
+
+def _x(v, digits: int = 2) -> str:
+    v = num(v)
+    return "-" if v is None else ("inf" if math.isinf(v) else f"{v:.{digits}f}")
+
+
+def _replay_finding(p: Point) -> Finding:
+    """A point where one side's op is the less exact one (intrinsic) or runs in a coarser dtype (precision)."""
+    r, i = p.replay or {}, p.intrinsic or {}
+    side = r.get("side")
+    ea, eb = i.get("a"), i.get("b")
+    if p.cause == PRECISION:
+        da, db = (p.dtypes or {}).get("a") or (ea or {}).get("dtype"), (p.dtypes or {}).get("b") or (eb or {}).get("dtype")
+        head = f"{p.key}: A computes it in {da}, B in {db}; side {side} is the less exact"
+        remedy = ("compute this op's output in the same precision on both sides (or accept the difference "
+                  "knowingly: it is a precision choice, e.g. an fp32 router or lm_head on one side only)")
+    else:
+        head = f"{p.key}: side {side}'s op is further from the exact op on its own inputs than clean implementations are"
+        remedy = (f"side {side}'s implementation of this op rounds more (or computes something else) than a "
+                  "clean one: compare its kernel with the other side's (fp32 upcast in norms and softmax, "
+                  "accumulation dtype, weights); `tic-trace replay` measures one side alone")
+    measured = ea is not None or eb is not None
+    summary = head + ((f" — A {_side_numbers(ea)}; B {_side_numbers(eb)}" if measured
+                       else " (by recorded dtype; --reference measures each side against the exact op)"))
+    detail = {"side": side, "kind": r.get("kind"), "reason": r.get("reason"), "a": ea, "b": eb,
+              "dtypes": p.dtypes}
+    return Finding(p.cause, p.key, p.layer, True, True, summary, remedy, detail)
+
+
+def _with_weights(findings: list[Finding], contract: list[dict]) -> list[Finding]:
+    """Findings plus one `weights` finding per point whose parameters differ (side vs side, or a side vs the
+    checkpoint), in dataflow order; at one point the measured finding comes first."""
+    by_key: dict[str, dict] = {}
+    for d in contract:
+        if d.get("section") != "weights":
+            continue
+        w = by_key.setdefault(d.get("key"), {"names": set(), "sides": set()})
+        w["names"].update(d.get("a") or [])
+        if d.get("against") == "checkpoint" and d.get("side"):
+            w["sides"].add(d["side"])
+    if not by_key:
+        return findings
+    extra = []
+    for key, w in by_key.items():
+        point, layer = parse_key(key)
+        who = (f"; side {' and '.join(sorted(w['sides']))} differ(s) from the checkpoint" if w["sides"] else "")
+        # shown, not counted: hashes compare storage bits, and a layout the adapters do not see (a TP shard,
+        # a fused or re-packed parameter) changes them without changing what is computed. The tensors and the
+        # replay (which blames the side whose output is off the checkpoint's op) decide the verdict.
+        extra.append(Finding(WEIGHTS, key, layer, False, True,
+                             f"{key}: parameters differ bit for bit: {', '.join(sorted(w['names'])[:6])}{who}",
+                             "push the trainer's weights to the engine again (a weight-sync bug) or load the same "
+                             "checkpoint on both sides", {"parameters": sorted(w["names"]), "sides": sorted(w["sides"])}))
+    rank = {WEIGHTS: 1}
+    return sorted(findings + extra, key=lambda f: (order_key(*parse_key(f.key)), rank.get(f.cause, 0)))
 
 
 def _routing_finding(p: Point, r: dict) -> Finding:
@@ -187,6 +275,22 @@ def _routing_finding(p: Point, r: dict) -> Finding:
                                     "router_divergent", "dlogprob_share", "flips")}
     return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
                    remedy, detail)
+
+
+def _not_replayed(points: list[Point]) -> Note | None:
+    """Points the exact replay could not judge (no weights, rows or inputs, an op outside the reference):
+    the A-B rule alone decides there."""
+    out = {}
+    for p in points:
+        for side in ("a", "b"):
+            e = (p.intrinsic or {}).get(side)
+            if isinstance(e, dict) and "not_replayed" in e and not str(e["not_replayed"]).startswith("derived"):
+                out.setdefault(p.key, f"{side.upper()}: {e['not_replayed']}")
+    if not out:
+        return None
+    shown = "; ".join(f"{k} ({v})" for k, v in list(out.items())[:4])
+    return Note("not_replayed", f"{len(out)} point(s) not replayed against the reference, judged by the A-B rule "
+                                f"alone: {shown}" + (" …" if len(out) > 4 else ""), {"points": out})
 
 
 def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:

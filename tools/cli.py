@@ -15,8 +15,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from tic_trace.text import error_line, visible
+from tic_trace.text import visible
 from tic_trace.tools.options import Parser as _Parser
+from tic_trace.tools.options import checkpoint_dir as _checkpoint_dir
 from tic_trace.tools.options import count as _count
 from tic_trace.tools.options import input_file as _input_file
 from tic_trace.tools.options import output_file as _output_file
@@ -24,6 +25,7 @@ from tic_trace.tools.options import positive as _positive
 from tic_trace.tools.options import record_pattern as _record_pattern
 from tic_trace.tools.options import tol_item as _tol_item
 from tic_trace.tools.options import tolerance as _tolerance
+from tic_trace.tools.options import torch_device as _torch_device
 from tic_trace.tools.options import WORKERS_HELP as _WORKERS_HELP
 from tic_trace.tools.options import workers as _workers
 
@@ -58,15 +60,19 @@ def _run_compare(args, console: Console) -> dict:
 
     from tic_trace.diverge import find_divergence
     va, vb = _views(args, console)
-    total = len(set(va.points()) & set(vb.points()))
+    reference = None
+    if getattr(args, "reference", None):
+        from tic_trace.reference import ExactReference
+        reference = ExactReference(args.reference, device=args.reference_device)
+    total = len(set(va.points()) & set(vb.points())) * (2 if reference is not None else 1)
     with Progress(TextColumn("comparing {task.fields[key]:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
                   disable=not sys.stderr.isatty()) as prog:
         task = prog.add_task("cmp", total=total, key="")
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens,
                               progress=lambda k: prog.update(task, advance=1, key=k),
-                              accept_near_tie=args.accept_near_tie_routing, backend=args.workers[0],
-                              workers=args.workers[1])
+                              accept_near_tie=args.accept_near_tie_routing, reference=reference,
+                              backend=args.workers[0], workers=args.workers[1])
     return rep.to_json()
 
 
@@ -137,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--accept-near-tie-routing", action="store_true",
                         help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
                              "still shown): for runs that replay routing or accept near ties")
+        sp.add_argument("--reference", type=_checkpoint_dir, metavar="HF_DIR",
+                        help="HF checkpoint (config.json + *.safetensors) both sides ran: replay every op exactly "
+                             "from each side's own inputs and name the side whose op is less exact (docs/replay.md)")
+        sp.add_argument("--reference-device", type=_torch_device, default="cpu",
+                        help="torch device for the float64 replay (default cpu)")
         sp.add_argument("--worst-tokens", type=_count, default=8)
         sp.add_argument("--workers", type=_workers, default=("processes", 1), metavar="N|ray:N",
                         help=_WORKERS_HELP)
@@ -171,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fault", default="router_bf16",
                     help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
     sp.add_argument("--layer", type=_count, default=1)
+    sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: a bf16 pair judged with the exact reference (a checkpoint saved in --out); "
+                         "faults from tic_trace/testing/precision_faults.py, e.g. rmsnorm_no_upcast")
     sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports "
                     "(new, empty, or an earlier demo's)")
     sp.set_defaults(fn=cmd_demo)

@@ -69,6 +69,9 @@ def run_demo(args, console: Console) -> int:
     from tic_trace.inspect import inspect_trace
     from tic_trace.report import render_terminal, write_json
     from tic_trace.text import text
+    from tic_trace.tools import demo_precision
+    if demo_precision.wanted(args):           # bf16 with the exact reference (docs/replay.md)
+        return demo_precision.run(args, console)
 
     check_demo_args(args)
     out = Path(args.out)

@@ -113,6 +113,41 @@ def output_file(s: str) -> str:
     return s
 
 
+def checkpoint_dir(s: str) -> str:
+    """An HF checkpoint directory for --reference: a directory holding config.json (the weights are checked
+    when it is opened)."""
+    p = Path(s)
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{s} is not a directory: give the HF checkpoint directory "
+                                         "(config.json + *.safetensors), e.g. slime's --hf-checkpoint")
+    if not (p / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{s} has no config.json: give the HF checkpoint directory "
+                                         "(config.json + *.safetensors)")
+    return s
+
+
+def layer_list(s: str) -> list[int]:
+    """'0-3,7' -> [0, 1, 2, 3, 7]."""
+    out: list[int] = []
+    for part in s.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected layers like 0-3,7, got {s!r}") from None
+        if a < 0 or b < a or b - a > 65536:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r}: give a range low-high with 0 <= low <= high")
+        out.extend(range(a, b + 1))
+    return out
+
+
+def torch_device(s: str) -> str:
+    """cpu, cuda, cuda:N, mps, xpu:N, ... (a torch device string)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*(:\d+)?", s):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda:0, got {s!r}")
+    return s
+
+
 def input_file(s: str) -> str:
     p = Path(s)
     try:

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.text import Text
 
 from tic_trace.text import error_line, text
-from tic_trace.tools.options import count, output_file, positive, tol_item, workers, WORKERS_HELP
+from tic_trace.tools.options import (WORKERS_HELP, checkpoint_dir, count, output_file, positive, tol_item,
+                                     torch_device, workers)
 
 
 def add_parser(sub) -> None:
@@ -24,6 +25,11 @@ def add_parser(sub) -> None:
                     help=WORKERS_HELP)
     sp.add_argument("--json", type=output_file)
     sp.add_argument("--html", type=output_file)
+    sp.add_argument("--reference", type=checkpoint_dir, metavar="HF_DIR",
+                    help="HF checkpoint to replay both sides against (default: the run's --hf-checkpoint, as the "
+                         "Megatron side recorded it; docs/replay.md)")
+    sp.add_argument("--no-reference", action="store_true", help="do not replay, even if the run names a checkpoint")
+    sp.add_argument("--reference-device", type=torch_device, default="cpu")
     sp.set_defaults(fn=slime_report)
 
 
@@ -70,13 +76,19 @@ def slime_report(args, console) -> int:
             console.print(error_line(f"{name} side missing: {p} {state}: {why[name]}"), soft_wrap=True)
             return 2
     va, vb = CanonicalView(str(sides["megatron"])), CanonicalView(str(sides["sglang"]))
+    ref_dir, ref_note = _reference_dir(args, va)
+    reference = None
+    if ref_dir is not None:
+        from tic_trace.reference import ExactReference
+        reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
     backend, n = getattr(args, "workers", ("processes", 1))
     rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
-                          workers=n, backend=backend)
+                          reference=reference, workers=n, backend=backend)
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
-                       "a": str(sides["megatron"]), "b": str(sides["sglang"])}
+                       "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
     console.print(text(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}"))
+    console.print(text(ref_note, style="dim"))
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
     write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
@@ -87,6 +99,27 @@ def slime_report(args, console) -> int:
                       "'stats'."))
         return EXIT_NOT_COMPARABLE
     return VERDICT_EXIT.get(report["verdict"], EXIT_ERROR)
+
+
+def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
+    """The checkpoint to replay against: --reference, else the run's --hf-checkpoint as the Megatron side's
+    manifest records it (when that directory is readable here), else none; and a line saying which."""
+    if getattr(args, "no_reference", False):
+        return None, "exact replay: off (--no-reference)"
+    if getattr(args, "reference", None):
+        return args.reference, f"exact replay against {args.reference} (--reference)"
+    slime = megatron_view.trace.manifest.get("slime")
+    recorded = slime.get("hf_checkpoint") if isinstance(slime, dict) else None
+    if not isinstance(recorded, str) or not recorded:
+        return None, ("exact replay: off (the run recorded no --hf-checkpoint; pass --reference HF_DIR to name "
+                      "the side whose op is less exact)")
+    from tic_trace.checkpoint import CheckpointError, HFCheckpoint
+    try:
+        HFCheckpoint(recorded)
+    except (CheckpointError, OSError) as e:
+        return None, (f"exact replay: off (the run's --hf-checkpoint {recorded} cannot serve as the reference "
+                      f"here: {e}; pass --reference HF_DIR)")
+    return recorded, f"exact replay against the run's --hf-checkpoint {recorded}"
 
 
 def _print_worst(console, report: dict) -> None:

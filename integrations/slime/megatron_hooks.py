@@ -67,7 +67,9 @@ class _Session:
             # the packing appends one padding pseudo-sequence: no key
             sample_keys=keys + [None], tag=self.phase,
             manifest={"slime": {"rollout_id": self.rollout_id, "phase": self.phase, "store_prefix": "",
-                                "sample_keys": [k for k in keys if k]}}, run=self.run)
+                                "sample_keys": [k for k in keys if k],
+                                # slime's --hf-checkpoint: the exact reference of `slime-report` (docs/replay.md)
+                                "hf_checkpoint": _hf_checkpoint(a)}}, run=self.run)
         try:
             self.tracer.start()
         except tic_trace.TraceDirectoryInUse as e:   # an earlier job's trace: keep it, train untraced
@@ -120,6 +122,13 @@ def _guard(fn):
 
 
 _ADAPTER_CLS = None
+
+
+def _hf_checkpoint(args: Any) -> str | None:
+    """slime's --hf-checkpoint as an absolute path (None when the run has none)."""
+    import os
+    p = getattr(args, "hf_checkpoint", None)
+    return os.path.abspath(os.path.expanduser(str(p))) if p else None
 
 
 def _megatron_adapter(args: Any):
