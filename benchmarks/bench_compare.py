@@ -14,6 +14,7 @@ growth during the call (includes file pages of the memory maps that were touched
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -35,6 +36,12 @@ def _status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (the finder's worker processes, once reaped)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _rss_anon_kib() -> int:
@@ -132,10 +139,14 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
         hwm_reset = False
     with _AnonPeak() as anon:
         c0, t0 = time.process_time(), time.perf_counter()
-        if kind == "finder":
-            rep = find_divergence(a, b)
+        if kind.startswith("finder"):
+            workers = int(kind.split(":")[1]) if ":" in kind else 1
+            ch0 = _children_cpu()
+            rep = find_divergence(a, b, workers=workers)
+            doc = json.dumps(rep.to_json(), sort_keys=True).encode()
             extra = {"verdict": rep.verdict, "first": rep.first["key"] if rep.first else None,
-                     "points": len(rep.points)}
+                     "points": len(rep.points), "workers": workers, "report_sha": hashlib.sha256(doc).hexdigest(),
+                     "workers_cpu_seconds": _children_cpu() - ch0}
         elif kind.startswith("values"):
             extra = values_pass(Path(a), Path(b), int(kind.split(":")[1]))
         else:
@@ -193,7 +204,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="2x256,8x256,8x1024", help="comma-separated LAYERSxTOKENS")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
-                    help="worker counts for the compare_values pass (comma-separated)")
+                    help="worker counts for the compare_values pass and the finder (comma-separated)")
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--child", nargs=3, metavar=("KIND", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace-mem", action="store_true", help=argparse.SUPPRESS)
@@ -204,7 +215,7 @@ def main() -> None:
 
     sys.path.insert(0, str(HERE.parent))
     work = Path(tempfile.mkdtemp(prefix="tic-bench-compare-", dir=args.dir))
-    rows = []
+    rows, fin_ws = [], []
     try:
         for size in args.sizes.split(","):
             layers, tokens = (int(x) for x in size.lower().split("x"))
@@ -216,6 +227,8 @@ def main() -> None:
             bare = _run_child("bare", a, b, False)
             bare_mem = _run_child("bare", a, b, True)
             vals = {w: _run_child(f"values:{w}", a, b, False) for w in args.workers}
+            fin_w = {w: fin if w == 1 else _run_child(f"finder:{w}", a, b, False) for w in args.workers}
+            fin_ws.append((size, meta, fin_w))
             vals_mem = _run_child(f"values:1", a, b, True)
             rows.append((size, meta, fin, fin_mem, bare, bare_mem, t_trace, vals, vals_mem))
             shutil.rmtree(a)
@@ -261,6 +274,20 @@ def main() -> None:
             cells.append(f"{v['seconds']:.2f} / {rate / mb:.0f} / {rate / bare_rate:.2f}×")
         print(f"| {size} | {vals[args.workers[0]]['points']} | {vals[args.workers[0]]['bytes'] / mb:.0f} MB | "
               + " | ".join(cells) + f" | {vals_mem['tracemalloc_peak'] / mb:.1f} MB |")
+    print("\nfind_divergence(..., workers=N) (`--workers N`), each in a fresh process; CPU: the calling process "
+          "/ its worker processes together (RUSAGE_CHILDREN) and per worker; same report: sha256 of the JSON "
+          "report equal to the one-worker report:\n")
+    print("| layers×tokens | workers | wall s | MB/s | speed-up | CPU s: caller / workers (per worker) | "
+          "load avg | same report |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for size, meta, fw in fin_ws:
+        base = fw[args.workers[0]]
+        for w in args.workers:
+            f = fw[w]
+            print(f"| {size} | {w} | {f['seconds']:.2f} | {2 * meta['blob_bytes'] / mb / f['seconds']:.0f} | "
+                  f"{base['seconds'] / f['seconds']:.2f}× | {f['cpu_seconds']:.2f} / {f['workers_cpu_seconds']:.2f} "
+                  f"({f['workers_cpu_seconds'] / w if w > 1 else 0:.2f}) | {f['loadavg']:.1f} | "
+                  f"{'yes' if f['report_sha'] == base['report_sha'] else 'NO'} |")
     print("\n| layers×tokens | both traces | finder: tracemalloc peak | ÷ compared tensor | RssAnon peak growth | "
           "peak RSS growth (VmHWM) | bare: tracemalloc peak | RssAnon growth | peak RSS growth |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -272,3 +272,115 @@ def test_view_streams_one_point_at_a_time(clean_moe):
     t = v.load("attn.core", 1)
     assert t.values.shape == (20, 64)
     assert isinstance(t.values, np.ndarray) and t.dtype == "float32"
+
+
+def _reports_by_workers(a, b, **kw) -> tuple[dict, list]:
+    """The JSON report and the progress keys, for one worker (in process) and for two (processes or `kw`)."""
+    out = {}
+    for w in (1, 2):
+        keys = []
+        rep = find_divergence(str(a), str(b), progress=keys.append,
+                              **({"workers": 2, **kw} if w == 2 else {}))
+        out[w] = (json.loads(json.dumps(rep.to_json())), keys)
+    return out[1], out[2]
+
+
+def test_workers_give_the_same_report(tmp_path, clean_moe):
+    """Points measured in two worker processes: the same report, key for key, and the progress in order."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    plant(model, "hf", "qk_norm_weight", 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    trace_hf(build_hf_model(tiny_qwen3_config(moe=True)), tmp_path / "clean", IDS)
+    for b, verdict in ((tmp_path / "b", "divergent"), (tmp_path / "clean", "consistent")):
+        (one, keys1), (two, keys2) = _reports_by_workers(clean_moe, b)
+        assert one["verdict"] == verdict
+        assert two == one
+        assert keys2 == keys1 and len(keys1) == len(set(keys1)) > 40
+    assert one["points"] and two["first_divergence"] is None
+
+
+def test_measurements_sent_back_by_workers_are_small(clean_moe):
+    """What a worker returns per point is per-row numbers (errors, norms, the router's top values, row ids),
+    never the point's tensor: about 100 bytes per row whatever the width; the logits' measurement is a small
+    fraction of the logits."""
+    import pickle
+
+    from tic_trace.align import common_points
+    from tic_trace.measure_workers import measure_all
+    va, vb = CanonicalView(str(clean_moe)), CanonicalView(str(clean_moe))
+    both, _, _ = common_points(va, vb)
+    sizes = {}
+    for m in measure_all(va, vb, both):
+        sizes[m.key] = len(pickle.dumps(m))
+        assert sizes[m.key] <= 1024 + 128 * len(m.rows), (m.key, sizes[m.key], len(m.rows))
+    assert sizes["logits"] * 4 < va.load("logits", None).values.nbytes
+
+
+def test_one_worker_stays_in_process_and_workers_need_a_nameable_adapter(clean_moe, monkeypatch):
+    """workers=1 measures with the caller's views (no pool: an adapter defined in a function is fine); more
+    workers must reopen each side by its adapter's name, and say so when it has none."""
+    from tic_trace import measure_workers
+    from tic_trace.adapters.hf import HFAdapter
+
+    class LocalHF(HFAdapter):
+        pass
+    va = CanonicalView(str(clean_moe), LocalHF())
+    monkeypatch.setattr(measure_workers, "imap_ordered", None)    # one worker never reaches the pool
+    assert find_divergence(va, str(clean_moe)).verdict == "consistent"
+    with pytest.raises(ValueError, match="neither registered nor importable by name: register it"):
+        find_divergence(va, str(clean_moe), workers=2)
+
+
+def _cut_after_indexing(monkeypatch, blob):
+    """The CLI's views are indexed, then `blob` is cut short (a trace rewritten while the command runs):
+    only the workers, which reopen the trace, meet the damage."""
+    from tic_trace.tools import cli as cli_mod
+    real = cli_mod._views
+
+    def views_then_cut(args, console):
+        views = real(args, console)
+        blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+        return views
+    monkeypatch.setattr(cli_mod, "_views", views_then_cut)
+
+
+def test_cli_workers_error_names_the_point(tmp_path, clean_moe, capsys, monkeypatch):
+    """A point that fails in a worker ends the command with one line naming the point and the file, exit 2."""
+    import shutil
+    shutil.copytree(clean_moe, tmp_path / "b")
+    _cut_after_indexing(monkeypatch, tmp_path / "b" / "rank00000" / "pass00000.bin")
+    assert cli(["diff", str(clean_moe), str(tmp_path / "b"), "--workers", "2"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: diff: work item 0 (point embed) failed: TraceFormatError: "), out
+    assert "pass00000.bin" in out and "truncated" in out and len(out.strip().splitlines()) == 1, out
+    for bad in ("0", "ray:x", "threads:2"):
+        assert cli(["diff", str(clean_moe), str(clean_moe), "--workers", bad]) == 2
+        assert "argument --workers" in capsys.readouterr().err
+
+
+def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
+    """The same split as Ray tasks on a local Ray of two CPUs: the same report; a point that fails in a task
+    is named in one line."""
+    import shutil
+
+    import ray
+
+    from tic_trace.parallel import ItemFailed
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    plant(model, "hf", "qk_norm_weight", 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    shutil.copytree(clean_moe, tmp_path / "cut")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        (one, keys1), (two, keys2) = _reports_by_workers(clean_moe, tmp_path / "b", backend="ray")
+        assert one["first_divergence"]["key"] == "L1.attn.k_norm"
+        assert two == one and keys2 == keys1
+        va, vb = CanonicalView(str(clean_moe)), CanonicalView(str(tmp_path / "cut"))
+        blob = tmp_path / "cut" / "rank00000" / "pass00000.bin"
+        blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+        with pytest.raises(ItemFailed) as err:
+            find_divergence(va, vb, workers=2, backend="ray")
+        assert str(err.value).startswith("work item 0 (point embed) failed: TraceFormatError: ")
+        assert "truncated" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        ray.shutdown()

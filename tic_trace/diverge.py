@@ -20,6 +20,7 @@ from .align import CanonicalView, RowId, common_points
 from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
+from .measure_workers import measure_all
 from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
 from .verdict import Assessment, assess
 
@@ -29,23 +30,22 @@ FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cov
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
-                    accept_near_tie: bool = False, reference=None, margins=None) -> Report:
+                    accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
+                    backend: str = "processes") -> Report:
     """Compare side B against reference side A over every canonical point both have.
 
     `reference` (an HF checkpoint directory or an `ExactReference`): every point is also replayed exactly
     from each side's own inputs (docs/replay.md); a side whose op is less exact than clean implementations
-    (or that computes in a coarser dtype) is named, and the first such point leads the report."""
+    (or that computes in a coarser dtype) is named, and the first such point leads the report.
+    `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
+    the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
     ref = _reference(reference)
     contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
-    measured = []
-    for point, layer in both:
-        if progress:
-            progress(key_name(point, layer))
-        measured.append(measure_point(va, vb, point, layer))
+    measured = _measure_all(va, vb, both, workers, backend, progress)
     kept = [m for m in measured if m.compared or not m.derived]
     n_layers = va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
@@ -95,6 +95,12 @@ def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, 
             progress(f"replay {p.key}")
         p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer), margins),
                        "b": encode_intrinsic(rb.replay(p.point, p.layer), margins)}
+
+
+def _measure_all(va: CanonicalView, vb: CanonicalView, points: list, workers: int, backend: str,
+                 progress: Callable[[str], None] | None) -> list[PointMeasurement]:
+    """Step 1 over every point (measure_workers: in this process for one worker, else split by point)."""
+    return measure_all(va, vb, points, workers=workers, backend=backend, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------ step 2

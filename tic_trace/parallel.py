@@ -8,17 +8,17 @@ file paths. `map_ordered(fn, items, workers)` is that split; the finder's measur
 undefined state.
 
 `backend="ray"` runs the same split as Ray tasks (slime's clusters already run Ray) on nodes that see the
-traces (a shared filesystem): one task per item, `ray.get` on the list of object refs keeps the order;
-each task reads on the node that runs it, so traces larger than one node's disk bandwidth are compared at
-the sum of the nodes' bandwidths. Ray is optional: tic-trace does not depend on it (benchmarks/README.md
-has the install time and a measured run).
+traces (a shared filesystem): one task per item, results taken from the object refs in item order; each
+task reads on the node that runs it, so traces larger than one node's disk bandwidth are compared at the
+sum of the nodes' bandwidths. tic-trace does not depend on Ray (imported only for this backend); the tests
+pin it (requirements/test.txt) and run the finder's split on a local Ray.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -40,20 +40,34 @@ def map_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers:
     """[fn(item) for item in items], computed by `workers` processes (or Ray tasks: `backend="ray"`, on the
     cluster `ray.init` connects to, or a local one of `workers` CPUs); `fn` and the items must pickle (a
     module-level function and plain data: paths, offsets, shapes)."""
+    return list(imap_ordered(fn, items, workers, backend))
+
+
+def imap_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers: int = 1,
+                 backend: str = "processes") -> Iterator[R]:
+    """`map_ordered`, yielding each result as soon as it and every earlier one are done (for progress).
+    Closing the generator early (or an item failing) cancels the items not yet started."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     items = list(items)
     if backend == "ray":
-        return _map_ray(fn, items, workers)
+        yield from _imap_ray(fn, items, workers)
+        return
     if workers <= 1 or len(items) <= 1:
-        return [_call(fn, i, item) for i, item in enumerate(items)]
+        for i, item in enumerate(items):
+            yield _call(fn, i, item)
+        return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx)
+    try:
         futures = [pool.submit(_call, fn, i, item) for i, item in enumerate(items)]
-        return [f.result() for f in futures]
+        for f in futures:
+            yield f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _map_ray(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
+def _imap_ray(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]:
     try:
         import ray
     except ImportError:
@@ -62,7 +76,20 @@ def _map_ray(fn: Callable[[T], R], items: list[T], workers: int) -> list[R]:
     if not ray.is_initialized():
         ray.init(num_cpus=max(1, workers), include_dashboard=False, log_to_driver=False)
     task = ray.remote(_call)
-    return ray.get([task.remote(fn, i, item) for i, item in enumerate(items)])   # refs in item order
+    refs = [task.remote(fn, i, item) for i, item in enumerate(items)]
+    done = 0
+    try:
+        for ref in refs:      # in item order
+            try:
+                yield ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                # ray's error text is the worker's whole traceback; keep the item's one line, chain the rest
+                cause = getattr(e, "cause", None)
+                raise ItemFailed(str(cause) if isinstance(cause, ItemFailed) else f"work item {done}: {e}") from e
+            done += 1
+    finally:
+        for ref in refs[done + 1:]:
+            ray.cancel(ref)
 
 
 def _call(fn: Callable[[T], R], index: int, item: T) -> R:

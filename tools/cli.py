@@ -26,6 +26,8 @@ from tic_trace.tools.options import record_pattern as _record_pattern
 from tic_trace.tools.options import tol_item as _tol_item
 from tic_trace.tools.options import tolerance as _tolerance
 from tic_trace.tools.options import torch_device as _torch_device
+from tic_trace.tools.options import WORKERS_HELP as _WORKERS_HELP
+from tic_trace.tools.options import workers as _workers
 
 
 _MAX_REPORT_BYTES = 256 << 20
@@ -69,7 +71,8 @@ def _run_compare(args, console: Console) -> dict:
         task = prog.add_task("cmp", total=total, key="")
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens,
                               progress=lambda k: prog.update(task, advance=1, key=k),
-                              accept_near_tie=args.accept_near_tie_routing, reference=reference)
+                              accept_near_tie=args.accept_near_tie_routing, reference=reference,
+                              backend=args.workers[0], workers=args.workers[1])
     return rep.to_json()
 
 
@@ -146,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--reference-device", type=_torch_device, default="cpu",
                         help="torch device for the float64 replay (default cpu)")
         sp.add_argument("--worst-tokens", type=_count, default=8)
+        sp.add_argument("--workers", type=_workers, default=("processes", 1), metavar="N|ray:N",
+                        help=_WORKERS_HELP)
         sp.add_argument("--json", type=_output_file, help="also write the JSON report here")
         sp.add_argument("--html", type=_output_file, help="also write a self-contained HTML report here")
 
@@ -210,6 +215,7 @@ def _fail(console: Console, what: str, debug: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     from tic_trace.format import TraceFormatError
     from tic_trace.judge import SettingsError
+    from tic_trace.parallel import ItemFailed
     from tic_trace.report_schema import EXIT_DIVERGENT, EXIT_ERROR
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -227,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(console, f"unreadable trace: {e}", debug)
     except SettingsError as e:
         return _fail(console, f"bad setting: {e}", debug)
+    except ItemFailed as e:     # a point failed in a worker: the message names it
+        return _fail(console, f"{args.cmd}: {e}", debug)
     except (FileNotFoundError, ValueError, KeyError) as e:
         return _fail(console, f"{args.cmd}: {type(e).__name__}: {e}", debug)
     except SystemExit as e:

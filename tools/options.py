@@ -65,6 +65,25 @@ def tol_item(item: str) -> tuple[str, float]:
     return name, v
 
 
+WORKERS_HELP = ("measure the points in N processes, or as Ray tasks with ray:N (on the cluster ray.init "
+                "connects to, else a local Ray of N CPUs); the report is the same (default 1: in this process)")
+
+
+def workers(s: str) -> tuple[str, int]:
+    """--workers N (N processes) or ray:N (Ray tasks; a local Ray of N CPUs unless ray.init already ran)."""
+    backend, colon, n = s.rpartition(":")
+    backend = backend if colon else "processes"
+    if backend not in ("processes", "ray"):
+        raise argparse.ArgumentTypeError(f"expected N or ray:N (e.g. 4 or ray:8), got {s!r}")
+    try:
+        v = int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers (N or ray:N), got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {s!r}")
+    return backend, v
+
+
 def record_pattern(s: str) -> str:
     if s.startswith("re:"):
         try:

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.text import Text
 
 from tic_trace.text import error_line, text
-from tic_trace.tools.options import checkpoint_dir, count, output_file, positive, tol_item, torch_device
+from tic_trace.tools.options import (WORKERS_HELP, checkpoint_dir, count, output_file, positive, tol_item,
+                                     torch_device, workers)
 
 
 def add_parser(sub) -> None:
@@ -20,6 +21,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--growth", type=positive, default=None)
     sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=tol_item)
     sp.add_argument("--worst-tokens", type=count, default=8)
+    sp.add_argument("--workers", type=workers, default=("processes", 1), metavar="N|ray:N",
+                    help=WORKERS_HELP)
     sp.add_argument("--json", type=output_file)
     sp.add_argument("--html", type=output_file)
     sp.add_argument("--reference", type=checkpoint_dir, metavar="HF_DIR",
@@ -78,8 +81,9 @@ def slime_report(args, console) -> int:
     if ref_dir is not None:
         from tic_trace.reference import ExactReference
         reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
+    backend, n = getattr(args, "workers", ("processes", 1))
     rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
-                          reference=reference)
+                          reference=reference, workers=n, backend=backend)
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
