@@ -582,6 +582,17 @@ def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
     assert max(p.error for p in rep.points) < 1e-5
     notes = rep.sides["b"]["merge_notes"]
     assert set(notes) == {"L0.mlp.out", "L1.mlp.out"} and "declares a TP partial sum" in notes["L0.mlp.out"]
+    # every renderer shows the notes, not only the JSON
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tic_trace.html import render_html
+    from tic_trace.report import render_terminal
+    buf = StringIO()
+    render_terminal(rep.to_json(), Console(file=buf, width=200))
+    assert "2 rank merge(s) disagree with what the model declares" in buf.getvalue()
+    assert "rank merges against the declaration" in render_html(rep.to_json())
 
 
 def test_sglang_merges_units():

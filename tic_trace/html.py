@@ -1259,6 +1259,19 @@ def _scalar(v) -> str:
     return "—" if v is None else str(v)
 
 
+def _reader_remarks(d: dict) -> str:
+    """What the reader left out or merged against the model's declaration (the terminal prints the same)."""
+    rows = {}
+    for label, items in (("incomplete passes skipped", d.get("skipped_passes")),
+                         ("entries outside the trace layout", d.get("ignored_entries"))):
+        if isinstance(items, list) and items:
+            rows[label] = "; ".join(str(x) for x in items[:20]) + (" …" if len(items) > 20 else "")
+    notes = d.get("merge_notes")
+    if isinstance(notes, dict) and notes:
+        rows["rank merges against the declaration"] = "; ".join(f"{k}: {v}" for k, v in list(notes.items())[:20])
+    return ('<h3 style="margin-top:10px">Reader remarks</h3>' + _kv_table(rows)) if rows else ""
+
+
 def _sides_section(c: _Ctx) -> str:
     sides = _d(c.r.get("sides"))
     o = ['<section id="sides"><h2>Sides</h2><p class="sub">Side A is the reference; side B is judged against it.'
@@ -1268,6 +1281,7 @@ def _sides_section(c: _Ctx) -> str:
         o.append(f'<div class="side"><h3>Side {s.upper()} · {_e(d.get("framework", "?"))}</h3>')
         o.append(_kv_table({"path": d.get("path"), "ranks": _fmt_ranks(d.get("ranks")),
                             "unmapped module outputs": d.get("unmapped_module_outputs")}))
+        o.append(_reader_remarks(d))
         o.append('<h3 style="margin-top:10px">Versions</h3>' + _kv_table(_d(d.get("versions"))))
         o.append('<h3 style="margin-top:10px">Model</h3>' + _kv_table(_d(d.get("model"))))
         o.append("</div>")

@@ -341,7 +341,8 @@ def write_json(report: dict, path: os.PathLike | str) -> None:
 
 
 def _skipped(c: Console, report: dict) -> None:
-    """What each side's reader left out: incomplete passes (never compared) and entries outside the layout."""
+    """What each side's reader left out (incomplete passes, never compared; entries outside the layout) and rank
+    merges that contradicted the model's declaration (docs/sglang.md)."""
     for side, d in sorted((report.get("sides") or {}).items()):
         if not isinstance(d, dict):
             continue
@@ -350,6 +351,11 @@ def _skipped(c: Console, report: dict) -> None:
             if isinstance(items, list) and items:
                 shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
                 c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
+        notes = d.get("merge_notes")
+        if isinstance(notes, dict) and notes:
+            shown = "; ".join(f"{visible(k, 40)}: {visible(v, 160)}" for k, v in list(notes.items())[:3])
+            c.print(text(f"side {side.upper()}: {len(notes)} rank merge(s) disagree with what the model declares "
+                         f"(taken by the records): {shown}" + (" …" if len(notes) > 3 else ""), style="yellow"))
 
 
 def point_label(key: str) -> str:
