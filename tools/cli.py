@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which two implementations to compare (default hf-hf)")
     sp.add_argument("--fault", default="router_bf16", help="planted fault (see tic_trace/testing/faults.py); 'none' for a clean pair")
     sp.add_argument("--layer", type=int, default=1)
-    sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports")
+    sp.add_argument("--out", help="directory for the two traces and the reports (default: a new temporary one)")
     sp.set_defaults(fn=cmd_demo)
 
     sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")

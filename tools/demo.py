@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -29,13 +30,21 @@ def _trace_hf(out: Path, fault: str | None, layer: int, console: Console):
 _PAIRS = {"hf-hf": ("hf", "hf")}
 
 
+def demo_out_dir(out: str | None, console: Console) -> Path:
+    """Where the demo writes: ``--out``, or a new temporary directory (so a checkout stays clean); says which."""
+    path = Path(out) if out else Path(tempfile.mkdtemp(prefix="tic-trace-demo-"))
+    # Unwrapped and without markup: a path to copy, whatever its length or characters.
+    console.print(f"the demo writes its traces and reports under {path}", soft_wrap=True, markup=False)
+    return path
+
+
 def run_demo(args, console: Console) -> int:
     from tic_trace.diverge import find_divergence
     from tic_trace.html import render_html
     from tic_trace.inspect import inspect_trace
     from tic_trace.report import render_terminal, write_json
 
-    out = Path(args.out)
+    out = demo_out_dir(args.out, console)
     a, b = out / "A", out / "B"
     for d in (a, b):
         shutil.rmtree(d, ignore_errors=True)
