@@ -16,7 +16,8 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a director
 py="$VENV/bin/python"
 pip=(quiet "$py" -m pip install -q --disable-pip-version-check)
 installed() { "$py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
-sglang_pin=$(grep -i '^sglang==' requirements/constraints.txt)
+sglang_pin=$(grep -i '^sglang==' requirements/constraints.txt) \
+  || { echo "set-up: requirements/constraints.txt has no sglang==VERSION line; add the pinned SGLang" >&2; exit 1; }
 
 if [ ! -x "$py" ]; then
   step "creating the environment $VENV ($("$PY" --version 2>&1))"

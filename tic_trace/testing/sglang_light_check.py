@@ -3,7 +3,7 @@
 SGLang is installed ``--no-deps`` on purpose: its declared dependencies are many GB of CUDA wheels that its
 model code, run on the CPU, never uses. pip therefore cannot tell whether requirements/sglang-light.txt is
 enough; this does, by importing every SGLang module that tic-trace's CPU harness (sglang_cpu.py), the SGLang
-adapter's tests and the demo pairs reach. A module that fails prints its full traceback and the check exits 1.
+adapter's tests and the demo pairs reach. The first module that fails prints its full traceback; the check exits 1.
 
 Usage: ``python -m tic_trace.testing.sglang_light_check``
 """
@@ -40,9 +40,12 @@ MODEL_CODE_MODULES = (
 )
 
 
-def failing_imports(modules: tuple[str, ...] = MODEL_CODE_MODULES) -> list[str]:
-    """Import each module; print the traceback of each that fails and return their names."""
-    failed = []
+def first_failing_import(modules: tuple[str, ...] = MODEL_CODE_MODULES) -> str | None:
+    """Import the modules in order; print the traceback of the first that fails and return its name.
+
+    Stops there: the modules share most of SGLang, so one missing package fails all that follow, each with a
+    less telling traceback than the first.
+    """
     # On the CPU, SGLang warns at import that AWQ/GGUF kernels need a GPU and logs that it cannot detect a CUDA
     # architecture: true, and not what this check is about.
     logging.getLogger("sglang").setLevel(logging.ERROR)
@@ -53,15 +56,15 @@ def failing_imports(modules: tuple[str, ...] = MODEL_CODE_MODULES) -> list[str]:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - any import failure is what this check reports
                 traceback.print_exc()
-                failed.append(name)
-    return failed
+                return name
+    return None
 
 
 def main() -> int:
-    failed = failing_imports()
+    failed = first_failing_import()
     if failed:
-        print(f"SGLang's model code does not import: {', '.join(failed)} (tracebacks above). A package it needs "
-              "is missing from requirements/sglang-light.txt: add it there with an exact pin, and its own "
+        print(f"SGLang's model code does not import: {failed} fails (traceback above). A package it needs is "
+              "missing from requirements/sglang-light.txt: add it there with an exact pin, and its own "
               "dependencies to requirements/constraints.txt.", file=sys.stderr)
         return 1
     return 0
