@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tic_trace.adapter import Adapter, PointMap
+from tic_trace.adapter import Adapter, PointMap, plain_settings, register_adapter
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -77,8 +77,19 @@ class HFAdapter(Adapter):
             "shared_experts": bool(getattr(text, "shared_expert_intermediate_size", 0)),
             "rms_norm_eps": getattr(text, "rms_norm_eps", None),
             "rope_theta": _rope_theta(text),
+            "rope_scaling": _rope_scaling(text),
+            "norm_topk_prob": bool(getattr(text, "norm_topk_prob", False)),
+            "router_scoring": str(getattr(text, "scoring_func", "softmax")),
+            "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
             "dtype": str(getattr(models[0], "dtype", "")).removeprefix("torch."),
         }
+
+    def numerics(self, models: list) -> dict:
+        cfg = getattr(models[0], "config", None)
+        if cfg is None:
+            return {}
+        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act"))
+        return {k.lstrip("_"): v for k, v in out.items()}
 
     def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -124,4 +135,16 @@ def _rope_theta(cfg) -> float | None:
     return theta
 
 
+def _rope_scaling(cfg) -> dict | None:
+    """RoPE kind and scaling parameters as the config states them (None for plain RoPE)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    return {k: v for k, v in params.items() if k != "rope_theta" and isinstance(v, (int, float, str, bool))}
+
+
 ADAPTER = HFAdapter
+register_adapter(HFAdapter)

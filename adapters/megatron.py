@@ -62,8 +62,22 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_merge, register_transform)
+from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
+                               register_transform)
 from tic_trace.adapter import as_ints as _ints
+from tic_trace.adapter import plain_settings
+
+# TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
+NUMERICS_FIELDS = (
+    "bf16", "fp16", "params_dtype", "fp32_residual_connection", "attention_softmax_in_fp32",
+    "apply_query_key_layer_scaling", "attention_backend", "apply_rope_fusion", "rotary_interleaved",
+    "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "gated_linear_unit",
+    "activation_func", "persist_layer_norm", "memory_efficient_layer_norm", "layernorm_zero_centered_gamma",
+    "normalization", "layernorm_epsilon", "moe_router_dtype", "moe_router_score_function",
+    "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
+    "moe_router_fusion", "moe_grouped_gemm", "moe_permute_fusion", "moe_token_dispatcher_type",
+    "moe_router_num_groups", "moe_router_group_topk", "deterministic_mode",
+    "disable_bf16_reduced_precision_matmul", "cross_entropy_fusion_impl", "fp8", "fp8_recipe")
 
 # Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
 _P = r"(?P<prefix>(?:chunk(?P<chunk>\d+)\.)?(?:module\.)*)"
@@ -350,6 +364,10 @@ class MegatronAdapter(Adapter):
             "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
         }
 
+    def numerics(self, models: list) -> dict:
+        cfg = getattr(_unwrap(models[0]), "config", None)
+        return plain_settings(cfg, NUMERICS_FIELDS) if cfg is not None else {}
+
     def parallel_layout(self) -> dict:
         c = self.rank_coords()
         return {k: c[k] for k in ("tp_size", "pp_size", "ep_size", "etp_size", "cp_size", "dp_size", "sp")
@@ -456,3 +474,4 @@ class MegatronAdapter(Adapter):
 
 
 ADAPTER = MegatronAdapter
+register_adapter(MegatronAdapter)

@@ -81,6 +81,40 @@ def bare_pass(a: Path, b: Path, chunk: int = 1 << 20) -> dict:
     return {"bytes": total, "max_abs": worst}
 
 
+def value_items(a: Path, b: Path) -> list[tuple]:
+    """(blob A, offset A, blob B, offset B, shape, storage dtype, dtype) for every record stored on both sides."""
+    import tic_trace
+    from tic_trace.dtypes import dtype_info
+    items = []
+    for pa, pb in zip(tic_trace.open_trace(a).passes(), tic_trace.open_trace(b).passes()):
+        for ra in pa.records:
+            rb = pb.get(ra.name)
+            if ra.has_data and rb is not None and rb.has_data and ra.stored_shape == rb.stored_shape:
+                items.append((str(pa.blob_path), ra.offset, str(pb.blob_path), rb.offset, ra.stored_shape,
+                              dtype_info(ra.dtype).storage, ra.dtype))
+    return items
+
+
+def compare_item(item: tuple) -> tuple[int, float]:
+    """compare_values on one record pair, both sides memory-mapped from their blobs (a worker's unit)."""
+    import numpy as np
+    from tic_trace.compare import compare_values
+    from tic_trace.dtypes import to_float
+    blob_a, off_a, blob_b, off_b, shape, storage, dtype = item
+    va, vb = (to_float(np.memmap(blob, dtype=storage, mode="r", offset=off, shape=tuple(shape)), dtype)
+              for blob, off in ((blob_a, off_a), (blob_b, off_b)))
+    m = compare_values(va, vb, dtype)
+    return 2 * va.nbytes, m.rel_l2
+
+
+def values_pass(a: Path, b: Path, workers: int) -> dict:
+    from tic_trace.parallel import map_ordered
+    items = value_items(a, b)
+    t0 = time.perf_counter()
+    out = map_ordered(compare_item, items, workers=workers)
+    return {"bytes": sum(n for n, _ in out), "points": len(out), "map_seconds": time.perf_counter() - t0}
+
+
 def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
     """One measurement in this (fresh) process; prints a JSON line."""
     import tracemalloc
@@ -97,20 +131,22 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
     except OSError:
         hwm_reset = False
     with _AnonPeak() as anon:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         if kind == "finder":
             rep = find_divergence(a, b)
             extra = {"verdict": rep.verdict, "first": rep.first["key"] if rep.first else None,
                      "points": len(rep.points)}
+        elif kind.startswith("values"):
+            extra = values_pass(Path(a), Path(b), int(kind.split(":")[1]))
         else:
             extra = bare_pass(Path(a), Path(b))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     # ru_maxrss = max(peak RSS of this process, peak inherited at exec from the parent that forked us); the
     # parent holds the model, so the raw value says nothing about this call. VmHWM is the same kernel counter
     # without the inherited part, reset just before the call: its excess over the RSS before is the call's
     # peak growth (file pages of touched memory maps count in RSS too).
     peak = _status_kib("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"seconds": dt, "peak_rss_growth_kib": max(0, peak - rss0), "hwm_reset": hwm_reset,
+    out = {"seconds": dt, "cpu_seconds": cpu, "loadavg": os.getloadavg()[0], "peak_rss_growth_kib": max(0, peak - rss0), "hwm_reset": hwm_reset,
            "ru_maxrss_raw_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rss_before_kib": rss0,
            "anon_peak_growth_kib": anon.peak - anon.base, **extra}
     if trace_mem:
@@ -156,6 +192,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2x256,8x256,8x1024", help="comma-separated LAYERSxTOKENS")
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                    help="worker counts for the compare_values pass (comma-separated)")
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--child", nargs=3, metavar=("KIND", "A", "B"), help=argparse.SUPPRESS)
     ap.add_argument("--trace-mem", action="store_true", help=argparse.SUPPRESS)
@@ -177,7 +215,9 @@ def main() -> None:
             fin_mem = _run_child("finder", a, b, True)
             bare = _run_child("bare", a, b, False)
             bare_mem = _run_child("bare", a, b, True)
-            rows.append((size, meta, fin, fin_mem, bare, bare_mem, t_trace))
+            vals = {w: _run_child(f"values:{w}", a, b, False) for w in args.workers}
+            vals_mem = _run_child(f"values:1", a, b, True)
+            rows.append((size, meta, fin, fin_mem, bare, bare_mem, t_trace, vals, vals_mem))
             shutil.rmtree(a)
             shutil.rmtree(b)
     finally:
@@ -189,16 +229,42 @@ def main() -> None:
     print("| layers×tokens | records (stored) | blob per side | largest stored / compared tensor | "
           "find_divergence s | MB/s | bare memmap pass s | MB/s | finder ÷ bare |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for size, meta, fin, _, bare, _, _ in rows:
+    for size, meta, fin, _, bare, _, _, *_ in rows:
         both = 2 * meta["blob_bytes"]
         print(f"| {size} | {meta['records']} ({meta['stored']}) | {meta['blob_bytes'] / mb:.1f} MB | "
               f"{meta['largest_tensor_bytes'] / mb:.1f} / {meta['logits_bytes'] / mb:.1f} MB | "
               f"{fin['seconds']:.2f} | {both / mb / fin['seconds']:.0f} | "
               f"{bare['seconds']:.3f} | {both / mb / bare['seconds']:.0f} | {fin['seconds'] / bare['seconds']:.0f}× |")
+    print("\nCPU time of this process (the machine is shared: wall time includes other jobs' load); "
+          "load average during the finder call: " + ", ".join(f"{r[0]}: {r[2]['loadavg']:.1f}" for r in rows))
+    print("\n| layers×tokens | find_divergence CPU s | MB/s | bare CPU s | MB/s | finder ÷ bare | compare_values "
+          "(1 worker, in process) CPU s | MB/s | ÷ bare |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size, meta, fin, _, bare, _, _, vals, _ in rows:
+        both, v1 = 2 * meta["blob_bytes"], vals.get(1)
+        cells = (f"{v1['cpu_seconds']:.2f} | {v1['bytes'] / mb / v1['cpu_seconds']:.0f} | "
+                 f"{(v1['bytes'] / v1['cpu_seconds']) / (both / bare['cpu_seconds']):.2f}×") if v1 else "- | - | -"
+        print(f"| {size} | {fin['cpu_seconds']:.2f} | {both / mb / fin['cpu_seconds']:.0f} | {bare['cpu_seconds']:.3f} | "
+              f"{both / mb / bare['cpu_seconds']:.0f} | {fin['cpu_seconds'] / bare['cpu_seconds']:.0f}× | {cells} |")
+    print("\ncompare_values on every record stored on both sides, memory-mapped, through tic_trace.parallel "
+          "(wall time; includes starting the workers):\n")
+    print("| layers×tokens | records | bytes (both sides) | " + " | ".join(
+        f"{w} worker{'s' if w > 1 else ''}: s / MB/s / ÷ bare" for w in args.workers)
+          + " | tracemalloc peak (1 worker) |")
+    print("|---|---:|---:|" + "---:|" * len(args.workers) + "---:|")
+    for size, meta, fin, _, bare, _, _, vals, vals_mem in rows:
+        bare_rate = 2 * meta["blob_bytes"] / bare["seconds"]
+        cells = []
+        for w in args.workers:
+            v = vals[w]
+            rate = v["bytes"] / v["seconds"]
+            cells.append(f"{v['seconds']:.2f} / {rate / mb:.0f} / {rate / bare_rate:.2f}×")
+        print(f"| {size} | {vals[args.workers[0]]['points']} | {vals[args.workers[0]]['bytes'] / mb:.0f} MB | "
+              + " | ".join(cells) + f" | {vals_mem['tracemalloc_peak'] / mb:.1f} MB |")
     print("\n| layers×tokens | both traces | finder: tracemalloc peak | ÷ compared tensor | RssAnon peak growth | "
           "peak RSS growth (VmHWM) | bare: tracemalloc peak | RssAnon growth | peak RSS growth |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for size, meta, fin, fin_mem, bare, bare_mem, _ in rows:
+    for size, meta, fin, fin_mem, bare, bare_mem, _, *_ in rows:
         print(f"| {size} | {2 * meta['blob_bytes'] / mb:.0f} MB | {fin_mem['tracemalloc_peak'] / mb:.1f} MB | "
               f"{fin_mem['tracemalloc_peak'] / meta['logits_bytes']:.1f}× | "
               f"{fin['anon_peak_growth_kib'] / 1e3:.1f} MB | {fin['peak_rss_growth_kib'] / 1e3:.1f} MB | "
@@ -206,7 +272,7 @@ def main() -> None:
               f"{bare['peak_rss_growth_kib'] / 1e3:.1f} MB |")
     print("\nverdicts: " + "; ".join(f"{s}: {f['verdict']} at {f['first']} ({f['points']} points)"
                                      for s, _, f, *_ in rows))
-    print("building + tracing both sides: " + ", ".join(f"{r[0]}: {r[-1]:.1f} s" for r in rows))
+    print("building + tracing both sides: " + ", ".join(f"{r[0]}: {r[6]:.1f} s" for r in rows))
     print("RSS before the call (torch imported): " + ", ".join(f"{r[0]}: {r[2]['rss_before_kib'] / 1e3:.0f} MB"
                                                                for r in rows)
           + f"; raw ru_maxrss of the child (includes the peak inherited from the parent at exec): "

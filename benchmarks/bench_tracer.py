@@ -191,10 +191,13 @@ def main() -> None:
           f"(full mode uses {100 * full_rate / disk:.1f}% of it)")
     print(f"stats mode: {dir_bytes(stats_dir) / 1e6:.2f} MB per pass")
     s_ratio, f_ratio = med["tic-trace stats"] / base, med["tic-trace full (points full, ops stats)"] / base
-    print(f"\ntargets: stats <= 1.3x untraced: {s_ratio:.2f}x {'MET' if s_ratio <= 1.3 else 'MISSED'}; "
-          f"stats <= 0.4x DebugMode+hashes: {med['tic-trace stats'] / dmh:.2f}x "
-          f"{'MET' if med['tic-trace stats'] / dmh <= 0.4 else 'MISSED'}; "
-          f"full <= 2x untraced: {f_ratio:.2f}x {'MET' if f_ratio <= 2 else 'MISSED'}")
+    dmh_ratio = med["tic-trace stats"] / dmh
+    cs, cf = cmed["tic-trace stats"] / cmed["untraced"], cmed["tic-trace full (points full, ops stats)"] / cmed["untraced"]
+    cd = cmed["tic-trace stats"] / cmed["DebugMode + log_tensor_hashes('norm')"]
+    print(f"\ntargets (issue 12), wall / CPU: stats <= 2x untraced: {s_ratio:.2f}x / {cs:.2f}x "
+          f"{'MET' if max(s_ratio, cs) <= 2 else 'MISSED'}; stats <= 0.5x DebugMode+hashes: {dmh_ratio:.2f}x / "
+          f"{cd:.2f}x {'MET' if max(dmh_ratio, cd) <= 0.5 else 'MISSED'}; full <= 2.5x untraced: {f_ratio:.2f}x / "
+          f"{cf:.2f}x {'MET' if max(f_ratio, cf) <= 2.5 else 'MISSED'}")
 
     result = {"median_s": med, "all_s": times, "cpu_median_s": cmed, "load": [load0, load1], "records": records, "full_bytes": full_bytes,
               "disk_write_Bps": disk, "full_Bps": full_rate}

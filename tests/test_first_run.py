@@ -33,7 +33,7 @@ def test_demo_writes_under_a_directory_it_names_and_leaves_the_checkout_clean(tm
     assert len(made) == 1, made
     out = made[0]
     assert f"the demo writes its traces and reports under {out}" in run.stdout
-    assert {p.name for p in out.iterdir()} == {"A", "B", "report.json", "report.html"}
+    assert {p.name for p in out.iterdir()} == {"A", "B", "report.json", "report.html", ".tic-trace-demo"}
 
 
 def test_demo_out_is_used_as_given_and_named(tmp_path):

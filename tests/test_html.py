@@ -25,6 +25,7 @@ import torch
 import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
+from tic_trace.canonical import CURVE_POINTS  # noqa: E402
 from tic_trace.diverge import Tolerance, find_divergence, rejudge, sort_points  # noqa: E402
 from tic_trace.html import render_html, write_html  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
@@ -159,9 +160,10 @@ def test_growth_plot(divergent):
     html = render_html(divergent)
     svg = _svg(html, "plot-growth")
     series = [e for e in svg.iter("path") if e.get("class") == "series"]
-    assert len(series) == 6                              # attn_norm, attn.core, attn.out, mid, mlp.out, output
+    # one series per curve point (canonical.PointSpec.curve) the report has
+    assert len(series) == len(CURVE_POINTS) == 8
     texts = " ".join("".join(t.itertext()) for t in svg.iter("text"))
-    for kind in ("attn_norm", "attn.core", "attn.out", "mid", "mlp.out", "output"):
+    for kind in CURVE_POINTS:
         assert kind in texts
     assert "tolerance 1.00e-05" in texts
     assert "first divergence: L1.attn_norm" in texts
@@ -416,7 +418,7 @@ def test_chromium_renders_page(divergent, consistent, tmp_path):
     growth = re.search(r'<svg class="plot-growth".*?</svg>', html, flags=re.S)
     heat = re.search(r'<svg class="heatmap".*?</svg>', html, flags=re.S)
     assert growth and heat
-    assert len(re.findall(r'<path class="series"', growth.group(0))) == 6
+    assert len(re.findall(r'<path class="series"', growth.group(0))) == len(CURVE_POINTS)
     assert len(re.findall(r"<circle\b", growth.group(0))) >= 6
     assert len(re.findall(r"<rect\b", heat.group(0))) >= len(divergent["token_errors"]) * 20
 

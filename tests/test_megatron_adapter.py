@@ -9,7 +9,10 @@ parallel state between configurations.
 """
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
+
 
 import numpy as np
 import pytest
@@ -25,10 +28,10 @@ from tic_trace.adapters.megatron import (  # noqa: E402
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.align import CanonicalView  # noqa: E402
 from tic_trace.canonical import key_name  # noqa: E402
-from tic_trace.diverge import find_divergence  # noqa: E402
+from tic_trace.diverge import find_divergence, rejudge  # noqa: E402
 from tic_trace.filters import Filters  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
-from tic_trace.testing.faults import FAULTS, hf_faults, megatron_faults, plant  # noqa: E402
+from tic_trace.testing.faults import FAULTS, hf_faults, megatron_faults, plant, prepare  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
 
 B, S = 2, 12
@@ -263,6 +266,24 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, base_traces, hf_mo
     rep = find_divergence(str(base_traces["hf_moe"]), str(tmp_path / "mg"))
     assert rep.verdict == "divergent"
     assert rep.first["key"] == key_name(f.point, FAULT_LAYER if f.layered else None), rep.first["key"]
+    cause = rep.first["cause"]
+    assert cause == f.cause or (f.point == "moe.router_logits" and cause == "routing"), cause
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
+
+
+def test_near_tie_routing_hf_vs_megatron(tmp_path, hf_models, tokens, single_rank):
+    """Two experts nearly tied in both models; Megatron's gate rounds their difference the other way."""
+    hf = copy.deepcopy(hf_models["moe"])
+    prepare(hf, "hf", "routing_near_tie", FAULT_LAYER)
+    trace_hf(tmp_path / "hf", hf, tokens, KEYS)
+    trace_megatron(tmp_path / "mg", hf.config, hf.state_dict(), tokens, KEYS, fault="routing_near_tie")
+    rep = find_divergence(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert rep.first["key"] == key_name("moe.topk_ids", FAULT_LAYER) and rep.first["cause"] == "routing"
+    f = next(x for x in rep.findings if x.cause == "routing")
+    assert f.layer == FAULT_LAYER and not f.computational and f.detail["near_tie"] == f.detail["flipped"] > 0
+    assert not [p.key for p in rep.points if p.status == "divergent" and p.cause != "routing"]
+    assert find_divergence(str(tmp_path / "hf"), str(tmp_path / "mg"), accept_near_tie=True).verdict == "consistent"
 
 
 # ------------------------------------------------------------------------------------------------

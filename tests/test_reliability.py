@@ -1,8 +1,10 @@
 """Reliability: hostile or damaged traces, crashes, full and unwritable disks, concurrent ranks, and the
 promise that tracing never changes what the model computes.
 
-The reader fuzzers start from a real trace and damage its files; the only exception a reader may raise is
-`TraceFormatError`, and its message must name the damaged trace's file. The example count is bounded for CI;
+The reader fuzzers start from a real trace and damage its files: bytes, msgpack payloads, decoded structure,
+the directory itself (symlinks out of it or to devices, FIFOs, stray rank/pass names), fields of the wrong
+type and huge size claims. The only exception a reader may raise is `TraceFormatError`, and its message must
+name the damaged trace's file (and, for a wrong type, the field). The example count is bounded for CI;
 the documented full run is
 
     TIC_TRACE_FUZZ_EXAMPLES=10000 pytest tests/test_reliability.py -k fuzz
@@ -17,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -42,11 +45,14 @@ from tic_trace import TraceFormatError, open_trace  # noqa: E402
 from tic_trace import format as fmt  # noqa: E402
 from tic_trace.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
+from tic_trace.testing.deadline import deadline
 
 FUZZ_EXAMPLES = int(os.environ.get("TIC_TRACE_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=False, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
+# Fuzzers that run a full comparison under tracemalloc per example: a fifth of the examples.
+FUZZ_HEAVY = settings(FUZZ, max_examples=max(FUZZ_EXAMPLES // 5, 10))
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 REPO = Path(__file__).resolve().parents[1]
 
@@ -141,10 +147,22 @@ def materialize(files: dict[str, bytes], root: Path) -> Path:
     return root
 
 
-def expect_ok_or_format_error(root: Path, event: Callable[[str], None] = lambda _: None) -> str:
-    """The contract: reading succeeds, or raises TraceFormatError naming a file of this trace."""
+def compare_everything(root: Path) -> str:
+    """Read a trace the way the finder does: its canonical view, every point, and a full comparison."""
+    from tic_trace.align import CanonicalView
+    from tic_trace.diverge import find_divergence
+    v = CanonicalView(str(root))
+    return find_divergence(v, v).verdict
+
+
+def expect_ok_or_format_error(root: Path, event: Callable[[str], None] = lambda _: None, *,
+                              compare: bool = False) -> str:
+    """The contract: reading (and with `compare`, comparing) succeeds, or raises TraceFormatError naming a
+    file of this trace."""
     try:
         read_everything(root)
+        if compare:
+            compare_everything(root)
     except TraceFormatError as e:
         msg = str(e)
         assert e.path and e.path in msg, f"error does not name its file: {msg}"
@@ -174,11 +192,13 @@ def pristine(tmp_path_factory) -> dict[str, bytes]:
     pass 1 a bf16 dense Qwen3 in rows mode (row_index, bf16 bit patterns)."""
     root = tmp_path_factory.mktemp("pristine") / "trace"
     model, ids = tiny_model(moe=True, num_hidden_layers=1), sample_tokens(1, 6)
-    with tic_trace.trace(model, root, adapter="hf", points_mode="full") as t, torch.no_grad():
+    # Two tracers writing one run (as slime's one-tracer-per-micro-batch does): they share a run id.
+    with tic_trace.trace(model, root, adapter="hf", points_mode="full", run="pristine") as t, torch.no_grad():
         model(ids)
     assert t.failed is None
     model, ids = tiny_model(moe=False, dtype=torch.bfloat16, num_hidden_layers=1), sample_tokens(2, 4, seed=2)
-    with tic_trace.trace(model, root, adapter="hf", points_mode="rows", sample_rows=[1, 6]) as t, torch.no_grad():
+    with tic_trace.trace(model, root, adapter="hf", points_mode="rows", sample_rows=[1, 6], run="pristine") as t, \
+            torch.no_grad():
         model(ids)
     assert t.failed is None
     assert any(r.row_index for r in open_trace(root).open_pass(0, 1).records)
@@ -323,6 +343,165 @@ def test_fuzz_structure_with_valid_crc(pristine, scratch, data):
     files = dict(pristine)
     files[name] = frame(kind_of(name), msgpack.packb(obj, use_bin_type=True))
     expect_ok_or_format_error(materialize(files, scratch), hypothesis.event)
+
+
+
+
+@pytest.fixture(scope="module")
+def outside(pristine, tmp_path_factory) -> Path:
+    """A copy of the trace outside the fuzzed one: the target of symlinks that leave the trace."""
+    return materialize(pristine, tmp_path_factory.mktemp("outside") / "trace")
+
+
+_LINK_TARGETS = ["/dev/zero", "/dev/null", "/dev/urandom", "/etc/hostname", "/", "outside", "outside-same",
+                 "dangling", "inside-other", "self"]
+_STRAYS = ["rank²", "rank٣", "rank000000", "rank0", "rank00001-file", "rank00001-link-out", "rank00001-link-in",
+           "pass00000.bak.idx", "pass00001.incomplete.idx", "pass00002.idx", "pass0.idx", "pass00000.idx~"]
+
+
+def _replace_with(p: Path, how: str, root: Path, outside: Path, data) -> None:
+    """Replace file `p` of the trace at `root` by a symlink, FIFO or directory."""
+    p.unlink()
+    if how == "fifo":
+        os.mkfifo(p)
+    elif how == "dir":
+        p.mkdir()
+    else:
+        rel = p.relative_to(root)
+        target = {"outside": outside / "manifest.msgpack", "outside-same": outside / rel,
+                  "dangling": root / "no-such-file", "self": p}.get(how)
+        if how == "inside-other":
+            others = sorted(q for q in root.rglob("*") if q.is_file() and not q.is_symlink() and q != p)
+            target = Path(os.path.relpath(others[data.draw(st.integers(0, len(others) - 1), label="other")], p.parent)) \
+                if others else root
+        os.symlink(target if target is not None else how, p)
+
+
+def _add_stray(root: Path, stray: str, outside: Path) -> None:
+    rank = root / "rank00000"
+    if os.path.lexists(root / stray) or os.path.lexists(root / "rank00001") and stray.startswith("rank00001") \
+            or os.path.lexists(rank / stray):
+        return
+    if stray.startswith("pass"):
+        if (rank / "pass00000.idx").is_file():
+            shutil.copy(rank / "pass00000.idx", rank / stray)
+    elif stray == "rank00001-file":
+        (root / "rank00001").write_bytes(b"not a directory")
+    elif stray == "rank00001-link-out":
+        os.symlink(outside / "rank00000", root / "rank00001")
+    elif stray == "rank00001-link-in":
+        os.symlink("rank00000", root / "rank00001")
+    elif rank.is_dir() and not rank.is_symlink():
+        fifos = lambda d, names: [n for n in names if stat.S_ISFIFO(os.lstat(os.path.join(d, n)).st_mode)]  # noqa: E731
+        shutil.copytree(rank, root / stray, symlinks=True, ignore=fifos)
+
+
+@given(data=st.data())
+@FUZZ
+def test_fuzz_filesystem_structure(pristine, scratch, outside, data):
+    """Structural mutations of the directory itself: files replaced by symlinks (to devices, out of the trace,
+    dangling, to other files of the trace), FIFOs or directories; stray rank and pass entries with non-ASCII
+    digits, second spellings, backups, symlinked rank directories. Read and compare: no hang, no unbounded
+    allocation, only TraceFormatError naming a file of the trace."""
+    root = materialize(pristine, scratch)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        files = sorted(q for q in root.rglob("*") if q.is_file() and not q.is_symlink())
+        op = data.draw(st.sampled_from(["link", "fifo", "dir", "stray"]), label="op")
+        if op == "stray" or not files:
+            _add_stray(root, data.draw(st.sampled_from(_STRAYS), label="stray"), outside)
+            continue
+        p = files[data.draw(st.integers(0, len(files) - 1), label="file")]
+        how = data.draw(st.sampled_from(_LINK_TARGETS), label="target") if op == "link" else op
+        _replace_with(p, how, root, outside, data)
+    with deadline(60):
+        expect_ok_or_format_error(root, hypothesis.event, compare=True)
+
+
+def _declared(td: type, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(field path, declared type) of every field of a schema TypedDict, nested maps included."""
+    from typing import get_args, get_origin, get_type_hints, is_typeddict
+    out = []
+    for name, tp in get_type_hints(td).items():
+        out.append((prefix + (name,), tp))
+        inner = [a for a in (get_args(tp) or (tp,)) if is_typeddict(a)] if get_origin(tp) is not list else []
+        for sub in inner:
+            out.extend(_declared(sub, prefix + (name,)))
+    return out
+
+
+@given(data=st.data())
+@FUZZ
+def test_fuzz_wrong_types_name_the_field(pristine, scratch, data):
+    """Any declared field of the manifest, rank file, pass index or a record, set to a value of the wrong type
+    (or out of its bounds): a TraceFormatError naming that file and that field, never anything else."""
+    from tic_trace import schema
+    name = data.draw(st.sampled_from(sorted(n for n in pristine if kind_of(n) is not None)), label="file")
+    kind = kind_of(name)
+    obj = msgpack.unpackb(pristine[name][fmt._HEADER.size:], raw=False)
+    target, td = obj, {fmt.KIND_MANIFEST: schema.Manifest, fmt.KIND_RANK: schema.RankInfo,
+                       fmt.KIND_INDEX: schema.PassMeta}[kind]
+    if kind == fmt.KIND_INDEX and data.draw(st.booleans(), label="in a record"):
+        target, td = obj["records"][data.draw(st.integers(0, len(obj["records"]) - 1), label="record")], schema.RecordWire
+    path, tp = data.draw(st.sampled_from(_declared(td)), label="field")
+    value = data.draw(hostile_value, label="value")
+    hypothesis.assume(not schema.conforms(value, tp))
+    parent = target
+    for k in path[:-1]:
+        hypothesis.assume(isinstance(parent.get(k), dict))
+        parent = parent[k]
+    parent[path[-1]] = value
+    files = dict(pristine)
+    files[name] = frame(kind, msgpack.packb(obj, use_bin_type=True))
+    root = materialize(files, scratch)
+    with pytest.raises(TraceFormatError) as ei:
+        read_everything(root)
+    assert ei.value.path == str(root / name), ei.value
+    assert f"field '{'.'.join(path)}" in ei.value.problem, ei.value
+
+
+_HUGE = st.sampled_from([2**31 - 1, 2**31, 2**32, 2**40, 2**53, 2**62, 2**63 - 1, 2**64 - 1, 1 << 16])
+
+
+@given(data=st.data())
+@FUZZ_HEAVY
+def test_fuzz_huge_claims(pristine, scratch, data):
+    """Size and count claims made huge with the right type (shapes, byte lengths, offsets, row indices, layer
+    and head counts): read and compare within a small memory budget, or a TraceFormatError."""
+    idx_name = data.draw(st.sampled_from(["rank00000/pass00000.idx", "rank00000/pass00001.idx"]), label="pass")
+    idx = msgpack.unpackb(pristine[idx_name][fmt._HEADER.size:], raw=False)
+    man = msgpack.unpackb(pristine["manifest.msgpack"][fmt._HEADER.size:], raw=False)
+    for _ in range(data.draw(st.integers(1, 3), label="claims")):
+        where = data.draw(st.sampled_from(["shape", "nbytes", "offset", "row_index", "blob_nbytes", "model",
+                                           "stats-only shape"]), label="claim")
+        rec = idx["records"][data.draw(st.integers(0, len(idx["records"]) - 1), label="record")]
+        huge = data.draw(_HUGE, label="value")
+        if where == "shape" and rec["shape"]:
+            rec["shape"][data.draw(st.integers(0, len(rec["shape"]) - 1))] = huge
+        elif where == "stats-only shape":
+            rec.update(shape=[huge, *rec["shape"][1:]], offset=-1, nbytes=0, crc=None, mode="stats", row_index=None)
+        elif where in ("nbytes", "offset"):
+            rec[where] = huge
+        elif where == "row_index":
+            rec["row_index"] = [huge]
+        elif where == "blob_nbytes":
+            idx["blob_nbytes"] = huge
+        else:
+            key = data.draw(st.sampled_from(["num_layers", "num_attention_heads", "head_dim", "vocab_size",
+                                             "num_experts_per_tok", "num_key_value_heads"]), label="model field")
+            man.setdefault("model", {})[key] = huge
+    files = dict(pristine)
+    files[idx_name] = frame(fmt.KIND_INDEX, msgpack.packb(idx, use_bin_type=True))
+    files["manifest.msgpack"] = frame(fmt.KIND_MANIFEST, msgpack.packb(man, use_bin_type=True))
+    root = materialize(files, scratch)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        with deadline(60):
+            expect_ok_or_format_error(root, hypothesis.event, compare=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak - base < 256 << 20, f"allocated {(peak - base) / 2**20:.0f} MiB on a trace of a few KiB"
 
 
 # ------------------------------------------------------------------------------------------------ hand-crafted
@@ -557,12 +736,13 @@ def test_sigkill_mid_pass_leaves_complete_passes_readable(tmp_path):
     assert read_everything(out) > 0
     assert _same_values_across_passes(tr, 0) == len(idx)
 
-    # A new writer on the same directory continues after the last complete pass, no collision.
-    model, ids = tiny_model(moe=True), sample_tokens(2, 16)
-    with tic_trace.trace(model, out, adapter="hf", points_mode="full") as t, torch.no_grad():
-        model(ids)
-    assert t.failed is None and t.passes_written[0].name == f"pass{len(idx):05d}.idx"
-    assert _same_values_across_passes(open_trace(out), 0) == len(idx) + 1
+    # A new run into the same directory is refused before it writes anything: a reader never mixes runs.
+    before = snapshot(out)
+    model = tiny_model(moe=True)
+    with pytest.raises(tic_trace.TraceDirectoryInUse, match="another run"):
+        tic_trace.trace(model, out, adapter="hf", points_mode="full").start()
+    assert snapshot(out) == before
+    assert not any(m._forward_hooks for m in model.modules()), "a refused tracer left hooks behind"
 
 
 # ================================================================================================ disk full

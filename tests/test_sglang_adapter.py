@@ -13,6 +13,7 @@ down again) and then SGLang's distributed state is initialised for the rest of t
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudl
 import tic_trace  # noqa: E402
 from tic_trace.adapter import get_adapter  # noqa: E402
 from tic_trace.adapters import sglang as sga  # noqa: E402
+from tic_trace.adapters import sglang_server as sgs  # noqa: E402
 from tic_trace.adapters.megatron import MegatronAdapter  # noqa: E402
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.adapters.sglang import (  # noqa: E402
@@ -36,10 +38,10 @@ from tic_trace.adapters.sglang import (  # noqa: E402
     tracing_problems)
 from tic_trace.align import CanonicalView, align_rows  # noqa: E402
 from tic_trace.canonical import key_name  # noqa: E402
-from tic_trace.diverge import DEFAULT_TOL, find_divergence  # noqa: E402
+from tic_trace.diverge import DEFAULT_TOL, find_divergence, rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing import sglang_cpu as sc  # noqa: E402
-from tic_trace.testing.faults import FAULTS, hf_faults, plant, sglang_faults  # noqa: E402
+from tic_trace.testing.faults import FAULTS, hf_faults, plant, prepare, sglang_faults  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402
 
 PROMPTS = {"req-a": [3, 5, 7, 9, 11], "req-b": [2, 4, 6, 8, 10, 12, 14, 16]}
@@ -68,7 +70,7 @@ def traced_engine(model, out, eng=None, **trace_kw):
     them) are traced into `out`, one pass each."""
     trace_kw.setdefault("points_mode", "full")
     eng = eng or sc.SGLangRollout(model)
-    with sga.trace_forwards(model, out, **trace_kw) as t:
+    with sgs.trace_forwards(model, out, **trace_kw) as t:
         yield t, eng
     assert t.failed is None, t.failed
     assert "forward" not in vars(model)
@@ -154,7 +156,22 @@ def hf_trace(root, hf):
 
 
 @pytest.fixture(scope="module")
-def sglang_env(mg_trace):
+def hf_tied(hf):
+    """The model with experts NEAR_TIE of layer FAULT_LAYER nearly tied (the routing_near_tie setup)."""
+    tied = copy.deepcopy(hf)
+    prepare(tied, "hf", "routing_near_tie", FAULT_LAYER)
+    return tied
+
+
+@pytest.fixture(scope="module")
+def mg_tied_trace(root, hf_tied):
+    out = root / "megatron_tied"
+    trace_megatron(out, hf_tied.config, hf_tied.state_dict(), SEQS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sglang_env(mg_trace, mg_tied_trace):
     """SGLang TP=1 in this process (after the Megatron trace: one torch.distributed group at a time)."""
     sc.init_sglang_distributed(tp_size=1)
     yield
@@ -275,6 +292,10 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_mode
     rep = find_divergence(va, vb)
     assert rep.verdict == "divergent"
     assert rep.first["key"] == key_name(f.point, FAULT_LAYER if f.layered else None), rep.first["key"]
+    cause = rep.first["cause"]
+    assert cause == f.cause or (f.point == "moe.router_logits" and cause == "routing"), cause
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
     if fault == "decode_only_scale":
         # only the decode rows diverge at the point: prefill rows are bitwise what they were
         pair = align_rows(va.load(f.point, FAULT_LAYER), vb.load(f.point, FAULT_LAYER))
@@ -284,6 +305,36 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_mode
         decode_rows = {(rid, len(p) + j) for rid, p in PROMPTS.items() for j in range(DECODE)}
         assert bad == decode_rows
         assert rep.first["rows"] == SG_ROWS
+
+
+@pytest.mark.parametrize("fault", ["routing_near_tie", "routing_near_tie_decode"])
+def test_near_tie_routing_megatron_vs_sglang(tmp_path, mg_tied_trace, hf_tied, sglang_env, fault):
+    """Both models with two nearly tied experts; SGLang's gate rounds their difference the other way (in
+    every forward, or in decode steps only): a routing finding at FAULT_LAYER, never an operator divergence."""
+    model = sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied))
+    rollout(model, tmp_path / "sg", fault=fault)
+    rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
+    assert rep.verdict == "divergent"
+    assert rep.first["key"] == key_name("moe.topk_ids", FAULT_LAYER) and rep.first["cause"] == "routing"
+    f = next(x for x in rep.findings if x.cause == "routing")
+    assert f.layer == FAULT_LAYER and not f.computational
+    assert f.detail["flipped"] > 0 and f.detail["near_tie"] == f.detail["flipped"]
+    assert not [p.key for p in rep.points if p.status == "divergent" and p.cause != "routing"]
+    if fault == "routing_near_tie_decode":
+        decode_rows = {f"{rid}@{len(p) + j}" for rid, p in PROMPTS.items() for j in range(DECODE)}
+        assert {x["row"] for x in f.detail["flips"]} <= decode_rows
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
+    accepted = rejudge(doc, accept_near_tie=True)
+    assert accepted["verdict"] == "consistent" and accepted["findings"][0]["cause"] == "routing"
+
+
+def test_clean_tied_pair_is_consistent(mg_tied_trace, hf_tied, sglang_env, tmp_path):
+    """The near-tie setup alone (no fault): the tie is resolved the same way on both sides."""
+    rollout(sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied)), tmp_path / "sg")
+    rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.findings == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,10 +408,10 @@ def test_forward_hooks_factory_traces_through_sglangs_registration(tmp_path, sg_
 
     model = new_model()
     spec = forward_hooks_spec(str(tmp_path / "hooks"), None, mode="full")
-    assert spec[0]["hook_factory"] == "tic_trace.adapters.sglang:forward_hook_factory"
+    assert spec[0]["hook_factory"] == "tic_trace.adapters.sglang_server:forward_hook_factory"
     assert json.loads(json.dumps(spec)) == spec
     register_forward_hooks(model, spec)
-    session = sga._SESSIONS[-1]
+    session = sgs._SESSIONS[-1]
     assert session.root is model and "forward" in vars(model)
     assert len(model.model.embed_tokens._forward_hooks) == 1
     sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
@@ -379,7 +430,7 @@ def test_hook_finds_the_model_when_the_factory_could_not(tmp_path, new_model):
     """A factory called outside register_forward_hooks: the hook (on embed_tokens) finds the model during
     the first forward; tracing starts at the next one."""
     m = new_model()
-    hook = sga.forward_hook_factory(forward_hooks_spec(str(tmp_path / "late"), None, mode="full")[0]["config"])
+    hook = sgs.forward_hook_factory(forward_hooks_spec(str(tmp_path / "late"), None, mode="full")[0]["config"])
     session = hook.tic_trace_session
     assert session.root is None
     m.model.embed_tokens.register_forward_hook(hook)
@@ -402,7 +453,7 @@ def test_forward_hooks_spec_traces_only_chosen_samples_per_rollout(tmp_path, sg_
     prompts = {rid: PROMPTS[src] for rid, src in like.items()}
     forced = {rid: RESPONSES[src] for rid, src in like.items()}
     eng.generate(prompts, DECODE, forced_tokens=forced)
-    session = sga._SESSIONS[-1]
+    session = sgs._SESSIONS[-1]
     before = dict(session.tracers)
     eng.generate({"4-1": PROMPTS["req-a"], "3-7": PROMPTS["req-b"], "x": [1, 2]}, 2)   # nothing chosen
     assert session.tracers == before and session.passes_traced == 1 + DECODE
@@ -443,12 +494,18 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     off = types.SimpleNamespace(device="cuda", cuda_graph_config={"decode": {"backend": "disabled"},
                                                                   "prefill": {"backend": "disabled"}})
     assert tracing_problems(off) == []
+    # FlashInfer all-reduce fusion (resolved on by default for some MoE models at TP>1): named with its off flag
+    fused = types.SimpleNamespace(device="cpu", enable_flashinfer_allreduce_fusion=True)
+    assert len(tracing_problems(fused)) == 1
+    assert "--enforce-disable-flashinfer-allreduce-fusion" in tracing_problems(fused)[0]
+    fused.enforce_disable_flashinfer_allreduce_fusion = True
+    assert tracing_problems(fused) == []
     assert tracing_problems() == []            # this process: CPU, graphs off, no compile
     # attaching to a server with such arguments logs them; a compiled forward is not traced
-    monkeypatch.setattr(sga, "tracing_problems", lambda server_args=None: problems)
+    monkeypatch.setattr(sgs, "tracing_problems", lambda server_args=None: problems)
     m = new_model()
     with caplog.at_level(logging.WARNING, logger="tic_trace.sglang"):
-        session = sga._HookSession({"out_dir": "unused", "mode": "full"})
+        session = sgs._HookSession({"out_dir": "unused", "mode": "full"})
         session.attach(m)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         sc.SGLangRollout(m).generate({"x": [1, 2, 3]}, 1)
@@ -458,11 +515,12 @@ def test_server_args_that_hide_operators_are_named(caplog, monkeypatch, new_mode
     # a bad configuration never takes a server down: the factory logs it and registers nothing
     with pytest.raises(ValueError):
         forward_hooks_spec("x", None, mode="everything")
-    assert sga.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
+    assert sgs.forward_hook_factory({"out_dir": "x", "mode": "everything"}) is None
 
 
-def _tp2_worker(rank, world, port, out_dir):
-    """One spawned TP rank: SGLang TP=2 over gloo, traced through SGLang's own register_forward_hooks."""
+def _tp2_worker(rank, world, port, out_dir, block_reduces=False):
+    """One spawned TP rank: SGLang TP=2 over gloo, traced through SGLang's own register_forward_hooks.
+    ``block_reduces``: the MoE blocks all-reduce their own output, as in SGLang 0.5.15.post1 (slime's pin)."""
     torch.set_num_threads(1)
     sc.disable_torch_compile()
     sc.init_sglang_distributed(tp_size=world, rank=rank, port=port)
@@ -471,6 +529,9 @@ def _tp2_worker(rank, world, port, out_dir):
 
         cfg = moe_cfg()
         model = sc.build_sglang_model(cfg, build_hf_model(cfg, seed=0))
+        if block_reduces:
+            from tic_trace.testing.sglang_versions import reduce_moe_output_in_block
+            assert reduce_moe_output_in_block(model) == cfg.num_hidden_layers
         register_forward_hooks(model, forward_hooks_spec(out_dir, None, mode="full"))
         sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
         close_sessions()
@@ -500,6 +561,27 @@ def test_tp2_traces_reassemble_to_tp1(tmp_path, sg_trace):
     full = CanonicalView(str(sg_trace[0])).trace.open_pass(0, 0).record("model.layers.0.self_attn.o_proj:out[0]")
     assert np.abs(o0 - full.values()).max() > 1e-3
     np.testing.assert_allclose(o0 + o1, full.values(), rtol=0, atol=1e-5)
+    assert rep.sides["b"]["merge_notes"] == {}          # every declared partial was a partial
+
+
+def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
+    """SGLang 0.5.15.post1 (slime's pin) all-reduces each MoE block's output inside the block; the module still
+    declares reduce_results=False. The merge goes by the records (bitwise-equal rank copies: taken once) and
+    notes the disagreement; summing them as declared would make mlp.out tp x too large."""
+    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"), True), timeout_s=240)
+    v = CanonicalView(str(tmp_path / "tp2"))
+    assert v.config["tp_partial"]["mlp.out"] == [0, 1]                       # what the module declares
+    p0, p1 = v.trace.open_pass(0, 0), v.trace.open_pass(1, 0)
+    m0, m1 = (p.record("model.layers.0.mlp:out").values() for p in (p0, p1))
+    assert m0.tobytes() == m1.tobytes()                                       # replicated, not partial
+    e0, e1 = (p.record("model.layers.0.mlp.experts:out").values() for p in (p0, p1))
+    assert e0.tobytes() != e1.tobytes()                                       # the experts' output still is
+    rep = find_divergence(str(sg_trace[0]), v)
+    assert rep.verdict == "consistent", _detail(rep)
+    assert rep.rows["matched"] == SG_ROWS and {p.point for p in rep.points} == _promised(v)
+    assert max(p.error for p in rep.points) < 1e-5
+    notes = rep.sides["b"]["merge_notes"]
+    assert set(notes) == {"L0.mlp.out", "L1.mlp.out"} and "declares a TP partial sum" in notes["L0.mlp.out"]
 
 
 def test_sglang_merges_units():

@@ -1,30 +1,13 @@
-"""The slime flag (`--tic-trace`): default off, both sides of one rollout traced and compared.
+"""Unit tests of the slime integration's own logic (flags, configure, request tagging, slime-report errors, the
+entry point), in this process, without slime.
 
-slime itself cannot be installed here, so the parts of slime our code touches are stood in for by small
-modules registered under slime's own module names, each modeled on the named function of THUDM/slime
-624b824a and keeping exactly the call sites, signatures and attribute names our code relies on:
-
-* ``slime.utils.misc.load_function`` (dotted ``pkg.module.attr``, cached),
-* ``slime.utils.http_utils.post`` and ``slime.rollout.sglang_rollout`` (``post`` imported by name,
-  ``generate(args, sample, sampling_params)`` building the ``/generate`` payload without a rid,
-  ``generate_and_rm``'s dispatch to ``--custom-generate-function-path`` with ``evaluation=`` when accepted),
-* ``slime.rollout.sample_hooks.set_current_rollout_id`` (called by ``RolloutManager.generate``),
-* ``slime.backends.megatron_utils.data`` (``DataIterator``: ``rollout_data``, ``micro_batch_indices``,
-  ``offset``, ``get_next``; ``get_batch``: samples concatenated, padded with token 0 to a multiple of
-  ``tp * data_pad_size_multiplier`` as one extra pseudo-sequence, ``PackedSeqParams(qkv_format="thd")``),
-* ``slime.backends.megatron_utils.model`` (``forward_only``: eval, before-log-prob hook
-  ``(args, model, store_prefix)``, then per micro-batch ``get_batch`` -- looked up on the module at call
-  time -- and ``model(input_ids=..., position_ids=None, attention_mask=None, labels=None,
-  packed_seq_params=..., loss_mask=...)``; ``train_one_step``: before-train-step hook
-  ``(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)`` then forward/backward),
-* ``slime.backends.megatron_utils.actor.MegatronTrainRayActor`` (``train`` -> ``self.train_actor``: ref pass
-  ``store_prefix="ref_"``, actor pass ``""`` unless the log-prob recompute is skipped, then training).
-
-Everything else is real: megatron-core ``GPTModel`` chunks (local spec, inside megatron's own
-``DistributedDataParallel``) with HF weights, running packed THD micro-batches (megatron's local attention
-rejects THD, so a per-segment stand-in runs the core attention kernel, as in tests/test_megatron_adapter.py),
-the SGLang model on the CPU harness with the hook spec our ``configure`` put into ``sglang_forward_hooks``
-registered by SGLang's own ``register_forward_hooks``, and ``tic-trace slime-report``.
+slime's real code paths (parse_args with Megatron-LM's parser, the train actor on Megatron's schedule,
+generate_and_rm over HTTP, and the reports on those traces) are exercised by tests/test_slime_real.py on the
+vendored snapshots. Here slime's argument parser is a small argparse stand-in with slime's defaults for the
+arguments configure() touches, and the rollout-side modules are stand-ins registered under slime's module
+names (``slime.utils.misc.load_function``, ``slime.utils.http_utils.post``, ``slime.rollout.sglang_rollout``
+with ``post`` imported by name and ``generate_and_rm``'s dispatch, ``slime.rollout.sample_hooks``), modeled
+on THUDM/slime 624b824a, so the tagging rules can be checked request by request.
 """
 from __future__ import annotations
 
@@ -41,10 +24,11 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-import tic_trace.adapters.slime as ts
+import tic_trace.integrations.slime as ts
+import tic_trace.integrations.slime.config as config
+import tic_trace.integrations.slime.megatron_hooks as mh
+import tic_trace.integrations.slime.rollout_hooks as rh
 from tic_trace.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,163 +169,7 @@ def rollout(args, rollout_id, samples, max_new_tokens=4, evaluation=False):
     return asyncio.run(run())
 
 
-class DataIterator:
-    """slime.backends.megatron_utils.data.DataIterator."""
-
-    def __init__(self, rollout_data, micro_batch_indices):
-        self.rollout_data = rollout_data
-        self.micro_batch_indices = micro_batch_indices
-        self.offset = 0
-
-    def get_next(self, keys):
-        indices = self.micro_batch_indices[self.offset]
-        batch = {k: (None if self.rollout_data.get(k) is None else [self.rollout_data[k][i] for i in indices])
-                 for k in keys}
-        self.offset += 1
-        return batch
-
-    def reset(self):
-        self.offset = 0
-        return self
-
-
-def _get_batch(data_iterator, keys, pad_multiplier=128, allgather_cp=False):
-    """slime.backends.megatron_utils.data.get_batch at context-parallel size 1."""
-    from megatron.core import mpu
-    from megatron.core.packed_seq_params import PackedSeqParams
-    batch = data_iterator.get_next(keys)
-    tokens = batch["tokens"]
-    batch["unconcat_tokens"] = tokens
-    cu = [0]
-    for t in tokens:
-        cu.append(cu[-1] + t.numel())
-    flat = torch.cat(tokens)
-    pad_size = mpu.get_tensor_model_parallel_world_size() * pad_multiplier
-    pad = (pad_size - flat.numel() % pad_size) % pad_size
-    if pad:
-        flat = F.pad(flat, (0, pad), value=0)
-        cu.append(cu[-1] + pad)
-    cu = torch.tensor(cu, dtype=torch.int)
-    mx = int((cu[1:] - cu[:-1]).max())
-    batch["tokens"] = flat.unsqueeze(0)
-    batch["packed_seq_params"] = PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx,
-                                                 max_seqlen_kv=mx, qkv_format="thd")
-    masks = [F.pad(m, (L - R - 1, 1), value=0) for m, L, R in
-             zip(batch["loss_masks"], batch["total_lengths"], batch["response_lengths"])]
-    batch["full_loss_masks"] = F.pad(torch.cat(masks), (0, pad), value=0).unsqueeze(0)
-    return batch
-
-
-def get_log_probs(logits, *, args, unconcat_tokens, total_lengths, response_lengths):
-    """loss.get_log_probs_and_entropy: logits / temperature; for a sample of length L with R response
-    tokens, response log-probs are rows [L-R-1, L-1) of its segment (rollout_log_probs[i] <-> row
-    prompt_len-1+i)."""
-    lp = torch.log_softmax(logits.squeeze(0).float() / args.rollout_temperature, dim=-1)
-    out, off = [], 0
-    for toks, L, R in zip(unconcat_tokens, total_lengths, response_lengths):
-        rows = torch.arange(L - R - 1, L - 1)
-        out.append(lp[off + rows, toks[L - R:]])
-        off += L
-    return {"log_probs": out}
-
-
-_BATCH_KEYS = ["tokens", "loss_masks", "multimodal_train_inputs", "total_lengths", "response_lengths"]
-
-
-def _forward_kwargs(batch):
-    return {"input_ids": batch["tokens"], "position_ids": None, "attention_mask": None, "labels": None,
-            "packed_seq_params": batch["packed_seq_params"], "loss_mask": batch["full_loss_masks"]}
-
-
-@torch.no_grad()
-def _forward_only(f, args, model, data_iterator, num_microbatches, store_prefix=""):
-    """slime.backends.megatron_utils.model.forward_only (no pipeline parallelism)."""
-    for it in data_iterator:
-        it.reset()
-    for m in model:
-        m.eval()
-    if args.custom_megatron_before_log_prob_hook_path:
-        hook = _mod("slime.utils.misc").load_function(args.custom_megatron_before_log_prob_hook_path)
-        hook(args, model, store_prefix)
-    values = []
-    for n in num_microbatches:
-        for _ in range(n):
-            batch = _mod("slime.backends.megatron_utils.model").get_batch(
-                data_iterator[0], _BATCH_KEYS, args.data_pad_size_multiplier, args.allgather_cp)
-            logits = model[0](**_forward_kwargs(batch))
-            values += f(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])["log_probs"]
-    for m in model:
-        m.train()
-    return {f"{store_prefix}log_probs": values}
-
-
-def _train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
-                    num_microbatches):
-    """slime.backends.megatron_utils.model.train_one_step (forward/backward; no optimizer step)."""
-    for m in model:
-        m.zero_grad()
-    if args.custom_megatron_before_train_step_hook_path:
-        hook = _mod("slime.utils.misc").load_function(args.custom_megatron_before_train_step_hook_path)
-        hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
-    for _ in range(num_microbatches):
-        batch = _mod("slime.backends.megatron_utils.model").get_batch(
-            data_iterator[0], _BATCH_KEYS, args.data_pad_size_multiplier, args.allgather_cp)
-        logits = model[0](**_forward_kwargs(batch))
-        lp = get_log_probs(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                           total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
-        (-torch.cat(lp["log_probs"]).mean()).backward()
-
-
-def _train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches):
-    for it in data_iterator:
-        it.reset()
-    for m in model:
-        m.train()
-    args = _mod("slime.backends.megatron_utils.actor").ARGS
-    for step_id, n in enumerate(num_microbatches):
-        _train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n)
-
-
-class MegatronTrainRayActor:
-    """slime.backends.megatron_utils.actor.MegatronTrainRayActor.train / train_actor (no ray, no weight
-    swapping: ref and actor passes run the same modules, as slime's in-place weight switch does)."""
-
-    def __init__(self, args, model, *, with_ref=False, skip_log_prob=False):
-        self.args, self.model, self.with_ref, self.skip_log_prob = args, model, with_ref, skip_log_prob
-
-    def train(self, rollout_id, rollout_data_ref, external_data=None):
-        self.train_actor(rollout_id, rollout_data_ref, external_data=external_data)
-
-    def train_actor(self, rollout_id, rollout_data, external_data=None):
-        data_iterator = [DataIterator(rollout_data, rollout_data["micro_batch_indices"])]
-        nmb = rollout_data["num_microbatches"]
-        am = _mod("slime.backends.megatron_utils.actor")
-        if self.with_ref:
-            rollout_data.update(am.forward_only(get_log_probs, self.args, self.model, data_iterator, nmb,
-                                                store_prefix="ref_"))
-        if not self.skip_log_prob:   # can_reuse_log_probs_in_loss / --use-rollout-logprobs skip this pass
-            rollout_data.update(am.forward_only(get_log_probs, self.args, self.model, data_iterator, nmb,
-                                                store_prefix=""))
-        am.train(rollout_id, self.model, types.SimpleNamespace(), types.SimpleNamespace(), data_iterator, nmb)
-
-
-def train_data(samples, micro_batches):
-    """RolloutManager._convert_samples_to_train_data + _split_train_data_by_dp at DP=1 (tensorized)."""
-    return {
-        "partition": list(range(len(samples))),
-        "tokens": [torch.tensor(s.tokens, dtype=torch.long) for s in samples],
-        "response_lengths": [s.response_length for s in samples],
-        "total_lengths": [len(s.tokens) for s in samples],
-        "loss_masks": [torch.tensor(s.loss_mask, dtype=torch.int) for s in samples],
-        "sample_indices": [s.index for s in samples],
-        "rollout_log_probs": [torch.tensor(s.rollout_log_probs) for s in samples],
-        "micro_batch_indices": micro_batches,
-        "num_microbatches": [len(micro_batches)],
-    }
-
-
-_PACKAGES = {"slime", "slime.utils", "slime.rollout", "slime.backends", "slime.backends.megatron_utils"}
+_PACKAGES = {"slime", "slime.utils", "slime.rollout"}
 
 
 def _module(name, **attrs):
@@ -362,24 +190,18 @@ def fake_slime(monkeypatch):
     sample_hooks.set_current_rollout_id = set_current_rollout_id
     http = _module("slime.utils.http_utils", post=_post, ROUTER=None)
     mods = [
-        _module("slime"), _module("slime.utils"), _module("slime.rollout"), _module("slime.backends"),
-        _module("slime.backends.megatron_utils"),
+        _module("slime"), _module("slime.utils"), _module("slime.rollout"),
         _module("slime.utils.misc", load_function=functools.cache(_load_function.__wrapped__)),
         http, sample_hooks,
         # `from slime.utils.http_utils import post`: a name bound at import
         _module("slime.rollout.sglang_rollout", post=http.post, generate=_default_generate,
                 generate_and_rm=_generate_and_rm),
-        _module("slime.backends.megatron_utils.data", DataIterator=DataIterator, get_batch=_get_batch),
-        _module("slime.backends.megatron_utils.model", get_batch=_get_batch, forward_only=_forward_only,
-                train_one_step=_train_one_step, train=_train),
-        _module("slime.backends.megatron_utils.actor", MegatronTrainRayActor=type(
-            "MegatronTrainRayActor", (MegatronTrainRayActor,), {}), forward_only=_forward_only, train=_train,
-            ARGS=None),
     ]
     for m in mods:
         monkeypatch.setitem(sys.modules, m.__name__, m)
-    monkeypatch.setattr(ts, "_S", ts._State())
-    monkeypatch.setattr(ts, "_PATCHED", set())
+    monkeypatch.setattr(mh, "_S", mh._State())
+    monkeypatch.setattr(mh, "_PATCHED", set())
+    monkeypatch.setattr(config, "_WARNED", set())
     return types.SimpleNamespace(**{m.__name__.rsplit(".", 1)[-1]: m for m in mods})
 
 
@@ -412,7 +234,7 @@ def test_flags_off_leave_slime_defaults_and_import_nothing():
     assert {k: v for k, v in vars(args).items() if not k.startswith("tic_trace")} == plain
     assert ts.MODES == __import__("tic_trace.filters", fromlist=["MODES"]).MODES
     # importing the flag module pulls in no framework adapter and no framework
-    code = ("import sys; import tic_trace.adapters.slime; "
+    code = ("import sys; import tic_trace.integrations.slime; "
             "bad = [m for m in ('tic_trace.adapters.megatron', 'tic_trace.adapters.sglang', 'megatron', 'sglang', "
             "'tic_trace.align', 'tic_trace.diverge') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -484,231 +306,7 @@ def test_generate_tags_traced_samples_through_slimes_default_generate(fake_slime
     rollout(args, 1, [Sample(index=2, tokens=[1])])        # rollout not traced
     rollout(args, 0, [Sample(index=0, tokens=[1])], evaluation=True)  # evaluation never tagged
     assert [p.get("rid") for _, p in router.requests] == [None, None]
-    assert ts._RID.get() is None
-
-
-# ================================================================== Megatron on CPU
-
-def megatron_chunks(hf):
-    """[DDP(GPTModel)] with `role` on chunk 0, as slime's initialize_model_and_optimizer returns them."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-    from tic_trace.testing import megatron_cpu as mc
-    gpt = mc.build_gpt_model(hf.config)
-    load_into(gpt, hf_to_megatron_state_dict(hf.state_dict(), hf.config))
-    mc.per_segment_thd_attention(gpt)
-    chunk = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), gpt)
-    chunk.role = "actor"
-    return [chunk]
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    import megatron.core  # noqa: F401 - required
-    from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config
-    return build_hf_model(tiny_qwen3_config(moe=True), seed=0)
-
-
-def _init_megatron():
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from tic_trace.testing import megatron_cpu as mc
-    mc.apply_all()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
-
-
-def _passes(d: Path):
-    from tic_trace.format import open_trace
-    tr = open_trace(d)
-    return [tr.open_pass(r, i) for r in tr.ranks for i in tr.pass_indices(r)]
-
-
-def test_skipped_log_prob_pass_traces_train_step0(fake_slime, hf_model, tmp_path):
-    """can_reuse_log_probs_in_loss: no actor log-prob pass -> train step 0 is traced (forward only: the
-    backward's recompute is not), step 1 is not; a ref pass is never traced; the critic is never traced."""
-    from tic_trace.testing import megatron_cpu as mc
-    mc.init_parallel(0, 1)
-    try:
-        args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--debug-train-only",
-                                  "--tic-trace-max-samples", "2", "--data-pad-size-multiplier", "16"])
-        ts.configure(args)
-        fake_slime.actor.ARGS = args
-        _mod("slime.utils.misc").load_function(args.custom_megatron_init_path)(args)   # initialize.init
-        model = megatron_chunks(hf_model)
-        g = torch.Generator().manual_seed(3)
-        samples = [Sample(index=i, tokens=torch.randint(1, 128, (n,), generator=g).tolist(), response_length=3,
-                          loss_mask=[1] * 3, rollout_log_probs=[0.0] * 3) for i, n in ((0, 9), (1, 7))]
-        data = train_data(samples, [[0], [1]])
-        data["num_microbatches"] = [1, 1]            # two train steps of one micro-batch each
-        actor = fake_slime.actor.MegatronTrainRayActor(args, model, with_ref=True, skip_log_prob=True)
-        actor.train(0, data)
-        ps = _passes(tmp_path / "rollout_00000" / "megatron")
-        assert [(p.meta["tag"], p.rows["keys"][0]) for p in ps] == [("train_step0", "0-0")]
-        assert {r.phase for r in ps[0].records} == {"forward"}
-        assert ts._S.session is None
-        # an actor pass starts tracing; a teacher pass ends it and is not traced; nor is the critic's values
-        # pass ("" prefix on a critic model)
-        ts._S.rollout_id = 0
-        ts.before_log_prob_hook(args, model, "")
-        assert ts._S.session is not None
-        ts.before_log_prob_hook(args, model, "teacher_")
-        assert ts._S.session is None
-        model[0].role = "critic"
-        ts.before_log_prob_hook(args, model, "")
-        assert ts._S.session is None
-    finally:
-        mc.destroy(remove_patches=True)
-
-
-# ================================================================== the whole flow: rollout -> train -> report
-
-class EngineRouter:
-    """Batches the concurrent /generate requests of one rollout into one SGLang prefill + decode run on
-    the CPU harness (like the scheduler batching them) and answers each with its output token log-probs."""
-
-    def __init__(self, engine, expected):
-        self.engine, self.expected, self.pending, self.seen = engine, expected, [], []
-
-    async def __call__(self, url, payload):
-        fut = asyncio.get_running_loop().create_future()
-        rid = payload.get("rid") or f"auto-{len(self.seen)}"
-        self.seen.append(payload)
-        self.pending.append((rid, payload, fut))
-        if len(self.pending) == self.expected:
-            batch, self.pending = self.pending, []
-            n = batch[0][1]["sampling_params"]["max_new_tokens"]
-            res = self.engine.generate({r: p["input_ids"] for r, p, _ in batch}, n - 1)
-            logits = res.next_token_logits_by_position()
-            for r, p, f in batch:
-                out, P = res.outputs[r], len(p["input_ids"])
-                lps = [float(torch.log_softmax(logits[(r, P - 1 + j)].float(), -1)[t]) for j, t in enumerate(out)]
-                f.set_result({"text": "", "meta_info": {"output_token_logprobs": list(zip(lps, out, [None] * n))}})
-        return await fut
-
-
-USER_CALLS: list = []
-
-
-def user_init(args):
-    USER_CALLS.append(("init",))
-
-
-def user_before_log_prob(args, model_chunks, store_prefix):
-    USER_CALLS.append(("log_prob", store_prefix, type(model_chunks).__name__))
-
-
-def user_before_train_step(args, rollout_id, step_id, model_chunks, optimizer, opt_param_scheduler):
-    USER_CALLS.append(("train_step", rollout_id, step_id))
-
-
-async def user_generate(args, sample, sampling_params, evaluation=False):
-    """A user's custom generate: sends its own request through slime's http_utils.post."""
-    USER_CALLS.append(("generate", sample.index, evaluation))
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    out = await _mod("slime.utils.http_utils").post(url, {"input_ids": list(sample.tokens),
-                                                          "sampling_params": dict(sampling_params),
-                                                          "return_logprob": True})
-    lps = out["meta_info"]["output_token_logprobs"]
-    sample.tokens = list(sample.tokens) + [t for _, t, _ in lps]
-    sample.response_length = len(lps)
-    sample.rollout_log_probs = [lp for lp, _, _ in lps]
-    sample.loss_mask = [1] * len(lps)
-    return sample
-
-
-@needs_sglang_adapter
-def test_rollout_train_report_two_rollouts(fake_slime, hf_model, tmp_path):
-    """Rollouts 0 and 1, two samples each (indices 0,1 and 2,3): SGLang prefill + decode with the rids our
-    generate sets, then the actor's log-prob pass over one packed THD micro-batch (after a ref pass that
-    must not be traced), then `tic-trace slime-report`: rollout 0 clean -> consistent; rollout 1 with a
-    fault planted in Megatron's layer-1 input RMSNorm -> the report names that point."""
-    import sglang  # noqa: F401 - required
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
-
-    from tic_trace.testing import sglang_cpu as sc
-    from tic_trace.testing.faults import FAULTS, plant
-
-    here = __name__
-    USER_CALLS.clear()
-    out = tmp_path / "traces"
-    args = parse(BASE_ARGV + [
-        "--tic-trace", "--tic-trace-dir", str(out), "--tic-trace-rollout-ids", "0,1",
-        "--tic-trace-max-samples", "2", "--data-pad-size-multiplier", "16", "--kl-coef", "0.01",
-        "--custom-megatron-init-path", f"{here}.user_init",
-        "--custom-megatron-before-log-prob-hook-path", f"{here}.user_before_log_prob",
-        "--custom-megatron-before-train-step-hook-path", f"{here}.user_before_train_step",
-        "--custom-generate-function-path", f"{here}.user_generate"])
-    ts.configure(args)
-    fake_slime.actor.ARGS = args
-
-    sc.init_sglang_distributed(tp_size=1)
-    try:
-        _init_megatron()                        # megatron's groups on the same one-process world
-        # SGLang server: the model, with the --forward-hooks spec registered the way ModelRunner does
-        sg_model = sc.build_sglang_model(hf_model.config, hf_model)
-        register_forward_hooks(sg_model, args.sglang_forward_hooks)
-        engine = sc.SGLangRollout(sg_model)
-        # train actor: initialize.init -> custom init, then the model chunks
-        _mod("slime.utils.misc").load_function(args.custom_megatron_init_path)(args)
-        model = megatron_chunks(hf_model)
-        actor = fake_slime.actor.MegatronTrainRayActor(args, model, with_ref=True)
-
-        g = torch.Generator().manual_seed(11)
-        prompts = {0: [9, 5], 1: [6, 8]}        # prompt lengths per rollout
-        for rollout_id in (0, 1):
-            samples = [Sample(index=2 * rollout_id + j, tokens=torch.randint(1, 128, (n,), generator=g).tolist())
-                       for j, n in enumerate(prompts[rollout_id])]
-            fake_slime.http_utils.ROUTER = router = EngineRouter(engine, expected=2)
-            samples = rollout(args, rollout_id, samples, max_new_tokens=4)
-            assert sorted(p["rid"] for p in router.seen) == [f"{rollout_id}-{s.index}" for s in samples]
-            if rollout_id == 1:
-                plant(model, "megatron", "rmsnorm_eps", 1)
-            data = train_data(samples, [[0, 1]])
-            actor.train(rollout_id, data)
-            if rollout_id == 0:   # rollout_log_probs[i] <-> logits row prompt_len-1+i, same on both sides
-                for a, b in zip(data["log_probs"], data["rollout_log_probs"]):
-                    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
-    finally:
-        from megatron.core import parallel_state as mps
-
-        from tic_trace.adapters.sglang import close_sessions
-        from tic_trace.testing import megatron_cpu as mc
-        close_sessions()                        # the server's hook sessions: tracers stopped, forward restored
-        mps.destroy_model_parallel()
-        mc.remove_shims()
-        sc.destroy_sglang_distributed()
-
-    # user hooks were chained, with slime's arguments
-    assert USER_CALLS[0] == ("init",)
-    assert [c for c in USER_CALLS if c[0] == "log_prob"] == [("log_prob", "ref_", "list"), ("log_prob", "", "list")] * 2
-    assert [c for c in USER_CALLS if c[0] == "train_step"] == [("train_step", 0, 0), ("train_step", 1, 0)]
-    assert sorted(c[1] for c in USER_CALLS if c[0] == "generate") == [0, 1, 2, 3]
-
-    for rollout_id in (0, 1):
-        mg = _passes(out / f"rollout_{rollout_id:05d}" / "megatron")
-        # one pass: the actor's log-prob micro-batch (the ref pass and the training step are not traced)
-        assert [p.meta["tag"] for p in mg] == ["logprob"]
-        keys = mg[0].rows["keys"]
-        assert sorted(set(keys) - {None}) == [f"{rollout_id}-{2 * rollout_id}", f"{rollout_id}-{2 * rollout_id + 1}"]
-        assert keys[-1] is None                 # the padding pseudo-sequence
-        assert (out / f"rollout_{rollout_id:05d}" / "sglang").is_dir()
-
-    clean = tmp_path / "r0.json"
-    assert cli_main(["slime-report", str(out), "--rollout-id", "0", "--json", str(clean)]) == 0
-    rep0 = json.loads(clean.read_text())
-    assert rep0["verdict"] == "consistent" and rep0["rows"]["matched"] > 0
-    assert rep0["worst_tokens"], "per-token log-prob differences are reported"
-    bad = tmp_path / "r1.json"
-    html = tmp_path / "r1.html"
-    assert cli_main(["slime-report", str(out), "--rollout-id", "1", "--json", str(bad), "--html", str(html)]) == 1
-    rep1 = json.loads(bad.read_text())
-    fd = rep1["first_divergence"]
-    assert (fd["point"], fd["layer"]) == (FAULTS["rmsnorm_eps"].point, 1)
-    assert rep1["worst_tokens"][0]["divergence_starts"] is not None
-    assert html.read_text().startswith("<!")
+    assert rh._RID.get() is None
 
 
 def test_slime_report_names_the_missing_side(tmp_path, capsys):
@@ -725,7 +323,7 @@ def test_slime_report_names_the_missing_side(tmp_path, capsys):
 
 
 def test_slime_train_entry_point(tmp_path, monkeypatch, capsys):
-    from tic_trace.adapters import slime_train
+    from tic_trace.integrations.slime import train as slime_train
     monkeypatch.setitem(sys.modules, "slime", None)          # not installed
     assert slime_train.main(["--tic-trace"]) == 2
     assert "git clone https://github.com/THUDM/slime" in capsys.readouterr().err
@@ -745,3 +343,69 @@ def test_slime_train_entry_point(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TIC_TRACE_SLIME_ENTRY", "missing.py")
     assert slime_train.main(BASE_ARGV) == 2
     assert "missing.py" in capsys.readouterr().err
+
+
+def test_fully_async_worker_requests_are_not_tagged(fake_slime, tmp_path):
+    """slime's fully-async worker generates from its own thread across rollout boundaries: the module-global
+    rollout id does not say which rollout a request is trained in, so such requests are never tagged."""
+    import threading
+    args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--debug-train-only"])
+    ts.configure(args)
+    router = fake_slime.http_utils.ROUTER = RecordingRouter()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=rollout(args, 0, [Sample(index=0, tokens=[1, 2])])),
+                         name=rh.FULLY_ASYNC_THREAD)
+    t.start()
+    t.join()
+    assert [p.get("rid") for _, p in router.requests] == [None]
+    rollout(args, 0, [Sample(index=0, tokens=[1, 2])])              # the same request from the rollout call
+    assert router.requests[-1][1]["rid"] == "0-0"
+
+
+def test_fully_async_rollout_function_is_refused(tmp_path):
+    args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--rollout-function-path",
+                              config.FULLY_ASYNC_ROLLOUT])
+    with pytest.raises(ValueError, match="fully_async_rollout.*--debug-train-only"):
+        ts.configure(args)
+    args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--debug-train-only",
+                              "--rollout-function-path", config.FULLY_ASYNC_ROLLOUT])
+    assert ts.configure(args).custom_megatron_init_path == ts.HOOK_PATHS["custom_megatron_init_path"]
+
+
+def test_old_slime_is_refused(monkeypatch):
+    """Before v0.3.0 DataIterator's micro_batch_indices could be None (nothing named, nothing traced) and
+    before v0.2.0 there was no train_actor; before v0.3.1 no set_current_rollout_id."""
+    from tic_trace.integrations.slime import version
+
+    class OldDataIterator:
+        def __init__(self, rollout_data, micro_batch_size=None, micro_batch_indices=None):
+            pass
+
+    class Actor:
+        def train_actor(self, rollout_id, rollout_data):
+            pass
+    for name, mod in {"slime": _module("slime"), "slime.backends": _module("slime.backends"),
+                      "slime.backends.megatron_utils": _module("slime.backends.megatron_utils"),
+                      "slime.backends.megatron_utils.actor": _module("slime.backends.megatron_utils.actor",
+                                                                     MegatronTrainRayActor=Actor),
+                      "slime.backends.megatron_utils.data": _module("slime.backends.megatron_utils.data",
+                                                                    DataIterator=OldDataIterator),
+                      "slime.rollout": _module("slime.rollout"),
+                      "slime.rollout.sample_hooks": _module("slime.rollout.sample_hooks")}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    with pytest.raises(version.UnsupportedSlime, match="v0.3.0"):
+        version.check_megatron_side()
+    with pytest.raises(version.UnsupportedSlime, match="v0.3.1.*set_current_rollout_id"):
+        version.check_rollout_side()
+    del Actor.train_actor
+    with pytest.raises(version.UnsupportedSlime, match="train_actor"):
+        version.check_megatron_side()
+
+
+def test_async_training_is_warned_about(tmp_path, caplog):
+    """train_async.py generates rollout N+1 with the weights from before training N: said at configure time."""
+    args = parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--debug-train-only"])
+    args.tic_trace_entry = "train_async.py"          # what `python -m tic_trace.integrations.slime.train` records
+    with caplog.at_level("WARNING", logger="tic_trace.slime"):
+        ts.configure(args)
+    assert "train_async.py" in caplog.text and "only rollout 0" in caplog.text

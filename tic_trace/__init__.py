@@ -2,7 +2,15 @@
 __version__ = "0.1.0"
 
 from .filters import Filters  # noqa: E402
-from .format import Trace, TraceFormatError, open_trace  # noqa: E402
-from .tracer import Tracer, trace  # noqa: E402
+from .format import Trace, TraceDirectoryInUse, TraceFormatError, open_trace  # noqa: E402
 
-__all__ = ["Filters", "Trace", "TraceFormatError", "Tracer", "open_trace", "trace", "__version__"]
+__all__ = ["Filters", "Trace", "TraceDirectoryInUse", "TraceFormatError", "Tracer", "open_trace", "trace", "__version__"]
+
+
+def __getattr__(name: str):
+    # The tracer (and torch) load on first use: reading and comparing traces need numpy only, so the
+    # comparator's worker processes start in a fraction of a second.
+    if name in ("Tracer", "trace"):
+        from . import tracer
+        return getattr(tracer, name)
+    raise AttributeError(f"module 'tic_trace' has no attribute {name!r}")

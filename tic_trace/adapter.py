@@ -170,6 +170,25 @@ def as_ints(x: Any) -> list[int]:
     return [int(v) for v in x]
 
 
+def plain_settings(obj: Any, names: Sequence[str]) -> dict:
+    """`names` read from a config object as JSON values (enums, dtypes and callables by name); absent ones
+    are left out."""
+    out = {}
+    for n in names:
+        if not hasattr(obj, n):
+            continue
+        v = getattr(obj, n)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[n] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+            out[n] = list(v)
+        elif isinstance(v, dict):
+            out[n] = {str(k): x if isinstance(x, (bool, int, float, str, type(None))) else str(x) for k, x in v.items()}
+        else:
+            out[n] = getattr(v, "__name__", None) or getattr(v, "name", None) or str(v).removeprefix("torch.")
+    return out
+
+
 # ---------------------------------------------------------------- the adapter base
 
 class Adapter:
@@ -183,6 +202,11 @@ class Adapter:
 
     def describe(self, models: list) -> dict:
         """Model facts the transforms need (heads, head_dim, vocab, layers, experts, ...)."""
+        return {}
+
+    def numerics(self, models: list) -> dict:
+        """Settings that change how the model computes (kernels, backends, precisions, fusions), as plain
+        JSON values, for the contract diff (tic_trace/contract.py). Default: none known."""
         return {}
 
     def parallel_layout(self) -> dict:
@@ -212,6 +236,13 @@ class Adapter:
         """Canonical points this adapter promises for a model with this description."""
         return sorted({p.point for p in self.points if self.applies(p, config)})
 
+    def merge_shards(self, pm: PointMap, layer: int | None, arrays: list[np.ndarray],
+                     config: dict) -> tuple[np.ndarray, str | None]:
+        """One point's record from the ranks of a model-parallel group, as one tensor, and a note for the
+        report when the records contradict what the adapter expected (None: nothing to say). Default: the
+        PointMap's registered merge."""
+        return merge(pm.merge, arrays, config), None
+
     def keeps(self, pm: PointMap, layer: int | None, config: dict) -> bool:
         """Whether a record matched by `pm` in this (global) layer really is that point. Default: always.
         For layers where the module exists but computes something else (e.g. an identity stand-in for a
@@ -226,29 +257,66 @@ class Adapter:
         return True
 
 
-_BUILTIN = {"hf": "tic_trace.adapters.hf", "megatron": "tic_trace.adapters.megatron",
-            "sglang": "tic_trace.adapters.sglang"}
+# Adapters register themselves (`register_adapter`, when their module is imported). A name read from a trace
+# only ever looks this table up: the one import it may cause is of tic-trace's own adapter module for a
+# built-in name, so a trace cannot choose what code runs (docs/security.md).
+_REGISTRY: dict[str, type[Adapter] | Adapter] = {}
+_BUILTIN_MODULES = {"hf": "tic_trace.adapters.hf", "megatron": "tic_trace.adapters.megatron",
+                    "sglang": "tic_trace.adapters.sglang"}
 _INSTANCES: dict[str, Adapter] = {}
 
 
+class UnknownAdapter(ValueError):
+    """No adapter is registered under a name."""
+
+
+def register_adapter(adapter: type[Adapter] | Adapter, name: str | None = None):
+    """Make `adapter` (a class, instantiated on first use, or an instance) available by `name` (default: its
+    `name` attribute), for traces whose manifest names it. Returns `adapter`, so it works as a decorator."""
+    key = name or adapter.name
+    _REGISTRY[key] = adapter
+    _INSTANCES.pop(key, None)
+    return adapter
+
+
+def registered_adapters() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+
+
 def get_adapter(name: str | Adapter) -> Adapter:
-    """An adapter by name ('hf', 'megatron', 'sglang') or 'package.module:Class'."""
+    """A registered adapter by name ('hf', 'megatron', 'sglang', or one a module registered). Never imports a
+    module a name says: safe for names read from a trace. For 'package.module:Class', see `load_adapter`."""
     if isinstance(name, Adapter):
         return name
+    if not isinstance(name, str):
+        raise UnknownAdapter(f"an adapter name must be a string, got {name!r:.80}")
     if name in _INSTANCES:
         return _INSTANCES[name]
-    modname = _BUILTIN.get(name)
-    try:
-        if modname is not None:
-            mod = importlib.import_module(modname)
-            cls = getattr(mod, "ADAPTER")
-        elif ":" in name:
-            modname, attr = name.split(":", 1)
-            cls = getattr(importlib.import_module(modname), attr)
-        else:
-            raise KeyError(name)
-    except (ImportError, KeyError, AttributeError) as e:
-        raise ValueError(f"unknown adapter {name!r} ({e}); use one of {sorted(_BUILTIN)} or 'module:Class'") from None
-    inst = cls() if isinstance(cls, type) else cls
+    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise UnknownAdapter(
+            f"no adapter is registered as {name!r:.80} (registered: {', '.join(registered_adapters())}); import the "
+            "module that registers it (tic_trace.adapter.register_adapter), or name it explicitly as "
+            "'package.module:Class' (--adapter-a/--adapter-b on the command line)")
+    inst = entry() if isinstance(entry, type) else entry
     _INSTANCES[name] = inst
+    return inst
+
+
+def load_adapter(spec: str | Adapter) -> Adapter:
+    """`spec` as the user wrote it: an adapter, a registered name, or 'package.module:Class', which imports
+    that module. For names a person typed (Python API, an explicit command-line option), never for names
+    read from a trace."""
+    if isinstance(spec, Adapter) or not isinstance(spec, str) or ":" not in spec:
+        return get_adapter(spec)
+    modname, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(modname), attr)
+    except (ImportError, AttributeError) as e:
+        raise UnknownAdapter(f"cannot load adapter {spec!r}: {e}") from None
+    inst = obj() if isinstance(obj, type) else obj
+    if not isinstance(inst, Adapter):
+        raise UnknownAdapter(f"{spec!r} is not a tic_trace.adapter.Adapter (got {type(inst).__name__})")
     return inst

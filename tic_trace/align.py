@@ -14,9 +14,9 @@ from typing import Iterable
 
 import numpy as np
 
-from .adapter import Adapter, PointMap, TransformContext, get_adapter, merge, transform
+from .adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
 from .canonical import BY_NAME, key_name, order_key
-from .format import Pass, Record, Trace, open_trace
+from .format import Pass, Record, Trace, TraceFormatError, open_trace
 
 RowId = tuple[str, int]
 
@@ -41,6 +41,7 @@ class CanonicalTensor:
     hashes: list[int | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # record names, for the report
     duplicates: int = 0                # rows seen more than once (kept: the first)
+    notes: list[str] = field(default_factory=list)    # the adapter's remarks on merging the rank shards
 
     @property
     def key(self) -> str:
@@ -52,11 +53,14 @@ class CanonicalView:
 
     def __init__(self, trace: Trace | str, adapter: Adapter | str | None = None, *, include_recompute: bool = False):
         self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
-        self.adapter = get_adapter(adapter or self.trace.manifest.get("framework", "hf"))
+        # An adapter the caller named may be 'module:Class'; the manifest's name only looks up the registry.
+        self.adapter = load_adapter(adapter) if adapter is not None else _adapter_of(self.trace)
         self.config = dict(self.trace.manifest.get("model") or {})
+        self.skipped = self.trace.skipped()   # incomplete passes: never compared, always reported
         self.include_recompute = include_recompute
         self._passes: dict[tuple[int, int], Pass] = {}
         self.entries: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
+        self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
         self.rows_total = 0
@@ -155,20 +159,19 @@ class CanonicalView:
                 ct.sources.append(lead.name)
             ct.stats.append(lead.stats or {})
             ct.hashes.append(lead.hash)
-            p = self._pass(ranks[0], e.pass_index)
-            rows = _rows_of(p, lead)
             if not values or not all(r.has_data for r in recs):
                 continue
-            arr = merge(e.pm.merge, [r.values() for r in recs], self.config)
-            extra = {}
-            for name, tmpl in e.pm.also.items():
-                rn = tmpl.format(**_name_fields(lead.name, e.pm))
-                xs = [self._pass(r, e.pass_index).get(rn) for r in ranks]
-                if any(x is None or not x.has_data for x in xs):
-                    raise KeyError(f"{point}: companion record {rn!r} missing or stats-only")
-                extra[name] = merge(e.pm.merge, [x.values() for x in xs], self.config)
-            ctx = TransformContext(n_rows=len(rows), config=self.config, opts=e.pm.opts, layer=layer, extra=extra)
-            arr = transform(e.pm.transform)(arr, ctx)
+            p = self._pass(ranks[0], e.pass_index)
+            rows = _rows_of(p, lead)
+            try:
+                arr, note = self._layout(e, recs, ranks, rows, point, layer)
+            except (ValueError, IndexError, KeyError, TypeError) as x:
+                # A layout the adapter's table cannot produce: the trace disagrees with its own description.
+                raise TraceFormatError(p.path, f"{key_name(point, layer)} from record {lead.name!r:.100}: "
+                                               f"{type(x).__name__}: {x}") from None
+            if note and note not in ct.notes:
+                ct.notes.append(note)
+                self.notes.setdefault(key_name(point, layer), note)
             keep = []
             for i, rid in enumerate(rows):
                 if rid is None:
@@ -181,8 +184,31 @@ class CanonicalView:
                 out_rows.append(rid)
             chunks.append(arr[keep] if len(keep) != len(rows) else arr)
         if chunks:
+            shapes = {c.shape[1:] for c in chunks}
+            if len(shapes) > 1:
+                raise TraceFormatError(self.trace.path, f"{key_name(point, layer)}: passes disagree on its feature "
+                                                        f"shape ({' vs '.join(str(list(s)) for s in shapes)})")
             ct.values = np.concatenate(chunks, axis=0)
         return ct
+
+    def _layout(self, e: _Entry, recs: list[Record], ranks: list[int], rows: list, point: str,
+                layer: int | None) -> tuple[np.ndarray, str | None]:
+        """One entry's shards merged and laid out as [rows, ...] by the adapter's table, and the adapter's note
+        where the shards contradicted what the model declares."""
+        lead = recs[0]
+        arr, note = self.adapter.merge_shards(e.pm, layer, [r.values() for r in recs], self.config)
+        extra = {}
+        for name, tmpl in e.pm.also.items():
+            rn = tmpl.format(**_name_fields(lead.name, e.pm))
+            xs = [self._pass(r, e.pass_index).get(rn) for r in ranks]
+            if any(x is None or not x.has_data for x in xs):
+                raise KeyError(f"{point}: companion record {rn!r} missing or stats-only")
+            extra[name] = merge(e.pm.merge, [x.values() for x in xs], self.config)
+        ctx = TransformContext(n_rows=len(rows), config=self.config, opts=e.pm.opts, layer=layer, extra=extra)
+        out = transform(e.pm.transform)(arr, ctx)
+        if out.ndim == 0 or out.shape[0] != len(rows):
+            raise ValueError(f"laid out as {list(out.shape)}, not one entry per each of the {len(rows)} rows")
+        return out, note
 
     def _derived_logprobs(self) -> CanonicalTensor:
         """log-prob of the next token, from logits in float64, where the trace knows the next token."""
@@ -227,14 +253,30 @@ class CanonicalView:
         return self._pass(rank, e.pass_index).record(e.names[rank]).seq
 
 
+_MAX_ANONYMOUS_ROWS = 1 << 24
+
+
 def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
+    """The row ids of a record with values. Only called for records whose bytes are in the blob, so the row
+    count is bounded by the file, never by a shape claim alone."""
     if p.rows is None:
         # No row table: rows are positions of one anonymous sample, in order.
-        n = rec.shape[0] if rec.shape else 1
+        shape = rec.stored_shape
+        n = shape[0] if shape else 1
+        if n > _MAX_ANONYMOUS_ROWS and n > rec.nbytes:
+            raise TraceFormatError(p.path, f"record {rec.name!r:.100} claims {n} rows but holds {rec.nbytes} bytes")
         return [("?", i) for i in range(n)]
     keys, pos = p.rows["keys"], p.rows["positions"]
     idx = rec.row_index if rec.row_index is not None else range(len(keys))
     return [None if keys[i] is None else (keys[i], int(pos[i])) for i in idx]
+
+
+def _adapter_of(trace: Trace) -> Adapter:
+    name = trace.manifest.get("framework", "hf")
+    try:
+        return get_adapter(name)
+    except UnknownAdapter as e:
+        raise TraceFormatError(trace.path / "manifest.msgpack", f"framework: {e}") from None
 
 
 def _table_layer(pm: PointMap, layer: int | None, config: dict) -> int | None:

@@ -17,13 +17,20 @@ class PointSpec:
     features: str               # shape of one row, for documentation and checks
     kind: str = "float"         # "float" | "ids" (top-k expert ids: compared as sets)
     meaning: str = ""
+    # How the finder and the renderers treat the point (the only place this knowledge lives):
+    role: str = ""              # "embedding" | "residual" (the stream leaving a layer) | "router_logits" |
+                                # "expert_ids" | "logprob" (what the model finally emits, per token)
+    routed: bool = False        # computed from the layer's expert choice: judged without tokens whose
+                                # top-k set flipped in that layer (those ran other experts)
+    curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
+    head: int | None = None     # position among the global points after the layers (final norm, logits, ...)
 
 
 _L = True
 SCHEMA: tuple[PointSpec, ...] = (
-    PointSpec("embed", False, (), "H", meaning="token embedding output"),
+    PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding"),
     PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer"),
-    PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output"),
+    PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True),
     PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", meaning="q projection, before QK-norm and RoPE"),
     PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", meaning="k projection, before QK-norm and RoPE"),
     PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", meaning="v projection"),
@@ -32,26 +39,60 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", meaning="q after rotary embedding"),
     PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", meaning="k after rotary embedding"),
     PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
-              meaning="attention output before the output projection"),
-    PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP"),
-    PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention"),
+              meaning="attention output before the output projection", curve=True),
+    PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True),
+    PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention", curve=True),
     PointSpec("mlp_norm", _L, ("mid",), "H", meaning="pre-MLP norm output"),
-    PointSpec("moe.router_logits", _L, ("mlp_norm",), "E", meaning="router scores before top-k"),
-    PointSpec("moe.topk_ids", _L, ("moe.router_logits",), "k", kind="ids", meaning="selected experts, sorted"),
-    PointSpec("moe.topk_weights", _L, ("moe.router_logits",), "k", meaning="weights of the sorted selected experts"),
+    PointSpec("moe.router_logits", _L, ("mlp_norm",), "E", meaning="router scores before top-k",
+              role="router_logits", curve=True),
+    PointSpec("moe.topk_ids", _L, ("moe.router_logits",), "k", kind="ids", meaning="selected experts, sorted",
+              role="expert_ids"),
+    PointSpec("moe.topk_weights", _L, ("moe.router_logits",), "k", meaning="weights of the sorted selected experts",
+              routed=True),
     PointSpec("moe.experts_out", _L, ("mlp_norm", "moe.topk_ids", "moe.topk_weights"), "H",
-              meaning="routed experts' combined output"),
+              meaning="routed experts' combined output", routed=True, curve=True),
     PointSpec("moe.shared_out", _L, ("mlp_norm",), "H", meaning="shared experts' output"),
-    PointSpec("mlp.out", _L, ("moe.experts_out", "moe.shared_out", "mlp_norm"), "H", meaning="MLP or MoE block output"),
-    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer"),
-    PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output"),
-    PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary"),
-    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token"),
+    PointSpec("mlp.out", _L, ("moe.experts_out", "moe.shared_out", "mlp_norm"), "H", meaning="MLP or MoE block output",
+              curve=True),
+    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer", curve=True,
+              role="residual"),
+    PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output", head=0),
+    PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary", head=1),
+    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2),
 )
 
 BY_NAME = {p.name: p for p in SCHEMA}
 _LAYERED = [p for p in SCHEMA if p.layered]
 _ORDER_IN_LAYER = {p.name: i for i, p in enumerate(_LAYERED)}
+HEAD_POINTS: tuple[str, ...] = tuple(p.name for p in sorted((p for p in SCHEMA if p.head is not None),
+                                                            key=lambda p: p.head))
+CURVE_POINTS: tuple[str, ...] = tuple(p.name for p in SCHEMA if p.curve)
+ROUTED_POINTS: frozenset[str] = frozenset(p.name for p in SCHEMA if p.routed)
+EMBEDDING = next(p.name for p in SCHEMA if p.role == "embedding")
+RESIDUAL = next(p.name for p in SCHEMA if p.role == "residual")
+LOGPROBS = next(p.name for p in SCHEMA if p.role == "logprob")
+ROUTER_LOGITS = next(p.name for p in SCHEMA if p.role == "router_logits")
+EXPERT_IDS = next(p.name for p in SCHEMA if p.role == "expert_ids")
+# The points whose per-token error says what reaches the user, best first: the log-prob of the sampled token,
+# else the logits.
+OUTPUT_POINTS: tuple[str, ...] = tuple(dict.fromkeys([LOGPROBS, *reversed(HEAD_POINTS)]))
+
+
+def is_ids(point: str) -> bool:
+    """Whether a point holds ids (compared as sets, never as numbers)."""
+    ps = BY_NAME.get(point)
+    return bool(ps and ps.kind == "ids")
+
+
+def is_routed(point: str) -> bool:
+    return point in ROUTED_POINTS
+
+
+def known_key(key: str) -> bool:
+    """Whether `key` names a canonical point, bare ("attn.core") or with a layer ("L3.attn.core")."""
+    point, layer = parse_key(key)
+    ps = BY_NAME.get(point)
+    return ps is not None and (layer is None or ps.layered)
 
 
 def spec(point: str) -> PointSpec:
@@ -77,8 +118,10 @@ def parse_key(key: str) -> tuple[str, int | None]:
 def order_key(point: str, layer: int | None) -> tuple:
     """Sort key for dataflow order: embed, layers 0..N-1 (points in schema order), then the head."""
     if layer is None:
-        head = {"embed": (0,), "final_norm": (2, 0), "logits": (2, 1), "logprobs": (2, 2)}
-        return head.get(point, (3, point))
+        ps = BY_NAME.get(point)
+        if ps is not None and ps.head is not None:
+            return (2, ps.head)
+        return (0,) if ps is not None and not ps.feeds else (3, point)
     return (1, layer, _ORDER_IN_LAYER.get(point, 99))
 
 
@@ -86,21 +129,23 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
              n_layers: int | None) -> list[tuple[str, int | None]]:
     """The points that feed (point, layer), resolved against those actually present: a missing feed is
     replaced by its own feeds, so the finder always compares a point with the nearest measured inputs."""
+    # Depth-first, with an explicit stack: a chain of absent points may run back through every layer
+    # (thousands), deeper than Python's recursion limit.
     out: list[tuple[str, int | None]] = []
     seen: set = set()
-
-    def resolve(p: str, lay: int | None):
-        if (p, lay) in seen:
-            return
-        seen.add((p, lay))
-        if (p, lay) in present:
-            out.append((p, lay))
-            return
-        for f in _raw_feeds(p, lay, n_layers):
-            resolve(*f)
-
-    for f in _raw_feeds(point, layer, n_layers):
-        resolve(*f)
+    stack = [iter(_raw_feeds(point, layer, n_layers))]
+    while stack:
+        f = next(stack[-1], None)
+        if f is None:
+            stack.pop()
+            continue
+        if f in seen:
+            continue
+        seen.add(f)
+        if f in present:
+            out.append(f)
+        else:
+            stack.append(iter(_raw_feeds(*f, n_layers)))
     return out
 
 

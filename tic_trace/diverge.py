@@ -1,335 +1,217 @@
-"""The first-divergence finder: walk the canonical graph in dataflow order, name the first real error.
+"""The first-divergence finder: measure every canonical point, judge them in dataflow order, name the causes.
 
-A point *diverges* when its own error is over the tolerance of its dtype **and** grew by more than
-`growth` times over the largest error among the points that feed it. Errors inherited from upstream do not
-count: a point that merely carries its inputs' error is "over", not "divergent". The first divergent point
-in dataflow order is the answer; every point's numbers are kept so a reader sees the jump.
+Steps (each its own function, the rule in one place):
+1. MEASURE  `measure.measure_point` per canonical point both sides have (self-contained, picklable);
+2. FACTS    the error each point inherits from its inputs, routed points judged without the tokens whose
+            experts flipped, the routing facts of each MoE layer (margins, router-logit errors, what the
+            flipped tokens carry to the output), the worst tokens' per-token errors;
+3. JUDGE    `verdict.assess`: the one judge (`judge.judge`) per point and per token, the findings (causes),
+            the accumulated-noise note and the verdict;
+4. REPORT   the typed report (`report_schema.Report`), with the ops of the first divergence paired once.
+
+`rejudge` re-runs step 3 on a saved report: with the settings it was made with, it reproduces it exactly.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-import numpy as np
+from .align import CanonicalView, RowId, common_points
+from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
+from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
+from .measure import PointMeasurement, measure_point, subset_error
+from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
+from .verdict import Assessment, assess
 
-from .align import CanonicalView, align_rows, common_points
-from .canonical import BY_NAME, feeds_of, key_name, order_key, parse_key
-from .compare import compare_routing, compare_stats, compare_values
-from .dtypes import dtype_info, known_dtype
-
-REPORT_SCHEMA = "tic-trace.report/1"
-# Points of a layer computed from the routing decision: judged without near-tie flipped tokens.
-_ROUTED_POINTS = {"moe.topk_weights", "moe.experts_out", "mlp.out", "output"}
-
-# Relative-L2 tolerance by dtype. One rounding to a dtype gives a relative-L2 error of about 0.3 eps, and a
-# different reduction order a few times that, so one eps flags real errors while leaving ~3x headroom over
-# op-order noise (errors inherited from inputs are handled by the growth rule, not by the tolerance).
-# fp32 gets a floor: long reductions of different order legitimately differ by ~1e-6.
-DEFAULT_TOL = {"float64": 1e-10, "float32": 1e-5, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7,
-               "float8_e4m3fn": 2.0 ** -3, "float8_e4m3fnuz": 2.0 ** -3, "float8_e5m2": 2.0 ** -2,
-               "float8_e5m2fnuz": 2.0 ** -2}
-
-
-@dataclass
-class Tolerance:
-    growth: float = 10.0                          # error must grow by this factor over the inputs' error
-    per_dtype: dict = field(default_factory=dict)  # overrides of DEFAULT_TOL
-    per_point: dict = field(default_factory=dict)  # overrides by point name ("attn.core") or key ("L3.attn.core")
-
-    def tol(self, dtype: str, point: str, key: str) -> float:
-        if key in self.per_point:
-            return float(self.per_point[key])
-        if point in self.per_point:
-            return float(self.per_point[point])
-        if dtype in self.per_dtype:
-            return float(self.per_dtype[dtype])
-        if dtype in DEFAULT_TOL:
-            return DEFAULT_TOL[dtype]
-        if known_dtype(dtype) and dtype_info(dtype).is_float:
-            return dtype_info(dtype).eps
-        return 0.0
-
-    def to_json(self) -> dict:
-        return {"growth": self.growth, "per_dtype": {**DEFAULT_TOL, **self.per_dtype}, "per_point": self.per_point}
-
-
-def coarser(d1: str, d2: str) -> str:
-    """The dtype with fewer mantissa bits: errors are judged at the precision of the less precise side."""
-    def bits(d):
-        return dtype_info(d).mantissa_bits if known_dtype(d) and dtype_info(d).is_float else 64
-    return d1 if bits(d1) <= bits(d2) else d2
-
-
-@dataclass
-class PointResult:
-    key: str
-    point: str
-    layer: int | None
-    status: str                  # ok | over | divergent | not_comparable
-    error: float | None = None
-    tol: float | None = None
-    input_error: float | None = None
-    inputs: list[str] = field(default_factory=list)
-    growth: float | None = None
-    dtype: str | None = None
-    rows: int = 0
-    only_a: int = 0
-    only_b: int = 0
-    metrics: dict | None = None
-    routing: dict | None = None
-    stats: dict | None = None
-    reason: str | None = None
-    sources: dict = field(default_factory=dict)
-
-
-@dataclass
-class Report:
-    verdict: str                                  # consistent | divergent | not_comparable
-    first: dict | None
-    points: list[PointResult]
-    not_comparable: list[dict]
-    rows: dict
-    worst_tokens: list[dict]
-    routing: dict
-    settings: dict
-    sides: dict
-    token_errors: dict = field(default_factory=dict)   # row label -> {point key: per-token error}
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.verdict == "divergent" else 0
-
-    def to_json(self) -> dict:
-        return _clean({
-            "schema": REPORT_SCHEMA, "verdict": self.verdict, "first_divergence": self.first,
-            "points": [asdict(p) for p in self.points], "not_comparable": self.not_comparable,
-            "rows": self.rows, "worst_tokens": self.worst_tokens, "routing": self.routing,
-            "settings": self.settings, "sides": self.sides, "token_errors": self.token_errors,
-        })
-
-
-def _clean(x):
-    if isinstance(x, float):
-        if math.isnan(x):
-            return None
-        if math.isinf(x):
-            return "inf" if x > 0 else "-inf"
-        return x
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, np.generic):
-        return _clean(x.item())
-    return x
-
-
-def _num(x) -> float | None:
-    if x == "inf":
-        return math.inf
-    if x == "-inf":
-        return -math.inf
-    return x
+REPORT_SCHEMA = SCHEMA_ID
+FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
 
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
-                    worst_tokens: int = 8, progress: Callable[[str], None] | None = None) -> Report:
+                    worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
+                    accept_near_tie: bool = False) -> Report:
     """Compare side B against reference side A over every canonical point both have."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
     both, only_a, only_b = common_points(va, vb)
-    present = set(both)
-    n_layers = va.n_layers or vb.n_layers
-    errors: dict[tuple, float] = {}
-    per_token: dict[tuple, dict] = {}            # point -> {row: err}
-    router_cache: dict[int | None, tuple] = {}   # layer -> (rows, logits_a, per_row_abs_err)
-    results: list[PointResult] = []
-    row_counts = {"a": va.rows_total, "b": vb.rows_total}
-    matched_rows: set = set()
-    routing_summary = {"layers": {}, "tokens_with_flip": 0, "share_tokens_with_flip": 0.0}
-    flipped_tokens: set = set()
-    near_tie: dict[int | None, set] = {}          # layer -> tokens whose routing flipped on a near tie
-    first: PointResult | None = None
-
+    measured = []
     for point, layer in both:
-        key = key_name(point, layer)
         if progress:
-            progress(key)
-        ta, tb = va.load(point, layer), vb.load(point, layer)
-        pr = PointResult(key, point, layer, "ok", sources={"a": ta.sources[:4], "b": tb.sources[:4]})
-        feeds = feeds_of(point, layer, present, n_layers)
-        pr.inputs = [key_name(*f) for f in feeds]
-        in_errs = [errors[f] for f in feeds if f in errors and BY_NAME[f[0]].kind != "ids"]
-        pr.input_error = max(in_errs) if in_errs else 0.0
-        if ta.values is None or tb.values is None:
-            st = compare_stats(ta.stats, tb.stats, ta.hashes, tb.hashes)
-            pr.stats = st
-            if not st["comparable"]:
-                pr.status, pr.reason = "not_comparable", (
-                    "only statistics recorded and the two sides cover different rows; "
-                    "re-trace with mode 'rows' or 'full' for these points")
-                results.append(pr)
-                continue
-            pr.dtype = coarser(ta.dtype, tb.dtype)
-            pr.error = 0.0 if st["bitwise_equal"] else max(st["rel_rms"], st["rel_mean"])
-            pr.reason = "statistics only: the error is a lower bound"
-        else:
-            pair = align_rows(ta, tb)
-            pr.rows, pr.only_a, pr.only_b = len(pair.rows), pair.only_a, pair.only_b
-            if not pair.rows:
-                pr.status, pr.reason = "not_comparable", (
-                    f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check sample keys and positions")
-                results.append(pr)
-                continue
-            matched_rows.update(pair.rows)
-            pr.dtype = coarser(ta.dtype, tb.dtype)
-            if BY_NAME[point].kind == "ids":
-                rc = router_cache.get(layer)
-                logits_a = err = None
-                if rc is not None:
-                    idx = {r: i for i, r in enumerate(rc[0])}
-                    sel = [idx.get(r) for r in pair.rows]
-                    if all(s is not None for s in sel):
-                        logits_a, err = rc[1][sel], rc[2][sel]
-                rm = compare_routing(pair.a, pair.b, logits_a, err)
-                pr.routing = rm.to_json()
-                pr.error = rm.error
-                for i in rm.flipped_index:
-                    flipped_tokens.add(pair.rows[i])
-                if rm.flipped_rows and not rm.unexplained_flips:
-                    near_tie[layer] = {pair.rows[i] for i in rm.flipped_index}
-                routing_summary["layers"][str(layer)] = {"flipped": rm.flipped_rows, "rows": rm.rows,
-                                                        "unexplained": rm.unexplained_flips,
-                                                        "set_agreement": rm.set_agreement}
-                pr.tol = 0.0
-                if rm.flipped_rows:
-                    pr.status = "over"
-                    if rm.unexplained_flips:
-                        pr.status = "divergent"
-                        pr.reason = f"{rm.unexplained_flips} routing flips with a router-logit margin larger than the logit error"
-                    else:
-                        pr.reason = f"{rm.flipped_rows} near-tie routing flips (margin within the router-logit error)"
-                errors[(point, layer)] = pr.error
-                results.append(pr)
-                if pr.status == "divergent" and first is None:
-                    first = pr
-                continue
-            m = compare_values(pair.a, pair.b, pr.dtype)
-            pr.metrics = m.to_json()
-            pr.error = m.error
-            per_token[(point, layer)] = dict(zip(pair.rows, m.per_row_rel))
-            noisy = near_tie.get(layer, set())
-            if noisy and point in _ROUTED_POINTS:
-                # Tokens whose experts flipped on a near tie ran different experts: judge this point on the
-                # other tokens, but pass the full error downstream so the flip is not blamed on later points.
-                keep = [i for i, r in enumerate(pair.rows) if r not in noisy]
-                if keep:
-                    judged = compare_values(pair.a[keep], pair.b[keep], pr.dtype)
-                    errors[(point, layer)] = pr.error
-                    pr.metrics["error_all_rows"] = pr.metrics["rel_l2"]
-                    pr.error = judged.error
-                    pr.reason = f"judged without {len(noisy)} near-tie routing-flip tokens"
-            if point == "moe.router_logits":
-                router_cache[layer] = (pair.rows, pair.a.reshape(len(pair.rows), -1),
-                                       np.abs(pair.a - pair.b).reshape(len(pair.rows), -1).max(axis=1))
-        pr.tol = tol.tol(pr.dtype, point, key)
-        errors[(point, layer)] = max(pr.error, errors.get((point, layer), 0.0))
-        pr.growth = (pr.error / pr.input_error) if pr.input_error and pr.input_error > 0 else (
-            math.inf if pr.error and pr.error > 0 else None)
-        if pr.error is not None and pr.error > pr.tol:
-            pr.status = "over"
-            if pr.error > tol.growth * pr.input_error:
-                pr.status = "divergent"
-        results.append(pr)
-        if pr.status == "divergent" and first is None:
-            first = pr
-
-    # What could not be compared, and why.
-    nc = []
-    for k in only_a:
-        nc.append({"key": key_name(*k), "reason": f"only side A ({va.adapter.name}) produces it"})
-    for k in only_b:
-        nc.append({"key": key_name(*k), "reason": f"only side B ({vb.adapter.name}) produces it"})
-    for side, v in (("A", va), ("B", vb)):
-        have = {p for p, _ in v.points()}
-        for p in v.adapter.promised_points(v.config):
-            if p not in have:
-                nc.append({"key": p, "reason": f"side {side}'s adapter promises it but the trace has no record "
-                                               "(module not run, filtered out, or the mapping is wrong)"})
-    nc.extend({"key": p.key, "reason": p.reason} for p in results if p.status == "not_comparable")
-
-    # Worst tokens by |Δ logprob| and where each one's divergence starts.
-    worst = []
-    lp = per_token.get(("logprobs", None))
-    token_errors: dict = {}
-    if ("logprobs", None) in present:
-        ta, tb = va.load("logprobs", None), vb.load("logprobs", None)
-        pair = align_rows(ta, tb)
-        if pair.rows:
-            d = np.abs(pair.a.reshape(-1) - pair.b.reshape(-1))
-            order = np.argsort(-d, kind="stable")[:worst_tokens]
-            walk = [r for r in results if (r.point, r.layer) in per_token]
-            for i in order:
-                row = pair.rows[int(i)]
-                start, prev_errs = None, {}
-                curve = {}
-                for r in walk:
-                    e = per_token[(r.point, r.layer)].get(row)
-                    if e is None:
-                        continue
-                    curve[r.key] = e
-                    feeds = [key_name(*f) for f in feeds_of(r.point, r.layer, present, n_layers)]
-                    ie = max([prev_errs[f] for f in feeds if f in prev_errs], default=0.0)
-                    prev_errs[r.key] = e
-                    if start is None and r.tol is not None and e > r.tol and e > tol.growth * ie:
-                        start = r.key
-                label = f"{row[0]}@{row[1]}"
-                token_errors[label] = curve
-                worst.append({"sample": row[0], "position": row[1], "abs_dlogprob": float(d[int(i)]),
-                              "logprob_a": float(pair.a.reshape(-1)[int(i)]),
-                              "logprob_b": float(pair.b.reshape(-1)[int(i)]),
-                              "divergence_starts": start, "routing_flip": row in flipped_tokens})
-    del lp
-    routing_summary["tokens_with_flip"] = len(flipped_tokens)
-    routing_summary["share_tokens_with_flip"] = len(flipped_tokens) / max(len(matched_rows), 1)
-
-    first_d = None
-    if first is not None:
-        first_d = asdict(first)
-        first_d["cause"] = _cause(first, results, routing_summary)
-        first_d["ops"] = _ops_in_region(va, vb, first, present, n_layers)
-    verdict = "divergent" if first is not None else ("consistent" if any(r.status != "not_comparable" for r in results)
-                                                     else "not_comparable")
+            progress(key_name(point, layer))
+        measured.append(measure_point(va, vb, point, layer))
+    kept = [m for m in measured if m.compared or not m.derived]
+    n_layers = va.n_layers or vb.n_layers
+    points = build_points(kept, n_layers)
+    worst, token_errors = _worst_tokens(kept, worst_tokens)
+    routing = _routing_summary(kept)
+    verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
+                     token_errors=token_errors, routing=routing)
+    first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
+    matched = set().union(*(m.rows for m in kept)) if kept else set()
     return Report(
-        verdict=verdict, first=first_d, points=results, not_comparable=nc,
-        rows={"a": row_counts["a"], "b": row_counts["b"], "matched": len(matched_rows)},
-        worst_tokens=worst, routing=routing_summary, settings={"tolerance": tol.to_json()},
-        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors,
-    )
+        verdict=verdict.verdict, first=first, findings=verdict.findings, notes=verdict.notes, points=points,
+        not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
+        rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
+        worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie),
+        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors)
 
 
-def _side(v: CanonicalView) -> dict:
-    m = v.trace.manifest
-    return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
-            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped)}
+# ------------------------------------------------------------------------------------------------ step 2
+
+def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list[Point]:
+    """Report points (dataflow order) from measurements: inherited errors, routed points judged without the
+    layer's flipped tokens, routing facts. Nothing here depends on the tolerance."""
+    present = {(m.point, m.layer) for m in measured}
+    by = {(m.point, m.layer): m for m in measured}
+    flipped_at = {m.layer: set(m.flipped) for m in measured if is_ids(m.point) and m.flipped}
+    outputs = _output_rows(measured)
+    dlogprob = _dlogprob(measured)
+    carried: dict[tuple, float] = {}       # error passed downstream: over every row
+    judged: dict[tuple, float] = {}        # error judged: routed points without the flipped tokens
+    points = []
+    for m in measured:
+        p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
+                  only_b=m.only_b, metrics=m.metrics, stats=m.stats, reason=m.reason, sources=m.sources,
+                  nonfinite=m.nonfinite, carried_error=m.error)
+        feeds = feeds_of(m.point, m.layer, present, n_layers)
+        p.inputs = [key_name(*f) for f in feeds]
+        ins = [(judged if is_routed(m.point) and is_routed(f[0]) and f[1] == m.layer else carried)[f]
+               for f in feeds if not is_ids(f[0]) and f in carried]
+        p.input_error = max(ins, default=0.0)
+        flips = flipped_at.get(m.layer, set()) if m.layer is not None else set()
+        if is_routed(m.point) and flips and m.compared:
+            p.error_all_rows = m.error
+            p.error = subset_error(m, flips)
+            if p.error is None:
+                p.error, p.input_error = m.error, math.inf
+                p.reason = "every token chose other experts in this layer: its error is inherited from the flips"
+            else:
+                p.reason = f"judged without the {len(flips & set(m.rows))} token(s) whose experts flipped in this layer"
+        if is_ids(m.point) and m.routing is not None:
+            p.routing = _routing_facts(m, by.get((ROUTER_LOGITS, m.layer)), outputs, dlogprob)
+        if m.compared:
+            carried[(m.point, m.layer)] = m.error
+            judged[(m.point, m.layer)] = p.error
+        points.append(p)
+    return points
 
 
-def _cause(first: PointResult, results: list[PointResult], routing: dict) -> str:
-    if first.point == "moe.topk_ids":
-        return "routing: experts selected differently beyond what router-logit noise explains"
-    if first.point in ("moe.experts_out", "mlp.out", "output") and first.layer is not None:
-        lay = routing["layers"].get(str(first.layer))
-        if lay and lay["flipped"]:
-            return (f"routing flips in layer {first.layer} ({lay['flipped']} of {lay['rows']} tokens, near-tie) "
-                    "precede the jump: the expert outputs differ because different experts ran")
-    if first.metrics and first.metrics.get("nonfinite"):
-        return "NaN/Inf on one side only"
-    return "the operator(s) between this point's inputs and its output compute differently"
+def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
+    """Per-row errors of the output points (log-probs, logits, final norm), best first."""
+    by = {m.key: m for m in measured if m.compared and len(m.per_row)}
+    return [(k, dict(zip(by[k].rows, by[k].per_row.tolist()))) for k in OUTPUT_POINTS if k in by]
 
 
-def _ops_in_region(va: CanonicalView, vb: CanonicalView, first: PointResult, present: set, n_layers) -> dict:
+def _dlogprob(measured: list[PointMeasurement]) -> dict:
+    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and len(m.per_row_abs)), None)
+    return dict(zip(lp.rows, lp.per_row_abs.tolist())) if lp else {}
+
+
+def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[tuple[RowId, float, float, bool]]:
+    """Per flipped token of an ids point: (row, top-k margin of side A's router logits, that token's router-logit
+    error, explained). A flip is *explained* when the margin is within twice the error; without router logits
+    the margin is unknown (NaN) and the flip is not explained."""
+    k = int(m.routing["k"])
+    rix = {r: i for i, r in enumerate(router.rows)} if router is not None and router.router_top else {}
+    out = []
+    for row in m.flipped:
+        margin = logit_err = math.nan
+        i = rix.get(row)
+        if i is not None and len(router.router_top[i]) > k:
+            top = router.router_top[i]
+            margin, logit_err = top[k - 1] - top[k], float(router.per_row_abs[i])
+        out.append((row, margin, logit_err, bool(margin <= 2.0 * logit_err)))
+    return out
+
+
+def _routing_facts(m: PointMeasurement, router: PointMeasurement | None, outputs: list, dlogprob: dict) -> dict:
+    """Each flip's margin against its router-logit error, and the error the flipped token carries to the
+    output (the first output point that has its row)."""
+    flips, explained_outputs = [], []
+    for row, margin, logit_err, explained in flip_margins(m, router):
+        out_key, out_err = next(((key, rows[row]) for key, rows in outputs if row in rows), (None, None))
+        flips.append({"row": _label(row), "margin": margin, "logit_error": logit_err, "explained": explained,
+                      "output": out_key, "output_error": out_err, "abs_dlogprob": dlogprob.get(row)})
+        if explained:
+            explained_outputs.append([out_key, out_err])
+    total = sum(v for v in dlogprob.values() if math.isfinite(v))
+    share = (sum(dlogprob.get(r, 0.0) for r in set(m.flipped) if math.isfinite(dlogprob.get(r, 0.0))) / total
+             if total > 0 else None)
+    has_router = router is not None and bool(router.router_top)
+    return {**m.routing, "router_key": key_name(ROUTER_LOGITS, m.layer) if has_router else None,
+            "explained": len(explained_outputs), "explained_outputs": explained_outputs,
+            "flips": flips[:FLIPS_SHOWN], "dlogprob_share": share}
+
+
+def _routing_summary(measured: list[PointMeasurement]) -> dict:
+    flipped: set = set()
+    for m in measured:
+        if is_ids(m.point):
+            flipped |= set(m.flipped)
+    rows = set().union(*(m.rows for m in measured if is_ids(m.point))) if flipped else set()
+    dl = _dlogprob(measured)
+    total = sum(v for v in dl.values() if math.isfinite(v))
+    carried = sum(dl.get(r, 0.0) for r in flipped if math.isfinite(dl.get(r, 0.0)))
+    return {"layers": {}, "tokens_with_flip": len(flipped), "share_tokens_with_flip": len(flipped) / max(len(rows), 1),
+            "dlogprob_share": carried / total if total > 0 and flipped else None}
+
+
+def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstToken], dict]:
+    """The tokens with the largest |Δ logprob|, and their per-token error at every point."""
+    lp = next((m for m in measured if m.point == LOGPROBS and m.compared and m.values_a is not None), None)
+    if lp is None or n <= 0:
+        return [], {}
+    d = [abs(x - y) if not (math.isnan(x) and math.isnan(y)) else 0.0 for x, y in zip(lp.values_a, lp.values_b)]
+    order = sorted(range(len(d)), key=lambda i: (-d[i] if not math.isnan(d[i]) else -math.inf, i))[:n]
+    rows = [lp.rows[i] for i in order]
+    want = set(rows)
+    errs: dict[RowId, dict] = {r: {} for r in rows}
+    flips: dict[RowId, dict] = {r: {} for r in rows}
+    for m in measured:
+        if not m.compared or not m.rows:
+            continue
+        if is_ids(m.point):
+            fl = set(m.flipped)
+            for r in m.rows:
+                if r in want:
+                    errs[r][m.key] = 1.0 if r in fl else 0.0
+            continue
+        for r, e in zip(m.rows, m.per_row):
+            if r in want:
+                errs[r][m.key] = float(e)
+    routers = {m.layer: m for m in measured if m.point == ROUTER_LOGITS}
+    for m in measured:
+        if is_ids(m.point) and m.flipped:
+            for row, _, _, explained in flip_margins(m, routers.get(m.layer)):
+                if row in want:
+                    flips[row][str(m.layer)] = "explained" if explained else "unexplained"
+    out = [WorstToken(r[0], int(r[1]), d[i], lp.values_a[i], lp.values_b[i], None, bool(flips[r]), flips[r])
+           for i, r in zip(order, rows)]
+    return out, {_label(r): errs[r] for r in rows}
+
+
+def _label(row: RowId) -> str:
+    return f"{row[0]}@{row[1]}"
+
+
+# ------------------------------------------------------------------------------------------------ step 4
+
+def _first_divergence(v: Assessment, points: list[Point], ops_of: Callable[[Point], OpsRegion] | None,
+                      old: FirstDivergence | None = None) -> FirstDivergence | None:
+    if v.first is None:
+        return None
+    p = next(p for p in points if p.key == v.first.key)
+    fd = FirstDivergence(**{k: getattr(p, k) for k in Point.__dataclass_fields__})
+    fd.cause, fd.summary = v.first.cause, v.first.summary
+    if ops_of is not None:
+        fd.ops = ops_of(p)
+    elif old is not None and old.key == p.key:
+        fd.ops = old.ops
+    return fd
+
+
+def _ops_in_region(va: CanonicalView, vb: CanonicalView, first: Point, present: set, n_layers) -> OpsRegion:
     feeds = feeds_of(first.point, first.layer, present, n_layers)
     out = {}
     for side, v in (("a", va), ("b", vb)):
@@ -338,40 +220,48 @@ def _ops_in_region(va: CanonicalView, vb: CanonicalView, first: PointResult, pre
         out[side] = [{"name": r.name, "op": r.op, "dtype": r.dtype, "shape": list(r.shape),
                       "rms": math.sqrt(r.stats["sumsq"] / max(r.stats["count"], 1)) if r.stats else None,
                       "absmax": r.stats["absmax"] if r.stats else None, "hash": r.hash} for r in ops[:200]]
-    return out
+    return OpsRegion.build(out["a"], out["b"])
 
 
-def rejudge(report: dict, tolerance: Tolerance) -> dict:
-    """Re-apply new tolerances to a saved JSON report, without reading any tensor."""
-    out = dict(report)
-    pts = [dict(p) for p in report["points"]]
-    by_key = {p["key"]: p for p in pts}
-    first = None
-    for p in pts:
-        if p["status"] == "not_comparable" or p.get("error") is None:
-            continue
-        err = _num(p["error"])
-        if p["point"] == "moe.topk_ids":
-            if first is None and p["status"] == "divergent":
-                first = p
-            continue
-        p["tol"] = tolerance.tol(p["dtype"], p["point"], p["key"])
-        ins = [_num(by_key[k]["error"]) for k in p.get("inputs", []) if k in by_key
-               and by_key[k].get("error") is not None and by_key[k]["point"] != "moe.topk_ids"]
-        ie = max(ins, default=0.0)
-        p["status"] = "ok"
-        if err > p["tol"]:
-            p["status"] = "divergent" if err > tolerance.growth * ie else "over"
-        if p["status"] == "divergent" and first is None:
-            first = p
-    out["points"] = pts
-    out["verdict"] = "divergent" if first is not None else "consistent"
-    if first is None:
-        out["first_divergence"] = None
-    elif not report.get("first_divergence") or report["first_divergence"]["key"] != first["key"]:
-        out["first_divergence"] = {**first, "cause": "re-judged from saved metrics", "ops": {}}
-    out["settings"] = {**report.get("settings", {}), "tolerance": tolerance.to_json()}
-    return out
+def _not_comparable(va, vb, only_a, only_b, measured: list[PointMeasurement]) -> list[dict]:
+    nc = [{"key": key_name(*k), "reason": f"only side A ({va.adapter.name}) produces it"} for k in only_a]
+    nc += [{"key": key_name(*k), "reason": f"only side B ({vb.adapter.name}) produces it"} for k in only_b]
+    for side, v in (("A", va), ("B", vb)):
+        have = {p for p, _ in v.points()}
+        for p in v.adapter.promised_points(v.config):
+            if p not in have:
+                nc.append({"key": p, "reason": f"side {side}'s adapter promises it but the trace has no record "
+                                               "(module not run, filtered out, or the mapping is wrong)"})
+    nc += [{"key": m.key, "reason": m.reason} for m in measured if not m.compared]
+    return nc
+
+
+def _settings(tol: Tolerance, accept_near_tie: bool) -> dict:
+    return {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie)}
+
+
+def _side(v: CanonicalView) -> dict:
+    m = v.trace.manifest
+    return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
+            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes)}
+
+
+# ------------------------------------------------------------------------------------------------ rejudge
+
+def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie: bool | None = None) -> dict:
+    """Re-judge a saved JSON report with new settings, without reading any tensor. With the settings it was
+    made with (the default for each one not given), the result equals the report."""
+    rep = Report.from_json(report)
+    saved = rep.settings or {}
+    tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
+    accept = bool(saved.get("accept_near_tie_routing")) if accept_near_tie is None else accept_near_tie
+    v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
+               token_errors=rep.token_errors, routing=rep.routing)
+    rep.first = _first_divergence(v, rep.points, None, rep.first)
+    rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, v.notes
+    rep.settings = {**saved, **_settings(tol, accept)}
+    return rep.to_json()
 
 
 def sort_points(keys: list[str]) -> list[str]:

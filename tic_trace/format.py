@@ -7,14 +7,21 @@
 
 Every msgpack file is framed: magic, schema version, kind, payload length, CRC32, payload. Nothing is ever
 unpickled. Files are written under a temporary name and renamed, blob before index, so the presence of an
-index means its pass is complete, and a crash leaves earlier passes readable.
+index means its pass was written whole, and a crash leaves earlier passes readable. A pass whose forward
+raised is written as `pass00012.incomplete.idx`: kept for a post-mortem, never read as a result.
+
+The reader trusts nothing in a trace (docs/security.md): only names matching the layout above are read
+(anything else is listed in `Trace.ignored`), only regular files inside the trace directory (no FIFO, device or
+symlink out of it), each with a byte limit checked before reading, and every decoded document is checked
+against the typed schema of `schema.py` before any other code looks at it.
 """
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import stat
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +30,9 @@ from typing import Any, Iterator
 import msgpack
 import numpy as np
 
+from . import schema
 from .dtypes import dtype_info, known_dtype, to_float
+from .errors import TraceFormatError
 
 SCHEMA_VERSION = 1
 MAGIC = b"TICTRACE"
@@ -32,19 +41,37 @@ KIND_MANIFEST, KIND_RANK, KIND_INDEX = 1, 2, 3
 _KIND_NAMES = {KIND_MANIFEST: "manifest", KIND_RANK: "rank", KIND_INDEX: "pass index"}
 
 
-class TraceFormatError(Exception):
-    """A trace file is missing, truncated, corrupted or of an unsupported version."""
+# Byte limits per file kind, checked against the file's size before it is read: a manifest or rank file is a
+# few KiB; a pass index grows with its records (about 300 bytes each) and its row table.
+_MAX_FILE_BYTES = {KIND_MANIFEST: 16 << 20, KIND_RANK: 16 << 20, KIND_INDEX: 1 << 30}
 
-    def __init__(self, path: os.PathLike | str, problem: str):
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
+_RANK_DIR = re.compile(r"rank([0-9]{5,9})", re.ASCII)
+_PASS_INDEX = re.compile(r"pass([0-9]{5,9})(\.incomplete)?\.idx", re.ASCII)
+INCOMPLETE = ".incomplete"
+
+
+class TraceDirectoryInUse(FileExistsError):
+    """`trace()` into a directory that already holds another run's passes for this rank."""
 
 
 # ---------------------------------------------------------------- framed msgpack
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def new_temp_file(directory: Path, stem: str, suffix: str = ".tmp") -> tuple[int, str]:
+    """A new file `directory/.stem.<random>suffix`, opened for writing, with the mode the umask gives
+    (`tempfile.mkstemp` forces 0600: traces and reports are meant to be shared)."""
+    for _ in range(100):
+        path = os.path.join(directory, f".{stem}.{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{directory}: could not create a temporary file")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to a hidden temporary file beside `path` (mode from the umask) and rename it over `path`;
+    nothing is left behind when anything fails."""
+    fd, tmp = new_temp_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -61,16 +88,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def write_framed(path: Path, kind: int, obj: Any) -> None:
     payload = msgpack.packb(obj, use_bin_type=True)
     header = _HEADER.pack(MAGIC, SCHEMA_VERSION, kind, len(payload), zlib.crc32(payload))
-    _atomic_write(path, header + payload)
+    atomic_write(path, header + payload)
 
 
-def read_framed(path: Path, kind: int) -> Any:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise TraceFormatError(path, f"missing {_KIND_NAMES[kind]} file") from None
-    except OSError as e:
-        raise TraceFormatError(path, f"cannot read: {e}") from None
+def read_framed(path: Path, kind: int, root: Path | None = None) -> Any:
+    """Decode one framed file of `kind`, read only if it is a regular file inside `root` (default: its own
+    directory) no larger than the kind's byte limit."""
+    data = read_bounded(path, root if root is not None else path.parent, _MAX_FILE_BYTES[kind], _KIND_NAMES[kind])
     if len(data) < _HEADER.size:
         raise TraceFormatError(path, f"truncated: {len(data)} bytes, shorter than the {_HEADER.size}-byte header")
     magic, schema, got_kind, length, crc = _HEADER.unpack_from(data)
@@ -94,6 +118,55 @@ def read_framed(path: Path, kind: int) -> Any:
                                max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0)
     except Exception as e:  # msgpack raises several unrelated types
         raise TraceFormatError(path, f"undecodable msgpack payload: {type(e).__name__}: {e}") from None
+
+
+def check_inside(path: Path, root: Path) -> Path:
+    """`path` with symlinks resolved, if that lies inside `root`; else TraceFormatError."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    if real != top and not real.startswith(top.rstrip(os.sep) + os.sep):
+        raise TraceFormatError(path, f"is a symlink leading out of the trace directory (to {real!r:.200})")
+    return Path(real)
+
+
+def read_bounded(path: Path, root: Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file inside `root`, at most `limit` of them. Opened non-blocking, so a FIFO
+    cannot hang the reader, and checked with fstat before reading, so /dev/zero cannot fill memory."""
+    real = check_inside(path, root)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise TraceFormatError(path, f"missing {what} file") from None
+    except OSError as e:
+        raise TraceFormatError(path, f"cannot open: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TraceFormatError(path, f"{what} is not a regular file ({_file_kind(st.st_mode)})")
+        if st.st_size > limit:
+            raise TraceFormatError(path, f"{what} is {st.st_size} bytes, over the {limit}-byte limit for such a file")
+        chunks, left = [], st.st_size + 1       # one byte more: a file that grows while read is refused
+        while left > 0:
+            b = os.read(fd, min(left, 1 << 24))
+            if not b:
+                break
+            chunks.append(b)
+            left -= len(b)
+    except OSError as e:
+        raise TraceFormatError(path, f"cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > st.st_size:
+        raise TraceFormatError(path, "changed size while being read")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
 
 
 # ---------------------------------------------------------------- records
@@ -162,55 +235,34 @@ _MAX_DIMS = 32           # numpy 1.x's limit; no real activation has more
 _MAX_BYTES = 1 << 62     # a shape whose non-zero dims span more than this is not a tensor anyone wrote
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _record_from_wire(d: Any, path: Path, blob_size: int) -> Record:
-    """Validate one wire record. Every field is type-checked here, so a hostile index fails with a
-    TraceFormatError naming the file, never with a stray TypeError/OverflowError or a huge allocation."""
-    def bad(problem: str):
-        return TraceFormatError(path, f"record {d.get('name') if isinstance(d, dict) else '?'!r}: {problem}")
+    """Validate one wire record: field types by `schema.RecordWire`, then what the types cannot say (known
+    dtype, sizes against the blob), so a hostile index fails with a TraceFormatError naming the file, never
+    with a stray TypeError/OverflowError or a huge allocation."""
+    name = d.get("name") if isinstance(d, dict) else None
+    schema.validate(d, schema.RecordWire, path, f"record {name!r:.100}" if isinstance(name, str) else "a record")
 
-    if not isinstance(d, dict):
-        raise TraceFormatError(path, "a record is not a map")
-    try:
-        name, dtype, shape = d["name"], d["dtype"], d["shape"]
-    except KeyError as e:
-        raise bad(f"missing field {e}") from None
-    offset, nbytes, call, seq = d.get("offset", -1), d.get("nbytes", 0), d.get("call", 0), d.get("seq", 0)
-    for field_name, v in (("offset", offset), ("nbytes", nbytes), ("call", call), ("seq", seq)):
-        if not _is_int(v):
-            raise bad(f"malformed field {field_name!r}: {v!r:.80}")
+    def bad(problem: str):
+        return TraceFormatError(path, f"record {name!r:.100}: {problem}")
+
+    dtype, shape = d["dtype"], d["shape"]
+    offset, nbytes = d.get("offset", -1), d.get("nbytes", 0)
     if offset < -1 or nbytes < 0:
         raise bad(f"negative offset {offset} or byte length {nbytes}")
-    if not isinstance(name, str):
-        raise bad(f"record name is not a string: {name!r:.80}")
-    if not isinstance(dtype, str) or not known_dtype(dtype):
+    if not known_dtype(dtype):
         raise bad(f"unknown dtype {dtype!r:.80}")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_int(s) and s >= 0 for s in shape):
+    if len(shape) > _MAX_DIMS or any(s < 0 for s in shape):
         raise bad(f"malformed shape {shape!r:.200}")
     row_index = d.get("row_index")
-    if row_index is not None and (not isinstance(row_index, list) or not all(_is_int(i) and i >= 0 for i in row_index)):
+    if row_index is not None and any(i < 0 for i in row_index):
         raise bad("malformed row_index")
-    stats = d.get("stats")
-    if stats is not None and not (isinstance(stats, dict) and all(
-            k in stats and isinstance(stats[k], (int, float)) for k in STAT_FIELDS)):
-        raise bad("malformed stats")
     extra = d.get("extra") or {}
-    if not isinstance(extra, dict) or ("row_dims" in extra and extra["row_dims"] not in (1, 2)):
+    if "row_dims" in extra and extra["row_dims"] not in (1, 2):
         raise bad("malformed extra")
-    for field_name in ("hash", "crc", "ops_in_region"):
-        if d.get(field_name) is not None and not _is_int(d[field_name]):
-            raise bad(f"malformed field {field_name!r}")
-    for field_name in ("op", "point"):
-        if d.get(field_name) is not None and not isinstance(d[field_name], str):
-            raise bad(f"malformed field {field_name!r}")
-    mode = d.get("mode", "stats")
-    rec = Record(name=name, module=str(d.get("module", "")), kind=str(d.get("kind", "op")), op=d.get("op"),
-                 call=call, seq=seq, phase=str(d.get("phase", "forward")),
-                 dtype=dtype, shape=tuple(shape), mode=str(mode), stats=stats, hash=d.get("hash"),
-                 offset=offset, nbytes=nbytes, crc=d.get("crc"), row_index=row_index,
+    rec = Record(name=name, module=d.get("module", ""), kind=d.get("kind", "op"), op=d.get("op"),
+                 call=d.get("call", 0), seq=d.get("seq", 0), phase=d.get("phase", "forward"),
+                 dtype=dtype, shape=tuple(shape), mode=d.get("mode", "stats"), stats=d.get("stats"),
+                 hash=d.get("hash"), offset=offset, nbytes=nbytes, crc=d.get("crc"), row_index=row_index,
                  ops_in_region=d.get("ops_in_region"), point=d.get("point"), extra=extra)
     itemsize = np.dtype(dtype_info(dtype).storage).itemsize
     stored = rec.stored_shape
@@ -242,6 +294,51 @@ def pass_stem(index: int) -> str:
     return f"pass{index:05d}"
 
 
+def pass_index_name(index: int, complete: bool = True) -> str:
+    return f"{pass_stem(index)}{'' if complete else INCOMPLETE}.idx"
+
+
+def _rank_of_dir(name: str) -> int | None:
+    """The rank a directory name stands for, if it is exactly `rank_dir_name(rank)` (ASCII digits only:
+    `rank²` and `rank٣` are not ranks, and `rank000001` is not a second spelling of rank 1)."""
+    m = _RANK_DIR.fullmatch(name)
+    return int(m.group(1)) if m and rank_dir_name(int(m.group(1))) == name else None
+
+
+def _pass_of_index(name: str) -> tuple[int, bool] | None:
+    """(pass index, complete) of a pass index file name in the canonical spelling; None for anything else
+    (`pass00000.bak.idx`, `pass0.idx`, editor backups)."""
+    m = _PASS_INDEX.fullmatch(name)
+    if not m:
+        return None
+    i, complete = int(m.group(1)), m.group(2) is None
+    return (i, complete) if pass_index_name(i, complete) == name else None
+
+
+def list_passes(rank_dir: Path) -> tuple[dict[int, bool], list[str]]:
+    """{pass index: complete} of the pass index files in a rank directory, and the names of other entries
+    (besides blobs, rank.msgpack and temporary files) that are no part of the layout."""
+    passes: dict[int, bool] = {}
+    ignored: list[str] = []
+    try:
+        names = sorted(os.listdir(rank_dir))
+    except FileNotFoundError:
+        return passes, ignored
+    except OSError as e:
+        raise TraceFormatError(rank_dir, f"cannot list the rank directory: {e.strerror or e}") from None
+    for name in names:
+        got = _pass_of_index(name)
+        if got is None:
+            if not (name == "rank.msgpack" or name.startswith(".") or re.fullmatch(r"pass[0-9]{5,9}\.bin", name)):
+                ignored.append(name)
+            continue
+        i, complete = got
+        if i in passes:   # pass00003.idx and pass00003.incomplete.idx: the index is taken once, complete wins
+            ignored.append(name)
+        passes[i] = passes.get(i, False) or complete
+    return passes, ignored
+
+
 class PassWriter:
     """Streams one pass: tensor bytes go to the blob as they arrive, the index is written at `close`."""
 
@@ -251,7 +348,7 @@ class PassWriter:
         self.meta = dict(meta)
         self.records: list[Record] = []
         self._blob_path = rank_dir / f"{pass_stem(index)}.bin"
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{pass_stem(index)}.", suffix=".bin.tmp", dir=rank_dir)
+        fd, self._tmp = new_temp_file(rank_dir, pass_stem(index), ".bin.tmp")
         self._blob = os.fdopen(fd, "wb")
         self._size = 0
 
@@ -266,15 +363,18 @@ class PassWriter:
     def add(self, rec: Record) -> None:
         self.records.append(rec)
 
-    def close(self) -> Path:
+    def close(self, incomplete: str | None = None) -> Path:
+        """Write the index. `incomplete`: why the pass is not a whole forward (its forward raised, or it
+        ended inside one); such a pass is kept for a post-mortem under a name readers skip."""
         self._blob.flush()
         os.fsync(self._blob.fileno())
         self._blob.close()
         os.replace(self._tmp, self._blob_path)
         payload = dict(self.meta)
         payload.update(index=self.index, blob=self._blob_path.name, blob_nbytes=self._size,
+                       complete=incomplete is None, incomplete=incomplete,
                        records=[r.to_wire() for r in self.records])
-        idx = self.rank_dir / f"{pass_stem(self.index)}.idx"
+        idx = self.rank_dir / pass_index_name(self.index, complete=incomplete is None)
         write_framed(idx, KIND_INDEX, payload)
         return idx
 
@@ -289,24 +389,57 @@ class PassWriter:
 
 
 class TraceWriter:
-    """Writes one rank's share of a trace directory. Several ranks may share one directory."""
+    """Writes one rank's share of one run into a trace directory. The ranks of a job share the directory;
+    a directory is written by one run (docs/security.md): the writer refuses a directory that already holds
+    passes of another run for its rank, or files that are not a trace, before it writes anything."""
 
-    def __init__(self, out_dir: os.PathLike | str, rank: int, manifest: dict, rank_info: dict):
+    def __init__(self, out_dir: os.PathLike | str, rank: int, manifest: dict, rank_info: dict, run: str):
         self.root = Path(out_dir)
         self.rank = rank
+        self.run = run
         self.rank_dir = self.root / rank_dir_name(rank)
-        self.rank_dir.mkdir(parents=True, exist_ok=True)
-        m = {"schema": SCHEMA_VERSION, "format": "tic-trace", **manifest}
-        # Every rank writes the same shared manifest atomically; rank-specific facts live in rank.msgpack.
+        existing = claim_run_directory(self.root, rank, run)
+        self.root.mkdir(parents=True, exist_ok=True)
+        m = {"schema": SCHEMA_VERSION, "format": "tic-trace", **manifest, "run": run}
+        # Every rank writes the same shared manifest atomically, before its rank directory (a rank that starts
+        # later sees a trace, not a stray directory); rank-specific facts live in rank.msgpack.
         write_framed(self.root / "manifest.msgpack", KIND_MANIFEST, m)
-        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK, {"rank": rank, **rank_info})
-        existing = [int(p.name[4:9]) for p in self.rank_dir.glob("pass*.idx") if p.name[4:9].isdigit()]
+        self.rank_dir.mkdir(exist_ok=True)
+        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK, {"rank": rank, **rank_info, "run": run})
         self.next_index = max(existing) + 1 if existing else 0
 
     def begin_pass(self, meta: dict) -> PassWriter:
-        w = PassWriter(self.rank_dir, self.next_index, meta)
+        w = PassWriter(self.rank_dir, self.next_index, {**meta, "run": self.run})
         self.next_index += 1
         return w
+
+
+def claim_run_directory(root: Path, rank: int, run: str) -> list[int]:
+    """The pass indices `run` already wrote for `rank` in `root` (to continue after them); raises
+    TraceDirectoryInUse if `root` holds another run's passes for this rank, or is a non-empty directory that
+    is not a trace."""
+    if not root.exists():
+        return []
+    if not root.is_dir():
+        raise TraceDirectoryInUse(f"{root} exists and is not a directory: trace into a new directory")
+    visible = [n for n in os.listdir(root) if not n.startswith(".")]
+    if visible and "manifest.msgpack" not in visible:
+        raise TraceDirectoryInUse(f"{root} is not empty and holds no trace ({', '.join(sorted(visible)[:3])}...): "
+                                  "trace into a new or empty directory")
+    rank_dir = root / rank_dir_name(rank)
+    passes, _ = list_passes(rank_dir)
+    if not passes:
+        return []
+    try:
+        info = read_framed(rank_dir / "rank.msgpack", KIND_RANK, root)
+    except TraceFormatError:
+        info = None
+    if isinstance(info, dict) and info.get("run") == run:
+        return sorted(passes)
+    who = f" (written by {info.get('hostname')!r:.60} pid {info.get('pid')!r:.20})" if isinstance(info, dict) else ""
+    raise TraceDirectoryInUse(
+        f"{rank_dir} already holds {len(passes)} passes of another run{who}. A trace directory holds one run, "
+        "so that a reader never mixes old and new passes: trace into a new directory, or delete this one")
 
 
 # ---------------------------------------------------------------- reading
@@ -314,32 +447,26 @@ class TraceWriter:
 class Pass:
     """One pass of one rank: its metadata, rows and records. Arrays are memory-mapped on demand."""
 
-    def __init__(self, index_path: Path, rank: int):
+    def __init__(self, index_path: Path, rank: int, root: Path | None = None):
         self.path = index_path
         self.rank = rank
-        meta = read_framed(index_path, KIND_INDEX)
-        if not isinstance(meta, dict) or not isinstance(meta.get("records"), list):
-            raise TraceFormatError(index_path, "pass index has no record list")
-        self.meta = meta
-        blob_name = meta.get("blob")
-        if not isinstance(blob_name, str) or not blob_name or "/" in blob_name or "\\" in blob_name \
-                or "\x00" in blob_name or blob_name.startswith(".") or len(blob_name) > 255:
-            raise TraceFormatError(index_path, f"bad blob file name {blob_name!r:.300}")
-        if not _is_int(meta.get("index", 0)):
-            raise TraceFormatError(index_path, "malformed pass index number")
-        if meta.get("tag") is not None and not isinstance(meta["tag"], str):
-            raise TraceFormatError(index_path, "malformed pass tag")
-        self.blob_path = index_path.parent / blob_name
+        root = root if root is not None else index_path.parent
+        meta = read_framed(index_path, KIND_INDEX, root)
+        self.meta = schema.validate(meta, schema.PassMeta, index_path, "pass index")
+        self.complete = bool(meta.get("complete", True))
+        self.incomplete_reason: str | None = meta.get("incomplete")
+        self.blob_path = index_path.parent / meta["blob"]
+        real = check_inside(self.blob_path, root)
         try:
-            st = self.blob_path.stat()
+            st = real.stat()
         except FileNotFoundError:
             raise TraceFormatError(self.blob_path, "missing blob file for this pass index") from None
         except OSError as e:
             raise TraceFormatError(self.blob_path, f"cannot read blob: {e}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise TraceFormatError(self.blob_path, "blob is not a regular file")
+            raise TraceFormatError(self.blob_path, f"blob is not a regular file ({_file_kind(st.st_mode)})")
         self.blob_size = st.st_size
-        declared = meta.get("blob_nbytes")
+        declared = meta["blob_nbytes"]
         if declared != self.blob_size:
             raise TraceFormatError(self.blob_path, f"blob is {self.blob_size} bytes, its index declares {declared} (truncated?)")
         self.records = [_record_from_wire(d, index_path, self.blob_size) for d in meta["records"]]
@@ -347,23 +474,7 @@ class Pass:
             r._pass = self
         self._by_name = {r.name: r for r in self.records}
         self._mm: np.memmap | None = None
-        rows = meta.get("rows")
-        if rows is not None:
-            if not isinstance(rows, dict) or not all(isinstance(rows.get(k), list) for k in ("keys", "positions")):
-                raise TraceFormatError(index_path, "malformed row identity table")
-            if len(rows["keys"]) != len(rows["positions"]):
-                raise TraceFormatError(index_path, "row identity table: keys and positions differ in length")
-            tokens = rows.get("tokens")
-            if not all(k is None or isinstance(k, str) for k in rows["keys"]) \
-                    or not all(_is_int(p) for p in rows["positions"]) \
-                    or (tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(rows["keys"])
-                                                or not all(_is_int(t) for t in tokens))):
-                raise TraceFormatError(index_path, "malformed row identity table")
-            n_rows = len(rows["keys"])
-            for r in self.records:
-                if r.row_index is not None and any(i >= n_rows for i in r.row_index):
-                    raise TraceFormatError(index_path, f"record {r.name!r}: row_index beyond the {n_rows} rows of the pass")
-        self.rows = rows
+        self.rows = _checked_rows(meta.get("rows"), self.records, index_path)
 
     @property
     def index(self) -> int:
@@ -380,6 +491,8 @@ class Pass:
         return self._by_name.get(name)
 
     def _array(self, rec: Record, verify: bool) -> np.ndarray:
+        """A read-only view of one record's bytes (the blob was checked regular, inside the trace, and as
+        long as its index says, when the pass was opened)."""
         if self._mm is None:
             if self.blob_size == 0:
                 return np.zeros(rec.stored_shape, dtype=dtype_info(rec.dtype).storage)
@@ -395,43 +508,110 @@ class Pass:
         return buf.view(dtype_info(rec.dtype).storage).reshape(rec.stored_shape)
 
 
+def _checked_rows(rows: dict | None, records: list[Record], path: Path) -> dict | None:
+    """The row table, if its lists agree in length and every record's row_index points into it."""
+    if rows is None:
+        return None
+    n_rows = len(rows["keys"])
+    tokens = rows.get("tokens")
+    if len(rows["positions"]) != n_rows or (tokens is not None and len(tokens) != n_rows):
+        raise TraceFormatError(path, "row identity table: keys, positions and tokens differ in length")
+    for r in records:
+        if r.row_index is not None and any(i >= n_rows for i in r.row_index):
+            raise TraceFormatError(path, f"record {r.name!r:.100}: row_index beyond the {n_rows} rows of the pass")
+    return rows
+
+
 class Trace:
-    """A trace directory opened for reading. Cheap: pass indices are parsed on demand."""
+    """A trace directory opened for reading. Cheap: pass indices are parsed on demand. The layout is listed
+    once, when first needed: a trace is read as the snapshot it was then."""
 
     def __init__(self, path: os.PathLike | str):
         self.path = Path(path)
         if not self.path.is_dir():
             raise TraceFormatError(self.path, "not a trace directory (does not exist or is not a directory)")
-        self.manifest = read_framed(self.path / "manifest.msgpack", KIND_MANIFEST)
-        if not isinstance(self.manifest, dict):
-            raise TraceFormatError(self.path / "manifest.msgpack", "manifest is not a map")
+        mpath = self.path / "manifest.msgpack"
+        self.manifest = schema.validate(read_framed(mpath, KIND_MANIFEST, self.path), schema.Manifest, mpath, "manifest")
         self._rank_info: dict[int, dict] = {}
+        self._ranks: list[int] | None = None
+        self._passes: dict[int, dict[int, bool]] = {}
+        self._ignored: list[str] = []
+
+    def _list_ranks(self) -> list[int]:
+        if self._ranks is None:
+            ranks = []
+            try:
+                names = sorted(os.listdir(self.path))
+            except OSError as e:
+                raise TraceFormatError(self.path, f"cannot list the trace directory: {e.strerror or e}") from None
+            for name in names:
+                rank = _rank_of_dir(name)
+                if rank is None:
+                    if name != "manifest.msgpack" and not name.startswith("."):
+                        self._ignored.append(name)
+                    continue
+                p = self.path / name
+                check_inside(p, self.path)
+                if p.is_dir():
+                    ranks.append(rank)
+                else:
+                    self._ignored.append(name)
+            self._ranks = ranks
+        return self._ranks
+
+    def _list_passes(self, rank: int) -> dict[int, bool]:
+        if rank not in self._passes:
+            if rank not in self._list_ranks():
+                raise TraceFormatError(self.path, f"no rank {rank} in this trace (ranks: {self._list_ranks()})")
+            passes, ignored = list_passes(self.path / rank_dir_name(rank))
+            self._ignored.extend(f"{rank_dir_name(rank)}/{n}" for n in ignored)
+            self._passes[rank] = passes
+        return self._passes[rank]
 
     @property
     def ranks(self) -> list[int]:
-        out = []
-        for p in sorted(self.path.glob("rank*")):
-            if p.is_dir() and p.name[4:].isdigit():
-                out.append(int(p.name[4:]))
-        return out
+        return list(self._list_ranks())
+
+    @property
+    def ignored(self) -> list[str]:
+        """Entries that are no part of the layout (not read): stray files, `rank²`, `pass00000.bak.idx`."""
+        for r in self._list_ranks():
+            self._list_passes(r)
+        return list(self._ignored)
 
     def rank_info(self, rank: int) -> dict:
         if rank not in self._rank_info:
-            info = read_framed(self.path / rank_dir_name(rank) / "rank.msgpack", KIND_RANK)
-            if not isinstance(info, dict):
-                raise TraceFormatError(self.path / rank_dir_name(rank) / "rank.msgpack", "rank info is not a map")
-            self._rank_info[rank] = info
+            path = self.path / rank_dir_name(rank) / "rank.msgpack"
+            self._rank_info[rank] = schema.validate(read_framed(path, KIND_RANK, self.path), schema.RankInfo,
+                                                    path, "rank file")
         return self._rank_info[rank]
 
     def pass_indices(self, rank: int) -> list[int]:
-        d = self.path / rank_dir_name(rank)
-        return sorted(int(p.name[4:9]) for p in d.glob("pass*.idx") if p.name[4:9].isdigit())
+        """The complete passes of a rank, in order (incomplete ones: `incomplete_pass_indices`)."""
+        return sorted(i for i, complete in self._list_passes(rank).items() if complete)
+
+    def incomplete_pass_indices(self, rank: int) -> list[int]:
+        """Passes whose forward raised or that ended inside a forward: kept for a post-mortem, never compared."""
+        return sorted(i for i, complete in self._list_passes(rank).items() if not complete)
+
+    def skipped(self) -> list[str]:
+        """One line per incomplete pass (with why), for reports: what the reader did not use."""
+        out = []
+        for r in self._list_ranks():
+            for i in self.incomplete_pass_indices(r):
+                try:
+                    why = self.open_pass(r, i).incomplete_reason or "incomplete"
+                except TraceFormatError as e:
+                    why = f"incomplete, and unreadable: {e.problem}"
+                out.append(f"rank {r} pass {i}: {why}")
+        return out
 
     def open_pass(self, rank: int, index: int) -> Pass:
-        return Pass(self.path / rank_dir_name(rank) / f"{pass_stem(index)}.idx", rank)
+        complete = self._list_passes(rank).get(index, True)
+        return Pass(self.path / rank_dir_name(rank) / pass_index_name(index, complete), rank, self.path)
 
     def passes(self, rank: int | None = None) -> Iterator[Pass]:
-        """Passes in order, one rank (default: every rank, rank-major). Each is parsed when reached."""
+        """Complete passes in order, one rank (default: every rank, rank-major). Each is parsed when reached."""
         for r in ([rank] if rank is not None else self.ranks):
             for i in self.pass_indices(r):
                 yield self.open_pass(r, i)

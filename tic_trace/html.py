@@ -13,20 +13,21 @@ in the first-divergence region, what could not be compared, and the two sides' m
 """
 from __future__ import annotations
 
-import difflib
 import html as _html
 import math
 import re
 from collections import Counter
 from pathlib import Path
 
-from .canonical import BY_NAME, order_key, parse_key
+from .canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, is_ids, order_key, parse_key
+from .text import visible
+from .report_schema import OpsRegion, op_differs
+from .report_schema import num as _decode
 
 __all__ = ["render_html", "write_html"]
 
-# Point kinds drawn as lines in the error-growth plot (those a report has), in dataflow order.
-GROWTH_KINDS = ("attn_norm", "attn.core", "attn.out", "mid", "mlp.out", "output")
-HEAD_POINTS = ("final_norm", "logits", "logprobs")
+# Point kinds drawn as lines in the error-growth plot (those a report has): canonical.PointSpec.curve.
+GROWTH_KINDS = CURVE_POINTS
 
 STATUSES = ("ok", "over", "divergent", "not_comparable")
 STATUS_LABEL = {"ok": "ok", "over": "over", "divergent": "divergent", "not_comparable": "not comparable"}
@@ -34,7 +35,8 @@ STATUS_COLOR = {"ok": "#1a7f37", "over": "#b35900", "divergent": "#cf222e", "not
 
 # Okabe-Ito (colour-blind safe); the residual stream ("output") is black.
 SERIES_COLORS = {"attn_norm": "#56b4e9", "attn.core": "#0072b2", "attn.out": "#009e73", "mid": "#cc79a7",
-                 "mlp.out": "#e69f00", "output": "#1f2328"}
+                 "moe.router_logits": "#d55e00", "moe.experts_out": "#8c6d31", "mlp.out": "#e69f00",
+                 "output": "#1f2328"}
 EXTRA_COLORS = ("#d55e00", "#8c6d31", "#7b4fa0", "#5f8f2f", "#a0522d", "#2f6f8f")
 HEAD_COLORS = {"embed": "#6e7781", "final_norm": "#8250df", "logits": "#bf3989", "logprobs": "#0a7b83"}
 DIVERGE_RED = "#d1242f"
@@ -54,35 +56,14 @@ HEAT_INF = "#4a0f0f"
 # ------------------------------------------------------------------------------------------------
 
 def _e(x) -> str:
-    return _html.escape("" if x is None else str(x), quote=True)
+    # Control characters (ANSI escapes, bidi overrides) become visible escapes: the file is also `cat`ed.
+    return _html.escape(visible(x, keep="\n\t"), quote=True)
 
 
 def _num(x) -> float | None:
-    """A numeric field as a float. "inf"/"-inf" strings become infinities; None, NaN, and anything
-    unparsable become None (shown as a dash)."""
-    if x is None:
-        return None
-    if isinstance(x, bool):
-        return 1.0 if x else 0.0
-    if isinstance(x, (int, float)):
-        v = float(x)
-        return None if math.isnan(v) else v
-    if isinstance(x, str):
-        s = x.strip().lower()
-        if s in ("inf", "+inf", "infinity", "+infinity"):
-            return math.inf
-        if s in ("-inf", "-infinity"):
-            return -math.inf
-        try:
-            v = float(s)
-        except ValueError:
-            return None
-        return None if math.isnan(v) else v
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(v) else v
+    """A numeric field as a float (the report's codec); NaN and anything unparsable become None (a dash)."""
+    v = _decode(x)
+    return None if v is None or math.isnan(v) else v
 
 
 def _d(x) -> dict:
@@ -228,8 +209,7 @@ def _meaning(point) -> str:
 
 
 def _is_ids(point) -> bool:
-    ps = BY_NAME.get(point) if isinstance(point, str) else None
-    return bool(ps and ps.kind == "ids")
+    return isinstance(point, str) and is_ids(point)
 
 
 def _lerp_color(stops, t: float) -> str:
@@ -476,12 +456,33 @@ def _answer(c: _Ctx) -> str:
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')
+    out.append(_causes_html(c))
     if first:
         out.append(_first_facts(c, first))
     else:
         out.append(_summary_facts(c, counts))
     out.append("</div></section>")
     return "\n".join(out)
+
+
+def _causes_html(c: _Ctx) -> str:
+    """The report's named causes (findings) and notes, first thing under the verdict."""
+    items = []
+    for f in _l(c.r.get("findings")):
+        if not isinstance(f, dict):
+            continue
+        counted = "" if f.get("divergent") else ' <span class="note">(shown, not counted)</span>'
+        remedy = f'<div class="note">what removes it: {_e(f.get("remedy"))}</div>' if f.get("remedy") else ""
+        items.append(f'<li><span class="cause">{_e(f.get("cause"))}</span>{counted} at '
+                     f'<a class="k mono" href="#{_e(_anchor(f.get("key")))}">{_e(f.get("key"))}</a>: '
+                     f'{_e(f.get("summary"))}{remedy}</li>')
+    for n in _l(c.r.get("notes")):
+        if isinstance(n, dict):
+            items.append(f'<li><span class="cause">note: {_e(str(n.get("kind")).replace("_", " "))}</span> '
+                         f'{_e(n.get("summary"))}</li>')
+    if not items:
+        return ""
+    return '<ul class="causes" style="margin:0 0 12px;padding-left:18px">' + "".join(items) + "</ul>"
 
 
 def _summary_facts(c: _Ctx, counts: Counter) -> str:
@@ -550,7 +551,8 @@ def _first_facts(c: _Ctx, f: dict) -> str:
     else:
         gt = f'<span class="num">—</span> (input error <span class="num">{_sci(ie)}</span>)'
     rows.append(("Growth over inputs", gt))
-    rows.append(("Cause", f'<span class="cause">{_e(f.get("cause") or f.get("reason") or "—")}</span>'))
+    cause = f.get("cause") or "—"
+    rows.append(("Cause", f'<span class="cause">{_e(cause)}</span> {_e(f.get("summary") or "")}'))
     if f.get("reason") and f.get("cause") and f.get("reason") != f.get("cause"):
         rows.append(("Note", _e(f.get("reason"))))
     chips = []
@@ -1073,25 +1075,31 @@ def _routing_section(c: _Ctx) -> str:
     margins = {}
     for p in c.points:
         if _is_ids(_point_of(p)) and isinstance(p.get("routing"), dict):
-            margins[str(_layer_of(p))] = _l(p["routing"].get("flip_margins"))
+            margins[str(_layer_of(p))] = [f"{_fmt_f(x.get('margin'))} (err {_fmt_f(x.get('logit_error'))})"
+                                          for x in _l(p["routing"].get("flips")) if isinstance(x, dict)]
 
     def lk(k):
         v = _int(k)
         return (0, v) if v is not None else (1, str(k))
 
     o.append('<table><thead><tr><th>Layer</th><th>Flipped tokens</th><th class="r">Share</th>'
-             '<th class="r">Unexplained</th><th class="r">Set agreement</th><th>Flip margins</th></tr></thead><tbody>')
+             '<th class="r">Near tie</th><th class="r">Unexplained</th><th class="r">Near tie to output</th>'
+             '<th class="r">Share of |Δ log-prob|</th><th class="r">Set agreement</th>'
+             '<th>Flip margins (router-logit error)</th></tr></thead><tbody>')
     for k in sorted(layers, key=lk):
         v = _d(layers[k])
         fl, rows = _num(v.get("flipped")), _num(v.get("rows"))
         sh = (fl / rows) if fl is not None and rows else None
         w = 0 if sh is None else min(max(sh, 0), 1) * 100
         un = _int(v.get("unexplained"))
-        mg = ", ".join(_fmt_f(x) for x in margins.get(str(k), [])[:12])
+        mg = ", ".join(margins.get(str(k), [])[:12])
         o.append(f'<tr><td class="num">{_e(k)}</td><td><span class="bar2bg"><span class="bar2" '
                  f'style="width:{w:.0f}%"></span></span><span class="num">{_gen(fl)} / {_gen(rows)}</span></td>'
                  f'<td class="r num">{_pct(sh)}</td>'
+                 f'<td class="r num">{_gen(v.get("near_tie"))}</td>'
                  f'<td class="r num"{" style=color:#cf222e;font-weight:700" if un else ""}>{_gen(un)}</td>'
+                 f'<td class="r num">{_gen(v.get("near_tie_to_output"))}</td>'
+                 f'<td class="r num">{_pct(v.get("dlogprob_share"))}</td>'
                  f'<td class="r num">{_pct(v.get("set_agreement"))}</td><td class="num note">{mg or "—"}</td></tr>')
     o.append("</tbody></table></section>")
     return "".join(o)
@@ -1101,62 +1109,48 @@ def _routing_section(c: _Ctx) -> str:
 # 6. dispatcher ops in the first-divergence region
 # ------------------------------------------------------------------------------------------------
 
-def _op_differs(oa: dict, ob: dict) -> bool:
-    if oa.get("op") != ob.get("op"):
-        return False
-    ha, hb = oa.get("hash"), ob.get("hash")
-    if ha is not None and hb is not None:
-        return ha != hb
-    ra, rb = _num(oa.get("rms")), _num(ob.get("rms"))
-    if ra is None or rb is None:
-        return False
-    return abs(ra - rb) > 1e-6 * max(abs(ra), abs(rb), 1e-30)
-
-
 def _side_ops(ops: dict, side: str) -> list[dict]:
     return [x for x in _l(ops.get(side)) if isinstance(x, dict)]
 
 
-def _align_ops(a: list[dict], b: list[dict]) -> list[tuple[int | None, int | None]]:
-    """Pairs of op indices (A, B), aligned on the op names (difflib): an op one side runs and the other does
-    not (a cast, a fused kernel split in two) gets a row of its own instead of shifting every pair after it."""
-    na = [str(x.get("op")) for x in a]
-    nb = [str(x.get("op")) for x in b]
-    out: list[tuple[int | None, int | None]] = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, na, nb, autojunk=False).get_opcodes():
-        if tag == "equal":
-            out.extend(zip(range(i1, i2), range(j1, j2)))
-        elif tag == "delete":
-            out.extend((i, None) for i in range(i1, i2))
-        elif tag == "insert":
-            out.extend((None, j) for j in range(j1, j2))
-        else:  # replace: pair what can be paired, the rest stands alone
-            ia, jb = list(range(i1, i2)), list(range(j1, j2))
-            out.extend((ia[k] if k < len(ia) else None, jb[k] if k < len(jb) else None)
-                       for k in range(max(len(ia), len(jb))))
-    return out
+def _region(ops: dict) -> OpsRegion:
+    """The report's op pairing (made once by the finder; built the same way for a schema-1 report)."""
+    a, b = _side_ops(ops, "a"), _side_ops(ops, "b")
+    try:
+        region = OpsRegion.from_json(ops)
+    except (TypeError, ValueError):     # a malformed report: pair its ops the report's way
+        return OpsRegion.build(a, b)
+    region.a, region.b = a, b
+    ok = all(isinstance(p, (list, tuple)) and len(p) == 2 for p in region.pairs)
+    if not ok or any((i is not None and not (isinstance(i, int) and 0 <= i < len(region.a))) or
+                     (j is not None and not (isinstance(j, int) and 0 <= j < len(region.b))) for i, j in region.pairs):
+        region = OpsRegion.build(region.a, region.b)
+    return region
 
 
 def _first_differing_op(ops: dict):
-    """(index in A, op A, index in B, op B) of the first aligned pair running the same op with a different
-    output; None when there is none."""
-    a, b = _side_ops(ops, "a"), _side_ops(ops, "b")
-    for i, j in _align_ops(a, b):
-        if i is not None and j is not None and _op_differs(a[i], b[j]):
-            return i, a[i], j, b[j]
-    return None
+    """(index in A, op A, index in B, op B) of the report's first differing op; None when there is none."""
+    region = _region(ops)
+    n = region.first_differing
+    if not isinstance(n, int) or not 0 <= n < len(region.pairs):
+        return None
+    i, j = region.pairs[n]
+    if i is None or j is None:
+        return None
+    return i, region.a[i], j, region.b[j]
 
 
 def _only_ops(ops: dict) -> dict:
     """Ops only one side runs in the region: {"a": Counter(op), "b": Counter(op)}."""
-    a, b = _side_ops(ops, "a"), _side_ops(ops, "b")
+    region = _region(ops)
+    a, b = region.a, region.b
     out = {"a": Counter(), "b": Counter()}
-    for i, j in _align_ops(a, b):
-        if j is None:
+    for i, j in region.pairs:
+        if j is None and i is not None:
             out["a"][str(a[i].get("op"))] += 1
-        elif i is None:
+        elif i is None and j is not None:
             out["b"][str(b[j].get("op"))] += 1
-        elif a[i].get("op") != b[j].get("op"):
+        elif i is not None and a[i].get("op") != b[j].get("op"):
             out["a"][str(a[i].get("op"))] += 1
             out["b"][str(b[j].get("op"))] += 1
     return out
@@ -1175,8 +1169,8 @@ def _ops_section(c: _Ctx) -> str:
             'amber: an op only one side runs.</p>')
     if not c.first:
         return head + '<p class="empty">No first divergence, so no region to show.</p></section>'
-    ops = _d(c.first.get("ops"))
-    a, b = _side_ops(ops, "a"), _side_ops(ops, "b")
+    region = _region(_d(c.first.get("ops")))
+    a, b = region.a, region.b
     if not a and not b:
         return head + ('<p class="empty">No dispatcher ops recorded in this region (the traces did not capture '
                        'ops, or the report was re-judged from saved metrics).</p></section>')
@@ -1200,13 +1194,13 @@ def _ops_section(c: _Ctx) -> str:
                 f'<td class="r num">{_sci(x.get("rms"))}</td><td class="r num">{_sci(x.get("absmax"))}</td>'
                 f'<td class="mono">{_fmt_hash(x.get("hash"))}</td>')
 
-    for i, j in _align_ops(a, b):
+    for i, j in region.pairs:
         oa = a[i] if i is not None else None
         ob = b[j] if j is not None else None
         cls, badge = "", ""
         if oa is None or ob is None or oa.get("op") != ob.get("op"):
             cls = "only"
-        elif _op_differs(oa, ob):
+        elif op_differs(oa, ob):
             cls = "differs"
         if fd == (i, j):
             cls += " firstdiff"

@@ -6,8 +6,10 @@ import re
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .format import open_trace
+from .text import text, visible
 
 
 def _size(n: int) -> str:
@@ -19,26 +21,41 @@ def _size(n: int) -> str:
 
 
 def _matcher(pattern: str | None):
+    """A predicate over record names: a glob, or `re:` and a regex (ValueError naming it if it is not one)."""
     if not pattern:
         return lambda name: True
     if pattern.startswith("re:"):
-        rx = re.compile(pattern[3:])
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"--filter {pattern!r}: not a regular expression ({e})") from None
         return lambda name: rx.search(name) is not None
     return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
 def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_index: int | None = None,
                   pattern: str | None = None, records: bool = False, points: bool = False, limit: int = 200) -> None:
+    match = _matcher(pattern)
     tr = open_trace(path)
     m = tr.manifest
     model = m.get("model") or {}
-    console.print(f"[bold]{tr.path}[/]  framework [cyan]{m.get('framework')}[/]  schema {m.get('schema')}  "
-                  f"ranks {tr.ranks}")
+    if rank is not None and rank not in tr.ranks:
+        raise ValueError(f"--rank {rank}: this trace has ranks {tr.ranks}")
+    if pass_index is not None and not any(pass_index in tr.pass_indices(r) for r in ([rank] if rank is not None
+                                                                                      else tr.ranks)):
+        raise ValueError(f"--pass {pass_index}: no such complete pass"
+                         + (f" of rank {rank}" if rank is not None else "") + " in this trace")
+    # Everything below comes from the trace: printed as Text, never as markup.
+    console.print(Text.assemble((visible(tr.path), "bold"), "  framework ", (visible(m.get("framework")), "cyan"),
+                                f"  schema {m.get('schema')}  ranks {tr.ranks}"))
     versions = m.get("versions") or {}
-    console.print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    console.print(text("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())))
     if model:
-        console.print("model: " + ", ".join(f"{k}={v}" for k, v in model.items() if v not in (None, "", 0)))
-    match = _matcher(pattern)
+        console.print(text("model: " + ", ".join(f"{k}={v}" for k, v in model.items() if v not in (None, "", 0))))
+    for line in tr.skipped():
+        console.print(text(f"skipped (incomplete, never compared): {line}", style="yellow"))
+    if tr.ignored:
+        console.print(text(f"ignored (not part of the trace layout): {', '.join(tr.ignored[:10])}", style="yellow"))
     t = Table(title="passes", title_justify="left", show_edge=False)
     for col in ("rank", "pass", "tag", "rows", "records", "ops", "module", "full/rows", "bytes", "notes"):
         t.add_column(col, justify="right" if col not in ("tag", "notes") else "left")
@@ -52,9 +69,9 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
         blind = p.meta.get("blind_regions") or []
         if blind:
             notes.append(f"{len(blind)} module calls with no visible op")
-        t.add_row(str(p.rank), str(p.index), str(p.tag or ""), str(n_rows), str(len(recs)),
+        t.add_row(str(p.rank), str(p.index), text(p.tag or ""), str(n_rows), str(len(recs)),
                   str(sum(r.kind == "op" for r in recs)), str(sum(r.kind != "op" for r in recs)),
-                  str(sum(r.has_data for r in recs)), _size(p.blob_size), "; ".join(notes)[:80])
+                  str(sum(r.has_data for r in recs)), _size(p.blob_size), text("; ".join(notes), limit=80))
         shown.append((p, recs))
     console.print(t)
     if records:
@@ -65,7 +82,7 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
             for r in recs[:limit]:
                 s = r.stats or {}
                 c = max(s.get("count", 0), 1)
-                rt.add_row(str(r.seq), r.name, r.dtype, "x".join(map(str, r.shape)), r.mode,
+                rt.add_row(str(r.seq), text(r.name), r.dtype, "x".join(map(str, r.shape)), text(r.mode),
                            f"{s.get('sum', 0) / c:.4g}", f"{(s.get('sumsq', 0) / c) ** 0.5:.4g}",
                            f"{s.get('absmax', 0):.4g}", f"{s.get('nan', 0)}/{s.get('inf', 0)}")
             if len(recs) > limit:
@@ -82,8 +99,8 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
         for point, layer in v.points():
             es = v.entries.get((point, layer), [])
             src = next(iter(es[0].names.values())) if es else "(derived from logits)"
-            pt.add_row(key_name(point, layer), str(len(es)), src)
+            pt.add_row(key_name(point, layer), str(len(es)), text(src))
         console.print(pt)
         missing = [p for p in v.adapter.promised_points(v.config) if p not in {q for q, _ in v.points()}]
         if missing:
-            console.print(f"[yellow]promised by the adapter but absent:[/] {', '.join(missing)}")
+            console.print(Text.assemble(("promised by the adapter but absent: ", "yellow"), visible(", ".join(missing))))

@@ -1,7 +1,10 @@
-"""Terminal rendering of a report (the JSON document of `diverge.Report.to_json()`), answer first."""
+"""Terminal rendering of a report (the JSON document of `report_schema.Report.to_json()`), answer first.
+
+It only displays: the verdict, causes, op pairing and numbers all come from the report. Strings taken from
+traces are printed as rich `Text`, never as markup.
+"""
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -12,64 +15,85 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .canonical import BY_NAME, parse_key
+from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .report_schema import num
+from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
-_CURVE_POINTS = ("input", "attn_norm", "attn.q_rope", "attn.core", "attn.out", "mid", "mlp_norm",
-                 "moe.router_logits", "moe.experts_out", "mlp.out", "output")
+_VERDICT_STYLE = {"divergent": "bold red", "consistent": "bold green"}
 
 
 def _f(x: Any, digits: int = 2) -> str:
+    x = num(x) if isinstance(x, str) else x
     if x is None:
         return "-"
-    if isinstance(x, str):
-        return x
     if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
         if math.isinf(x):
-            return "inf"
+            return "inf" if x > 0 else "-inf"
         if x == 0:
             return "0"
         return f"{x:.{digits}e}"
     return str(x)
 
 
-def _num(x):
-    return math.inf if x == "inf" else x
-
-
 def headline(report: dict) -> str:
     """One line for logs and CI."""
     fd = report.get("first_divergence")
-    if report["verdict"] == "divergent" and fd:
-        ie = fd.get("input_error")
-        grew = ("its inputs agree exactly" if not ie else
-                f"{_f(_num(fd.get('growth')), 1)}x its inputs' {_f(ie)}")
-        return f"FIRST DIVERGENCE at {fd['key']}: rel error {_f(_num(fd['error']))} (tol {_f(fd['tol'])}; {grew})"
-    if report["verdict"] == "consistent":
-        n = sum(1 for p in report["points"] if p["status"] != "not_comparable")
-        return f"CONSISTENT: {n} canonical points compared, none diverges"
+    verdict = report.get("verdict")
+    if verdict == "divergent" and fd:
+        cause = fd.get("cause") or "operator"
+        if cause == "operator":
+            ie = num(fd.get("input_error"))
+            grew = ("its inputs agree exactly" if not ie else
+                    f"{_f(num(fd.get('growth')), 1)}x its inputs' {_f(ie)}")
+            detail = f"rel error {_f(fd.get('error'))} (tol {_f(fd.get('tol'))}; {grew})"
+        else:
+            detail = (fd.get("summary") or "").split("; ")
+            detail = "; ".join(detail[:2]) if len(detail) > 1 else detail[0]
+        return f"FIRST DIVERGENCE at {fd['key']} [{cause}]: {detail}"
+    pts = report.get("points") or []
+    n = sum(1 for p in pts if p.get("status") != "not_comparable")
+    if verdict == "consistent":
+        extra = []
+        if any(f.get("cause") == "routing" for f in report.get("findings") or []):
+            extra.append("routing flips on near ties shown below" + (
+                " (accepted)" if (report.get("settings") or {}).get("accept_near_tie_routing") else ""))
+        if report.get("notes"):
+            extra.append("accumulated noise noted below")
+        return (f"CONSISTENT: {n} canonical points compared on {(report.get('rows') or {}).get('matched')} rows, "
+                "none diverges" + ("; " + "; ".join(extra) if extra else ""))
+    if n:
+        return (f"NOT COMPARABLE: {len(pts) - n} of {len(pts)} canonical points both sides record could not be "
+                "compared (reasons below); no divergence among the others")
     return "NOT COMPARABLE: no canonical point could be compared (see the reasons below)"
 
 
 def render_terminal(report: dict, console: Console | None = None, *, all_points: bool = False) -> None:
     c = console or Console()
     fd = report.get("first_divergence")
-    style = "bold red" if report["verdict"] == "divergent" else ("bold green" if report["verdict"] == "consistent" else "bold yellow")
-    c.print(Text(headline(report), style=style))
+    # the answer and its causes are one line each, whatever the width: CI logs grep them
+    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    _causes(c, report)
     if fd:
         point, layer = fd["point"], fd["layer"]
-        c.print(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
-                + (f", layer {layer}" if layer is not None else ""))
-        c.print(f"  cause   {fd.get('cause', '')}")
-        c.print(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} (max rel error {_f(fd.get('input_error'))})")
+        c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
+                     + (f", layer {layer}" if layer is not None else "")))
+        c.print(text(f"  inputs  {', '.join(fd.get('inputs') or []) or '(none)'} "
+                     f"(max rel error {_f(fd.get('input_error'))})"))
         src = fd.get("sources") or {}
-        c.print(f"  A: {', '.join(src.get('a', []))}\n  B: {', '.join(src.get('b', []))}")
+        c.print(text(f"  A: {', '.join(src.get('a', []))}"))
+        c.print(text(f"  B: {', '.join(src.get('b', []))}"))
         m = fd.get("metrics") or {}
         if m:
-            c.print(f"  max_abs {_f(m.get('max_abs'))}  rel_l2 {_f(m.get('rel_l2'))}  cos {m.get('cosine', 0):.6f}  "
-                    f"max_ulp {_f(m.get('max_ulp'), 1)}  bit-equal {100 * (m.get('bitwise_equal') or 0):.1f}%  rows {fd.get('rows')}")
+            cos = num(m.get("cosine"))
+            c.print(f"  max_abs {_f(m.get('max_abs'))}  rel_l2 {_f(m.get('rel_l2'))}  "
+                    f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {_f(m.get('max_ulp'), 1)}  "
+                    f"bit-equal {100 * (num(m.get('bitwise_equal')) or 0):.1f}%  rows {fd.get('rows')}")
     rows = report.get("rows", {})
-    c.print(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}")
+    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"))
+    _skipped(c, report)
     c.print()
     _curve(c, report)
     if all_points:
@@ -87,8 +111,27 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             if (x["key"], x["reason"]) in seen:
                 continue
             seen.add((x["key"], x["reason"]))
-            t.add_row(x["key"], x["reason"] or "")
+            t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
+
+
+def _causes(c: Console, report: dict) -> None:
+    """The named causes (findings) and notes, right under the headline."""
+    for f in report.get("findings") or []:
+        style = "red" if f.get("divergent") else "yellow"
+        mark = "" if f.get("divergent") else " (not counted)"
+        c.print(text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + text(f.get("summary") or ""),
+                soft_wrap=True)
+        if f.get("remedy"):
+            c.print(text(f"      what removes it: {f['remedy']}", style="dim"), soft_wrap=True)
+    for n in report.get("notes") or []:
+        c.print(text(f"  note [{str(n.get('kind')).replace('_', ' ')}]: ", style="yellow") + text(n.get("summary") or ""),
+                soft_wrap=True)
+        curve = (n.get("detail") or {}).get("curve") or []
+        if curve:
+            c.print(text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
+    if report.get("findings") or report.get("notes"):
+        c.print()
 
 
 def _curve(c: Console, report: dict) -> None:
@@ -101,7 +144,7 @@ def _curve(c: Console, report: dict) -> None:
         by[(p["point"], p["layer"])] = p
     if not layers:
         return
-    kinds = [k for k in _CURVE_POINTS if any((k, lay) in by for lay in layers)]
+    kinds = [k for k in CURVE_POINTS if any((k, lay) in by for lay in layers)]
     t = Table(title="relative error through the layers (red: first divergence, yellow: over tolerance)",
               title_justify="left", show_edge=False, pad_edge=False)
     t.add_column("layer", justify="right")
@@ -120,12 +163,12 @@ def _curve(c: Console, report: dict) -> None:
                 style = "bold white on red"
             elif p["status"] == "divergent":
                 style = "red"
-            cells.append(Text(_f(_num(p.get("error")), 1), style=style))
+            cells.append(Text(_f(p.get("error"), 1), style=style))
         t.add_row(str(lay), *cells)
     c.print(t)
-    head = [by[(k, None)] for k in ("embed", "final_norm", "logits", "logprobs") if (k, None) in by]
+    head = [by[(k, None)] for k in (EMBEDDING, *HEAD_POINTS) if (k, None) in by]
     if head:
-        c.print("  " + "   ".join(f"{p['key']} {_f(_num(p.get('error')), 1)} [{p['status']}]" for p in head))
+        c.print(text("  " + "   ".join(f"{p['key']} {_f(p.get('error'), 1)} [{p['status']}]" for p in head)))
     c.print()
 
 
@@ -135,34 +178,42 @@ def _points_table(c: Console, report: dict) -> None:
         t.add_column(col, justify="right" if col not in ("point", "status") else "left")
     for p in report["points"]:
         m = p.get("metrics") or {}
-        t.add_row(p["key"], Text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(_num(p.get("error"))),
-                  _f(p.get("tol")), _f(p.get("input_error")), _f(_num(p.get("growth")), 1), _f(m.get("max_abs")),
-                  f"{m['cosine']:.6f}" if m.get("cosine") is not None else "-", _f(m.get("max_ulp"), 1),
-                  f"{100 * m['bitwise_equal']:.0f}%" if m.get("bitwise_equal") is not None else "-", str(p.get("rows", "")))
+        cos, beq = num(m.get("cosine")), num(m.get("bitwise_equal"))
+        t.add_row(text(p["key"]), text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(p.get("error")),
+                  _f(p.get("tol")), _f(p.get("input_error")), _f(p.get("growth"), 1), _f(m.get("max_abs")),
+                  "-" if cos is None else f"{cos:.6f}", _f(m.get("max_ulp"), 1),
+                  "-" if beq is None else f"{100 * beq:.0f}%", str(p.get("rows", "")))
     c.print(t)
     c.print()
 
 
 def _ops(c: Console, fd: dict | None) -> None:
-    if not fd or not fd.get("ops"):
+    ops = (fd or {}).get("ops") or {}
+    if not fd or not ops:
         return
-    a, b = fd["ops"].get("a", []), fd["ops"].get("b", [])
+    a, b = ops.get("a") or [], ops.get("b") or []
     if not a and not b:
         c.print("dispatcher ops in the region: none visible on either side (fused kernel or module-level record)")
         return
-    t = Table(title=f"dispatcher ops between {fd['key']}'s inputs and its output", title_justify="left", show_edge=False)
+    t = Table(title=text(f"dispatcher ops between {fd['key']}'s inputs and its output"), title_justify="left",
+              show_edge=False)
     t.add_column("#", justify="right")
     t.add_column("A op")
     t.add_column("A rms", justify="right")
     t.add_column("B op")
     t.add_column("B rms", justify="right")
     t.add_column("")
-    for i, (oa, ob) in enumerate(pair_ops(a, b)[:40]):
+    first = ops.get("first_differing")
+    for n, (i, j) in enumerate((ops.get("pairs") or [])[:40]):
+        oa = a[i] if i is not None else None
+        ob = b[j] if j is not None else None
         mark = ""
         if oa and ob and oa.get("hash") is not None:
             mark = "=" if oa["hash"] == ob.get("hash") else Text("≠", style="red")
-        t.add_row(str(i), oa["op"] if oa else "", _f(oa.get("rms")) if oa else "", ob["op"] if ob else "",
-                  _f(ob.get("rms")) if ob else "", mark)
+        if n == first:
+            mark = Text("≠ first difference", style="bold red")
+        t.add_row(str(n), text(oa["op"]) if oa else "", _f(oa.get("rms")) if oa else "",
+                  text(ob["op"]) if ob else "", _f(ob.get("rms")) if ob else "", mark)
     c.print(t)
     c.print()
 
@@ -175,10 +226,16 @@ def _worst(c: Console, report: dict) -> None:
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
     for x in w:
-        t.add_row(str(x["sample"]), str(x["position"]), _f(x["abs_dlogprob"]), f"{x['logprob_a']:.4f}",
-                  f"{x['logprob_b']:.4f}", x.get("divergence_starts") or "-", "yes" if x.get("routing_flip") else "")
+        flips = ", ".join(f"L{k} {v}" for k, v in sorted((x.get("flips") or {}).items()))
+        t.add_row(text(x["sample"]), text(x["position"]), _f(x["abs_dlogprob"]), _f4(x["logprob_a"]),
+                  _f4(x["logprob_b"]), text(x.get("divergence_starts") or "-"), text(flips) if flips else ("yes" if x.get("routing_flip") else ""))
     c.print(t)
     c.print()
+
+
+def _f4(x) -> str:
+    v = num(x)
+    return "-" if v is None else f"{v:.4f}"
 
 
 def _routing(c: Console, report: dict) -> None:
@@ -186,44 +243,51 @@ def _routing(c: Console, report: dict) -> None:
     layers = r.get("layers") or {}
     if not layers:
         return
-    parts = [f"L{k}: {v['flipped']}/{v['rows']}" + (f" ({v['unexplained']} unexplained)" if v.get("unexplained") else "")
-             for k, v in sorted(layers.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1)]
-    c.print(f"routing flips per layer: {'  '.join(parts)}")
+    t = Table(title="routing (top-k expert choice) per MoE layer", title_justify="left", show_edge=False)
+    for col in ("layer", "flipped", "near tie", "unexplained", "near-tie to output", "router diverges",
+                "share of |Δ logprob|"):
+        t.add_column(col, justify="right")
+    for k, v in sorted(layers.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
+        share = num(v.get("dlogprob_share"))
+        t.add_row(str(k), f"{v.get('flipped')}/{v.get('rows')}", str(v.get("near_tie") or 0),
+                  Text(str(v.get("unexplained") or 0), style="red" if v.get("unexplained") else ""),
+                  str(v.get("near_tie_to_output") or 0), "yes" if v.get("router_divergent") else "",
+                  "-" if share is None else f"{100 * share:.1f}%")
+    c.print(t)
+    share = num(r.get("dlogprob_share"))
     c.print(f"tokens with at least one flipped layer: {r.get('tokens_with_flip', 0)} "
-            f"({100 * r.get('share_tokens_with_flip', 0):.1f}%)")
+            f"({100 * (num(r.get('share_tokens_with_flip')) or 0):.1f}%)"
+            + ("" if share is None else f"; they carry {100 * share:.1f}% of the final |Δ logprob|"))
     c.print()
-
-
-def pair_ops(a: list[dict], b: list[dict]) -> list[tuple[dict | None, dict | None]]:
-    """Line up the two sides' op lists by op name (longest common subsequence), gaps where one side has
-    an op the other lacks: an extra cast or a fused kernel shows up as a one-sided row."""
-    sm = difflib.SequenceMatcher(a=[o["op"] for o in a], b=[o["op"] for o in b], autojunk=False)
-    out: list[tuple[dict | None, dict | None]] = []
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag == "equal":
-            out.extend(zip(a[i1:i2], b[j1:j2]))
-        else:
-            out.extend((x, None) for x in a[i1:i2])
-            out.extend((None, y) for y in b[j1:j2])
-    return out
 
 
 def write_reports(report: dict, console: Console, json_path: str | None = None, html_path: str | None = None) -> None:
     """Write the JSON and/or HTML report where asked, and say where."""
     if json_path:
         write_json(report, json_path)
-        console.print(f"JSON report: {json_path}")
+        console.print(text(f"JSON report: {json_path}"))
     if html_path:
         from .html import render_html
         Path(html_path).write_text(render_html(report), encoding="utf-8")
-        console.print(f"HTML report: {html_path}")
+        console.print(text(f"HTML report: {html_path}"))
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, p)
+    """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
+    from .format import atomic_write
+    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
+
+
+def _skipped(c: Console, report: dict) -> None:
+    """What each side's reader left out: incomplete passes (never compared) and entries outside the layout."""
+    for side, d in sorted((report.get("sides") or {}).items()):
+        if not isinstance(d, dict):
+            continue
+        for what, items in (("incomplete pass skipped", d.get("skipped_passes")),
+                            ("entry outside the trace layout ignored", d.get("ignored_entries"))):
+            if isinstance(items, list) and items:
+                shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
+                c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
 
 
 def point_label(key: str) -> str:

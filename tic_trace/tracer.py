@@ -28,10 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from . import __version__
-from .dtypes import torch_dtype_name, dtype_info
+from .dtypes import torch_dtype_name
 from .filters import MODES, Filters
-from .format import PassWriter, Record, TraceWriter
+from .alias import AliasCache
+from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
+from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
+from .odd_tensors import recordable
 from .stats import device_hash, device_stats, stats_dict
+from .weights import ParameterHasher
 
 log = logging.getLogger("tic_trace")
 
@@ -61,7 +65,6 @@ class _Frame:
 class _Pending:
     record: Record
     stat_slot: int | None = None
-    host: torch.Tensor | None = None   # device tensors copied asynchronously; written at pass end
 
 
 # Depth of tracer-internal code on this thread, over all tracers: the ops one tracer runs itself (statistics,
@@ -108,11 +111,6 @@ def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool]:
     return info
 
 
-def _plain_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter) \
-        and x.device.type != "meta"
-
-
 class Tracer:
     """Records named tensors of a model's forward into a trace directory. See `trace()`."""
 
@@ -121,7 +119,9 @@ class Tracer:
                  filters: Filters | None = None, rank: int | None = None, record_views: bool = False,
                  record_inputs: Iterable[str] | None = None, skip_recompute: bool = True,
                  auto_step: bool = False, sample_rows: Sequence[int] | None = None,
-                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None):
+                 sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None,
+                 run: str | None = None, pinned_cap_bytes: int = DEFAULT_CAP_BYTES, on_cap: str = "wait",
+                 reuse_aliases: bool = True):
         if mode not in MODES or (points_mode is not None and points_mode not in MODES):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}/{points_mode!r}")
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -136,6 +136,9 @@ class Tracer:
         self.sample_keys = list(sample_keys) if sample_keys is not None else None
         self.tag = tag
         self.extra_manifest = dict(manifest or {})
+        # A trace directory holds one run (docs/security.md). Tracers that deliberately write one run together
+        # (one per micro-batch) share a `run` id; by default every tracer is a run of its own.
+        self.run = str(run) if run is not None else new_run_id()
         self.record_inputs = Filters(modules=list(record_inputs)) if record_inputs else None
         self.record_input_kwargs: tuple[str, ...] = ("hidden_states",)
         self._rank = rank
@@ -156,6 +159,8 @@ class Tracer:
         self._pending: list[_Pending] = []
         self._stat_rows: list[torch.Tensor] = []
         self._hashes: list[torch.Tensor] = []
+        self._alias = AliasCache() if reuse_aliases else None
+        self._stager = HostStager(pinned_cap_bytes, on_cap)
         self._seq = 0
         self._rows: dict | None = None
         self._row_select: torch.Tensor | None = None
@@ -170,6 +175,10 @@ class Tracer:
         self.passes_written: list[Path] = []
         self._paths: dict[int, str] = {}
         self._activity = False
+        self._incomplete: str | None = None   # why the open pass is not a whole forward
+        # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
+        self.hash_weights = True
+        self._param_hasher = ParameterHasher()
 
     # ------------------------------------------------------------ public API
     @property
@@ -180,9 +189,19 @@ class Tracer:
         return self._rank
 
     def start(self) -> "Tracer":
+        """Install the hooks and begin recording. Raises `TraceDirectoryInUse` (a FileExistsError), before
+        touching the model, if the output directory holds another run's passes for this rank: a trace never
+        mixes runs. Any other problem disables tracing with a warning; the model runs on untouched."""
         try:
             if not self.filters.want_rank(self.rank):
                 return self
+            claim_run_directory(self.out_dir, self.rank, self.run)
+        except TraceDirectoryInUse:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+            return self
+        try:
             self._install()
             self._mode = _DispatchRecorder(self)
             self._mode.__enter__()
@@ -207,6 +226,10 @@ class Tracer:
             self._live = True
             self._guarded(self._end_pass)
             self._live = False
+        try:
+            self._stager.close()      # the writer thread ends and the host ring is freed
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
         self._uninstall()
 
     def step(self, tag: str | None = None) -> None:
@@ -326,6 +349,14 @@ class Tracer:
         self.stop()
 
     # ------------------------------------------------------------ failure
+    def _discard_host_copies(self) -> None:
+        """Let the writer thread finish what is queued (it may still write into the pass) before the pass
+        is aborted; its error, if any, is the one already being handled."""
+        try:
+            self._stager.drain()
+        except Exception:  # noqa: BLE001
+            pass
+
     def _fail(self, e: BaseException) -> None:
         if self.failed is None:
             self.failed = e
@@ -333,6 +364,7 @@ class Tracer:
                         "passes already written stay readable): %s: %s\n%s", type(e).__name__, e,
                         "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=4)))
         self._live = False
+        self._discard_host_copies()
         if self._pass is not None:
             try:
                 self._pass.abort()
@@ -362,7 +394,8 @@ class Tracer:
             self._wrap_root(model, root_name)
         if self.adapter is not None:
             self.adapter.prepare(self, self.models)
-        self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info())
+        if self._writer is None:
+            self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info(), self.run)
 
     def _wrap_root(self, model: torch.nn.Module, path: str) -> None:
         had = "forward" in vars(model)
@@ -374,7 +407,8 @@ class Tracer:
             tracer._guarded(tracer._enter, path, args, kwargs, True)
             try:
                 out = orig(*args, **kwargs)
-            except BaseException:
+            except BaseException as e:
+                tracer._guarded(tracer._mark_incomplete, f"the forward of {path} raised {type(e).__name__}")
                 tracer._guarded(tracer._exit, path, None, True)
                 raise
             tracer._guarded(tracer._exit, path, out, True)
@@ -420,6 +454,7 @@ class Tracer:
         if self.adapter is not None:
             m["model"] = self.adapter.describe(self.models)
             m["parallel"] = self.adapter.parallel_layout()
+            m["numerics"] = self.adapter.numerics(self.models)
         m.update(self.extra_manifest)
         return m
 
@@ -450,7 +485,17 @@ class Tracer:
         self._guarded(self._enter, path, args, kwargs, False)
 
     def _post_hook(self, path, module, args, kwargs, output):
+        if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \
+                and torch._C._current_graph_task_id() == -1:
+            # torch calls always_call hooks with no output when the module raised: the outermost traced
+            # module (a model called without its root wrapper) did not return. Not in backward: activation
+            # recomputation stops itself early with an exception, by design.
+            self._guarded(self._mark_incomplete, f"{path} raised {type(sys.exc_info()[1]).__name__}")
         self._guarded(self._exit, path, output, False)
+
+    def _mark_incomplete(self, why: str) -> None:
+        if self._incomplete is None:
+            self._incomplete = why
 
     def _enter(self, path: str, args: tuple, kwargs: dict, is_root: bool) -> None:
         if is_root and not self._stack and self.adapter is not None and self._rows is None:
@@ -512,6 +557,8 @@ class Tracer:
 
     def _on_op(self, func, args, kwargs, out) -> None:
         name, skip, written, is_view = _op_info(func)
+        if written and self._alias is not None:
+            self._alias.forget(_written_args(func, written, args, kwargs))
         if skip or (is_view and not self.record_views):
             return
         frame = self._stack[-1] if self._stack else None
@@ -562,11 +609,11 @@ class Tracer:
                             self._capture_tree(f"{base}{keystr(p)}.{f.name}", path, kind, op, call, fv, mode,
                                                ops_in_region, depth + 1)
         for key, t in leaves:
-            if not _plain_tensor(t):
-                if isinstance(t, torch.Tensor):
-                    self._notes.add(f"tensor subclass {type(t).__name__} not recorded")
-                continue
-            self._capture(base + key, path, kind, op, call, t, mode, ops_in_region)
+            rec_t, note, extra = recordable(t)     # odd tensors: recorded in another form, or named
+            if note:
+                self._notes.add(note)
+            if rec_t is not None:
+                self._capture(base + key, path, kind, op, call, rec_t, mode, ops_in_region, extra)
 
     def _open_pass(self) -> PassWriter:
         if self._pass is None:
@@ -577,7 +624,7 @@ class Tracer:
         return self._pass
 
     def _capture(self, name: str, path: str, kind: str, op: str | None, call: int, t: torch.Tensor, mode: str,
-                 ops_in_region: int | None) -> None:
+                 ops_in_region: int | None, extra: dict | None = None) -> None:
         phase = "forward"
         if torch._C._current_graph_task_id() != -1:
             phase = "recompute"
@@ -594,13 +641,14 @@ class Tracer:
         dtype = torch_dtype_name(t.dtype)
         rec = Record(name=name, module=path, kind=kind, op=op, call=call, seq=self._seq, phase=phase, dtype=dtype,
                      shape=tuple(t.shape), mode=mode, stats=None, hash=None, ops_in_region=ops_in_region)
+        if extra:
+            rec.extra.update(extra)
         self._seq += 1
         x = t.detach()
-        pending = _Pending(rec, stat_slot=len(self._stat_rows))
+        pending = _Pending(rec)
         subset = self._subset_for(name, x) if self._record_rows and kind != "op" else None
         with torch.no_grad():
-            self._stat_rows.append(device_stats(x))
-            self._hashes.append(device_hash(x))
+            pending.stat_slot = self._stats_slot(x)
             if subset is not None:
                 x = self._select_subset(x, rec, subset)
             elif mode == "rows":
@@ -609,6 +657,18 @@ class Tracer:
                 self._store(pw, x, pending)
         pw.add(rec)
         self._pending.append(pending)
+
+    def _stats_slot(self, x: torch.Tensor) -> int:
+        """The slot of x's statistics and hash: an earlier record's when x aliases it (see alias.py), else
+        new ones computed on x's device (bounded transient memory, no host sync)."""
+        slot = self._alias.lookup(x) if self._alias is not None else None
+        if slot is None:
+            slot = len(self._stat_rows)
+            self._stat_rows.append(device_stats(x))
+            self._hashes.append(device_hash(x))
+            if self._alias is not None:
+                self._alias.add(x, slot)
+        return slot
 
     def _subset_for(self, name: str, x: torch.Tensor) -> list[int] | None:
         for rx, rows in self._record_rows:
@@ -662,23 +722,38 @@ class Tracer:
         """The selected row indices on `device`, copied there once per pass (not once per record)."""
         idx = self._row_select_dev.get(device)
         if idx is None:
-            idx = self._row_select_dev[device] = self._row_select.to(device)
+            src = self._row_select.pin_memory() if device.type == "cuda" else self._row_select
+            idx = self._row_select_dev[device] = src.to(device, non_blocking=True)   # no host sync
         return idx
 
     def _store(self, pw: PassWriter, x: torch.Tensor, pending: _Pending) -> None:
+        """The value's bytes into the pass's blob: device tensors through the bounded host copy and its writer
+        thread (no host sync); over the cap, the record keeps its statistics only (named in the notes)."""
         rec = pending.record
-        storage = dtype_info(rec.dtype).storage
-        if x.is_cuda:
-            # Non-blocking copy into pinned memory now (the value as produced); bytes hit disk at pass end.
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            host.copy_(x, non_blocking=True)
-            pending.host = host
+        if x.numel() and self._stager.wants(x):
+            if not self._stager.stage(pw, rec, x):
+                rec.mode, rec.row_index = "stats", None
+                rec.extra.pop("row_dims", None)
             return
-        arr = _as_storage(x.contiguous(), storage)
-        rec.offset, rec.nbytes, rec.crc = pw.write_bytes(arr)
+        self._stager.write_now(pw, rec, as_storage(x.cpu().contiguous()))
+
+    def _weights_meta(self) -> dict | None:
+        """Parameter hashes for this pass's metadata; a failure here only loses them (noted once)."""
+        if not self.hash_weights:
+            return None
+        try:
+            return self._param_hasher(self.models)
+        except Exception as e:  # noqa: BLE001 - never break the user's run over a diagnostic
+            self._notes.add(f"parameter hashes not recorded: {type(e).__name__}: {e}")
+            self.hash_weights = False
+            return None
 
     def _end_pass(self) -> None:
         pw = self._pass
+        incomplete = self._incomplete
+        if incomplete is None and self._stack:
+            incomplete = f"the pass ended while {self._stack[0].path} was still running"
+        self._incomplete = None
         self._stack.clear()
         self._calls.clear()
         if pw is None:
@@ -692,20 +767,22 @@ class Tracer:
             # The one host sync of the pass: all statistics and hashes come over together.
             stats_np = torch.stack(self._stat_rows).cpu().numpy()
             hashes_np = torch.stack(self._hashes).cpu().numpy()
+        self._stager.drain()    # every queued host copy is in the blob (the writer's error, if any, raised)
+        self._notes.update(self._stager.take_notes())
         for p in self._pending:
             if p.stat_slot is not None:
                 p.record.stats = stats_dict(stats_np[p.stat_slot])
                 p.record.hash = int(hashes_np[p.stat_slot])
-            if p.host is not None:   # the .cpu() above synchronised the stream: pinned copies are complete
-                arr = _as_storage(p.host, dtype_info(p.record.dtype).storage)
-                p.record.offset, p.record.nbytes, p.record.crc = pw.write_bytes(arr)
+        weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
-                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes))
-        self.passes_written.append(pw.close())
+                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
+        self.passes_written.append(pw.close(incomplete=incomplete))
         self._pass = None
         self._pending.clear()
         self._stat_rows.clear()
         self._hashes.clear()
+        if self._alias is not None:
+            self._alias.clear()
         self._blind.clear()
         self._notes.clear()
         self._rows = None
@@ -717,22 +794,33 @@ class Tracer:
         self._activity = False
 
 
-def _as_storage(x: torch.Tensor, storage: str) -> np.ndarray:
-    size = x.element_size()
-    if x.dtype == torch.bool:
-        return x.numpy()
-    if x.is_complex() or x.dtype in (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                                     torch.int16, torch.int8, torch.uint8):
-        return x.numpy()
-    # bf16, fp8 and other dtypes numpy lacks: their bit patterns as unsigned ints of the same width
-    return x.view({1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[size]).numpy()
+def _as_storage(x: torch.Tensor, storage: str | None = None) -> np.ndarray:
+    return as_storage(x)
+
+
+_WRITTEN_POS: dict[Any, tuple[int, ...]] = {}
+
+
+def _written_args(func, written: tuple[str, ...], args: tuple, kwargs: dict) -> list:
+    """The arguments an op writes (schema alias annotations `Tensor(a!)`), positional or keyword."""
+    pos = _WRITTEN_POS.get(func)
+    if pos is None:
+        pos = _WRITTEN_POS[func] = tuple(i for i, a in enumerate(func._schema.arguments) if a.name in written)
+    out = [args[i] for i in pos if i < len(args)]
+    out.extend(v for k, v in kwargs.items() if k in written)
+    return out
+
+
+def new_run_id() -> str:
+    """A run id no other tracer has: host, process, time and 48 random bits."""
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}-{os.urandom(6).hex()}"
 
 
 def _resolve_adapter(adapter: Any):
     if adapter is None or not isinstance(adapter, str):
         return adapter
-    from .adapter import get_adapter
-    return get_adapter(adapter)
+    from .adapter import load_adapter
+    return load_adapter(adapter)
 
 
 def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLike | str, *,
@@ -746,5 +834,13 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `mode` applies to dispatcher ops, `points_mode` (default: `mode`) to module inputs/outputs and taps, the
     records adapters map to canonical points. Use `start()`/`stop()` instead of `with`, and `step()` between the
     forwards of an engine (or `auto_step=True`: one pass per root forward).
+
+    `out_dir` holds one run: if it already holds another run's passes for this rank, `start()` raises
+    `TraceDirectoryInUse` before touching the model. Tracers meant to write one run together pass the same
+    `run=` id. A pass whose forward raised is kept as incomplete and never compared (docs/security.md).
+    Memory (docs/scale.md): stored values of device tensors go through a pinned ring of at most
+    `pinned_cap_bytes` (default 4 GiB) written to disk by a writer thread; when it is full the forward waits
+    (`on_cap="wait"`) or the record keeps statistics only (`on_cap="stats"`), named in the pass notes.
+    `reuse_aliases=False` recomputes statistics for records that alias an earlier one of the same pass.
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)

@@ -1,27 +1,47 @@
 """`tic-trace`: thin command-line front end over the library.
 
-Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error (bad input, unreadable trace).
+Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error: no answer (bad input,
+unreadable trace, a crash), 3 not comparable (nothing, or not every point both sides record, could be
+compared). A failure prints one line naming what failed (the traceback with --debug) and never exits 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
+
+from tic_trace.text import visible
+from tic_trace.tools.options import Parser as _Parser
+from tic_trace.tools.options import count as _count
+from tic_trace.tools.options import input_file as _input_file
+from tic_trace.tools.options import output_file as _output_file
+from tic_trace.tools.options import positive as _positive
+from tic_trace.tools.options import record_pattern as _record_pattern
+from tic_trace.tools.options import tol_item as _tol_item
+from tic_trace.tools.options import tolerance as _tolerance
 
 
-def _tolerance(args):
-    from tic_trace.diverge import Tolerance
-    per_dtype, per_point = {}, {}
-    for item in args.tol or []:
-        k, _, v = item.partition("=")
-        if not v:
-            raise SystemExit(f"--tol expects NAME=VALUE (a dtype like bfloat16 or a point like L3.attn.core), got {item!r}")
-        from tic_trace.dtypes import known_dtype
-        (per_dtype if known_dtype(k) else per_point)[k] = float(v)
-    return Tolerance(growth=args.growth, per_dtype=per_dtype, per_point=per_point)
+_MAX_REPORT_BYTES = 256 << 20
+
+
+def _load_report(path: str) -> dict:
+    """A saved JSON report, checked against the report schema before anything renders it."""
+    from tic_trace.format import TraceFormatError, read_bounded
+    from tic_trace.schema import ReportDoc, validate
+    p = Path(path)
+    try:
+        raw = read_bounded(p, p.parent, _MAX_REPORT_BYTES, "JSON report")
+        doc = json.loads(raw.decode("utf-8"))
+        return validate(doc, ReportDoc, p, "not a tic-trace JSON report")
+    except TraceFormatError as e:
+        raise ValueError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
 
 
 def _views(args, console):
@@ -42,15 +62,25 @@ def _run_compare(args, console: Console) -> dict:
                   disable=not sys.stderr.isatty()) as prog:
         task = prog.add_task("cmp", total=total, key="")
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens,
-                              progress=lambda k: prog.update(task, advance=1, key=k))
+                              progress=lambda k: prog.update(task, advance=1, key=k),
+                              accept_near_tie=args.accept_near_tie_routing)
     return rep.to_json()
 
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
+    """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
     from tic_trace.report import render_terminal, write_reports
+    from tic_trace.report_schema import EXIT_ERROR, VERDICT_EXIT
+    with open(os.devnull, "w") as devnull:
+        try:
+            write_reports(report, Console(file=devnull), getattr(args, "json", None), getattr(args, "html", None))
+        except OSError as e:
+            raise SystemExit(f"cannot write the report to {e.filename or 'its file'}: {e.strerror or e}") from None
     render_terminal(report, console, all_points=all_points)
-    write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
-    return 1 if report["verdict"] == "divergent" else 0
+    for what, path in (("JSON", getattr(args, "json", None)), ("HTML", getattr(args, "html", None))):
+        if path:
+            console.print(Text(f"{what} report: {visible(path)}"))
+    return VERDICT_EXIT.get(report.get("verdict"), EXIT_ERROR)
 
 
 def cmd_diff(args, console):
@@ -64,9 +94,10 @@ def cmd_first(args, console):
 def cmd_report(args, console):
     if args.from_json:
         from tic_trace.diverge import rejudge
-        report = json.loads(Path(args.from_json).read_text())
-        if args.tol or args.growth != 10.0:
-            report = rejudge(report, _tolerance(args))
+        report = _load_report(args.from_json)
+        if args.tol or args.growth is not None or args.accept_near_tie_routing:
+            report = rejudge(report, _tolerance(args) if args.tol or args.growth is not None else None,
+                             accept_near_tie=True if args.accept_near_tie_routing else None)
     else:
         if not args.b:
             raise SystemExit("report: give two traces A B, or --from-json saved.json")
@@ -86,13 +117,9 @@ def cmd_demo(args, console):
     return run_demo(args, console)
 
 
-def cmd_slime_report(args, console):
-    from tic_trace.adapters.slime import slime_report
-    return slime_report(args, console)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tic-trace", description=__doc__.splitlines()[0])
+    p = _Parser(prog="tic-trace", description=__doc__.splitlines()[0],
+                epilog="--debug (anywhere): print the traceback of a failure")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def compare_args(sp, two=True):
@@ -100,13 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("b", nargs=None if two else "?", help="trace directory to check (e.g. the rollout side)")
         sp.add_argument("--adapter-a", help="adapter for A (default: the framework named in A's manifest)")
         sp.add_argument("--adapter-b", help="adapter for B (default: the framework named in B's manifest)")
-        sp.add_argument("--growth", type=float, default=10.0,
+        sp.add_argument("--growth", type=_positive, default=None,
                         help="a point diverges when its error exceeds its inputs' error by this factor (default 10)")
-        sp.add_argument("--tol", action="append", metavar="NAME=VALUE",
+        sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item,
                         help="relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3)")
-        sp.add_argument("--worst-tokens", type=int, default=8)
-        sp.add_argument("--json", help="also write the JSON report here")
-        sp.add_argument("--html", help="also write a self-contained HTML report here")
+        sp.add_argument("--accept-near-tie-routing", action="store_true",
+                        help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
+                             "still shown): for runs that replay routing or accept near ties")
+        sp.add_argument("--worst-tokens", type=_count, default=8)
+        sp.add_argument("--json", type=_output_file, help="also write the JSON report here")
+        sp.add_argument("--html", type=_output_file, help="also write a self-contained HTML report here")
 
     sp = sub.add_parser("diff", help="compare two traces over every canonical point")
     compare_args(sp)
@@ -116,58 +146,87 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_first)
     sp = sub.add_parser("report", help="write JSON/HTML reports; re-judge a saved JSON with new tolerances")
     compare_args(sp, two=False)
-    sp.add_argument("--from-json", help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
+    sp.add_argument("--from-json", type=_input_file, help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
     sp.add_argument("--all", action="store_true", help="print every point, not only the curve")
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("inspect", help="what a trace holds: passes, records, sizes, canonical points")
     sp.add_argument("trace")
-    sp.add_argument("--rank", type=int)
-    sp.add_argument("--pass", dest="pass_index", type=int)
-    sp.add_argument("--filter", help="glob (or re:regex) over record names")
+    sp.add_argument("--rank", type=_count)
+    sp.add_argument("--pass", dest="pass_index", type=_count)
+    sp.add_argument("--filter", type=_record_pattern, help="glob (or re:regex) over record names")
     sp.add_argument("--records", action="store_true", help="list records")
     sp.add_argument("--points", action="store_true", help="list the canonical points the adapter finds")
-    sp.add_argument("--limit", type=int, default=200)
+    sp.add_argument("--limit", type=_count, default=200)
     sp.set_defaults(fn=cmd_inspect)
 
     sp = sub.add_parser("demo", help="trace a built-in tiny model twice (once with a planted fault) and find it")
     sp.add_argument("--pair", default="hf-hf", choices=["hf-hf", "hf-megatron", "megatron-sglang", "hf-sglang"],
                     help="which two implementations to compare (default hf-hf)")
-    sp.add_argument("--fault", default="router_bf16", help="planted fault (see tic_trace/testing/faults.py); 'none' for a clean pair")
-    sp.add_argument("--layer", type=int, default=1)
-    sp.add_argument("--out", help="directory for the two traces and the reports (default: a new temporary one)")
+    sp.add_argument("--fault", default="router_bf16",
+                    help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
+    sp.add_argument("--layer", type=_count, default=1)
+    sp.add_argument("--out", help="directory for the two traces and the reports: new, empty, or an earlier demo's "
+                    "(default: a new temporary one)")
     sp.set_defaults(fn=cmd_demo)
 
-    sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
-    sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
-    sp.add_argument("--rollout-id", type=int, required=True)
-    sp.add_argument("--growth", type=float, default=10.0)
-    sp.add_argument("--tol", action="append", metavar="NAME=VALUE")
-    sp.add_argument("--worst-tokens", type=int, default=8)
-    sp.add_argument("--json")
-    sp.add_argument("--html")
-    sp.set_defaults(fn=cmd_slime_report)
+    from tic_trace.tools.slime_report import add_parser as add_slime_report
+    add_slime_report(sub)
+
+    from tic_trace.tools import replay_cmd
+    replay_cmd.add_parser(sub)
     return p
+
+
+def _fail(console: Console, what: str, debug: bool) -> int:
+    """One line naming what failed (plus the traceback under --debug); the no-answer exit code."""
+    from rich.text import Text
+
+    from tic_trace.report_schema import EXIT_ERROR
+    line = Text("error: ", style="bold red") + Text(visible(what))
+    if not debug:
+        line += Text("  (--debug prints the traceback)", style="dim")
+    console.print(line, soft_wrap=True)
+    if debug:
+        import traceback
+        console.print(Text(traceback.format_exc()))
+    return EXIT_ERROR
 
 
 def main(argv: list[str] | None = None) -> int:
     from tic_trace.format import TraceFormatError
-    args = build_parser().parse_args(argv)
-    # Reports are read in CI logs as often as in terminals: never squeeze tables into 80 columns.
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+    from tic_trace.judge import SettingsError
+    from tic_trace.report_schema import EXIT_DIVERGENT, EXIT_ERROR
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
-        return int(args.fn(args, console) or 0)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:   # a usage error: _Parser printed its one line
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    # Reports are read in CI logs as often as in terminals: never squeeze tables into 80 columns.
+    # emoji=False: a trace string like ":thumbs_up:" stays text; trace strings are printed as Text (text.py).
+    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 140)
+    try:
+        code = int(args.fn(args, console) or 0)
     except TraceFormatError as e:
-        console.print(f"[bold red]error:[/] unreadable trace: {e}")
-        return 2
+        return _fail(console, f"unreadable trace: {e}", debug)
+    except SettingsError as e:
+        return _fail(console, f"bad setting: {e}", debug)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        console.print(f"[bold red]error:[/] {e}")
-        return 2
+        return _fail(console, f"{args.cmd}: {type(e).__name__}: {e}", debug)
     except SystemExit as e:
         if isinstance(e.code, str):
-            console.print(f"[bold red]error:[/] {e.code}")
-            return 2
-        raise
+            return _fail(console, e.code, debug)
+        code = e.code if isinstance(e.code, int) else EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a crash is "no answer", never "divergence found"
+        return _fail(console, f"{args.cmd} failed: {type(e).__name__}: {e}", debug)
+    # 1 means "divergence found" and nothing else: a command that fails some other way has no answer.
+    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo", "replay"):
+        return EXIT_ERROR
+    return code
 
 
 if __name__ == "__main__":

@@ -23,10 +23,14 @@ SGLANG_PROMPT_LENS = (7, 5)       # prompt lengths of the two requests; the rest
 SGLANG_DECODE_STEPS = 4
 
 
-def _hf_model():
+def _hf_model(fault: str | None = None, layer: int = 0):
+    """The tiny model both sides start from, with the fault's both-sides setup (if it has one) applied."""
+    from tic_trace.testing.faults import prepare
     from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config
     cfg = tiny_qwen3_config(moe=True)
-    return cfg, build_hf_model(cfg, seed=0)
+    model = build_hf_model(cfg, seed=0)
+    prepare(model, "hf", fault, layer)
+    return cfg, model
 
 
 def _tokens(cfg):
@@ -81,7 +85,7 @@ def trace_megatron_tp1(out: Path, hf_config, hf_state_dict, ids, fault: str | No
 
 
 def _hf_megatron(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
-    cfg, hf = _hf_model()
+    cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
     console.print(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}")
     trace_hf(a, hf, ids)
@@ -97,7 +101,7 @@ def trace_sglang_rollout(out: Path, hf_model, ids, fault: str | None = None, lay
     with the sglang adapter, one pass per forward; `fault` planted first."""
     import torch
 
-    from tic_trace.adapters.sglang import trace_forwards
+    from tic_trace.adapters.sglang_server import trace_forwards
     from tic_trace.testing import sglang_cpu as sc
     from tic_trace.testing.faults import plant
 
@@ -128,7 +132,7 @@ def _sglang_side(b: Path, hf, ids, fault, layer, console) -> None:
 
 
 def _megatron_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
-    cfg, hf = _hf_model()
+    cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
     console.print(f"tracing a tiny random Qwen3-MoE in megatron-core GPTModel (local spec, TP1, CPU), one forward "
                   f"over the full sequences, as side A -> {a}")
@@ -138,7 +142,7 @@ def _megatron_sglang(a: Path, b: Path, fault: str | None, layer: int, console: C
 
 
 def _hf_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
-    cfg, hf = _hf_model()
+    cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
     console.print(f"tracing a tiny random Qwen3-MoE (HF transformers), full sequences, as side A -> {a}")
     trace_hf(a, hf, ids)

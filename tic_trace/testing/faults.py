@@ -23,19 +23,36 @@ class Fault:
     what: str
     plant: dict = field(default_factory=dict)   # framework -> fn(model, layer)
     moe_only: bool = False
+    cause: str = "operator"      # the cause class the report must name (report_schema.CAUSES)
+    setup: dict = field(default_factory=dict)   # framework -> fn(model, layer): a property of the *model*
+                                                # both sides need before the fault means anything (e.g. two
+                                                # experts' router rows nearly tied); applied with `prepare`
 
 
 FAULTS: dict[str, Fault] = {}
 
 
-def fault(name: str, point: str, what: str, *, layered: bool = True, moe_only: bool = False):
-    """Register a planter for `framework` under fault `name` (decorator: @fault(...).on("hf"))."""
+def fault(name: str, point: str, what: str, *, layered: bool = True, moe_only: bool = False, cause: str = "operator"):
+    """Register a planter for `framework` under fault `name` (decorator: @fault(...).on("hf")), or a setup
+    both sides need (@fault(...).setup_on("hf"))."""
+    def _register(framework: str, fn: Callable, slot: str):
+        f = FAULTS.get(name) or Fault(name, point, layered, what, {}, moe_only, cause, {})
+        plant_, setup_ = dict(f.plant), dict(f.setup)
+        (plant_ if slot == "plant" else setup_)[framework] = fn
+        FAULTS[name] = Fault(f.name, f.point, f.layered, f.what, plant_, f.moe_only, f.cause, setup_)
+
     class _Reg:
         @staticmethod
         def on(framework: str):
             def deco(fn: Callable):
-                f = FAULTS.get(name) or Fault(name, point, layered, what, {}, moe_only)
-                FAULTS[name] = Fault(f.name, f.point, f.layered, f.what, {**f.plant, framework: fn}, f.moe_only)
+                _register(framework, fn, "plant")
+                return fn
+            return deco
+
+        @staticmethod
+        def setup_on(framework: str):
+            def deco(fn: Callable):
+                _register(framework, fn, "setup")
                 return fn
             return deco
     return _Reg
@@ -47,6 +64,21 @@ def plant(model, framework: str, name: str, layer: int) -> Fault:
         raise KeyError(f"fault {name!r} has no planter for {framework!r} (has: {sorted(f.plant)})")
     f.plant[framework](model, layer)
     return f
+
+
+def prepare(model, framework: str, name: str | None, layer: int) -> None:
+    """Apply fault `name`'s setup (if it has one) to a model of either side, before tracing it."""
+    f = FAULTS.get(name) if name else None
+    if f is None or not f.setup:
+        return
+    if framework not in f.setup:
+        raise KeyError(f"fault {name!r} has no setup for {framework!r} (has: {sorted(f.setup)})")
+    f.setup[framework](model, layer)
+
+
+def one_sided(names: list[str]) -> list[str]:
+    """The faults that need nothing on the other side (no setup)."""
+    return [n for n in names if not FAULTS[n].setup]
 
 
 def _hf_layer(model, layer):
@@ -157,7 +189,8 @@ def _hf_lm_head_bf16(model, layer):
 
 
 def hf_faults(moe: bool) -> list[str]:
-    return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only)]
+    """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
+    return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only) and not f.setup]
 
 
 # ---------------------------------------------------------------- Megatron planters
@@ -317,7 +350,8 @@ def _mg_lm_head_bf16(model, layer):
 
 
 def megatron_faults(moe: bool) -> list[str]:
-    return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only)]
+    """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
+    return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only) and not f.setup]
 
 
 # ---------------------------------------------------------------- SGLang planters
@@ -466,4 +500,205 @@ def _sg_decode_only_scale(model, layer):
 
 
 def sglang_faults(moe: bool) -> list[str]:
-    return [n for n, f in FAULTS.items() if "sglang" in f.plant and (moe or not f.moe_only)]
+    """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
+    return [n for n, f in FAULTS.items() if "sglang" in f.plant and (moe or not f.moe_only) and not f.setup]
+
+
+# ---------------------------------------------------------------- routing faults (all frameworks)
+# Router weights are [E, H] in every framework here (HF mlp.gate.weight, Megatron mlp.router.weight, SGLang
+# mlp.gate.weight). NEAR_TIE = the two experts made nearly tied by the setup; the near-tie planters reverse
+# their tiny logit difference inside one side's gate (what a different rounding of the router GEMM does to
+# a near tie), so exactly the tokens where the pair straddles the top-k boundary flip, each on a margin
+# within the router-logit error.
+
+NEAR_TIE = (1, 2)
+NEAR_TIE_GAP = 1e-6            # |row 2 - row 1| of the router weights: logit gaps of about 1e-6
+
+
+def _router_weight(model, framework: str, layer: int):
+    if framework == "hf":
+        return _hf_layer(model, layer).mlp.gate.weight
+    lay = _mg_layer(model, layer) if framework == "megatron" else _sg_layer(model, layer)
+    if lay is None:
+        return None
+    return lay.mlp.router.weight if framework == "megatron" else getattr(getattr(lay.mlp, "gate", None), "weight", None)
+
+
+def _near_tie_rows(model, framework: str, layer: int) -> None:
+    w = _router_weight(model, framework, layer)
+    if w is None:
+        return
+    i, j = NEAR_TIE
+    g = torch.Generator().manual_seed(1234)
+    u = torch.randn(w.shape[1], generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        w[j] = (w[i].double() + NEAR_TIE_GAP * u / u.norm()).to(w.dtype)
+
+
+def _reverse_near_tie(logits: torch.Tensor) -> torch.Tensor:
+    """The near-tied pair's logit difference reversed: expert j's logit becomes 2*l_i - l_j (the fault)."""
+    i, j = NEAR_TIE
+    out = logits.clone()
+    out[..., j] = 2 * logits[..., i] - logits[..., j]
+    return out
+
+
+def _hf_gate_with(gate, change: Callable[[torch.Tensor], torch.Tensor], *, selection_only: bool = False) -> None:
+    """Qwen3-MoE's HF router (linear -> softmax -> top-k -> renormalise) with `change` applied to its logits
+    (with `selection_only`, to what the top-k sees, not to the logits it returns)."""
+    def forward(self, hidden_states):
+        hs = hidden_states.reshape(-1, self.hidden_dim)
+        raw = F.linear(hs, self.weight)
+        logits = raw if selection_only else change(raw)
+        probs = torch.softmax(change(raw) if selection_only else logits, dtype=torch.float, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+    _wrap_forward(gate, forward)
+
+
+def _mg_gating_with(router, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    orig = router.gating
+    router.gating = lambda input: change(orig(input))     # instance attribute: the adapter taps this one
+
+
+def _sg_gate_with(gate, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    orig = gate.forward
+
+    def forward(x, *args, **kwargs):
+        out = orig(x, *args, **kwargs)
+        if isinstance(out, tuple):
+            return (change(out[0]), *out[1:])
+        return change(out)
+    gate.forward = forward
+
+
+for _fw in ("hf", "megatron", "sglang"):
+    fault("routing_near_tie", "moe.topk_ids", "router logits of two nearly tied experts rounded the other way "
+          "(their ~1e-6 difference reversed inside the gate)", moe_only=True, cause="routing").setup_on(_fw)(
+        lambda model, layer, _fw=_fw: _near_tie_rows(model, _fw, layer))
+    fault("routing_near_tie_decode", "moe.topk_ids", "as routing_near_tie, in decode steps only (a decode "
+          "router kernel that rounds differently)", moe_only=True, cause="routing").setup_on(_fw)(
+        lambda model, layer, _fw=_fw: _near_tie_rows(model, _fw, layer))
+
+
+@fault("routing_near_tie", "moe.topk_ids", "", moe_only=True, cause="routing").on("hf")
+def _hf_near_tie(model, layer):
+    _hf_gate_with(_hf_layer(model, layer).mlp.gate, _reverse_near_tie)
+
+
+@fault("routing_near_tie", "moe.topk_ids", "", moe_only=True, cause="routing").on("megatron")
+def _mg_near_tie(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _mg_gating_with(lay.mlp.router, _reverse_near_tie)
+
+
+@fault("routing_near_tie", "moe.topk_ids", "", moe_only=True, cause="routing").on("sglang")
+def _sg_near_tie(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None and hasattr(lay.mlp, "gate"):
+        _sg_gate_with(lay.mlp.gate, _reverse_near_tie)
+
+
+@fault("routing_near_tie_decode", "moe.topk_ids", "", moe_only=True, cause="routing").on("hf")
+def _hf_near_tie_decode(model, layer):
+    lay = _hf_layer(model, layer)
+    state = {"decode": False}
+    _hf_gate_with(lay.mlp.gate, lambda x: _reverse_near_tie(x) if state["decode"] else x)
+    orig = lay.mlp.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        state["decode"] = hidden_states.dim() == 3 and hidden_states.shape[1] == 1   # one new token per sample
+        return orig(hidden_states, *args, **kwargs)
+    lay.mlp.forward = forward
+
+
+@fault("routing_near_tie_decode", "moe.topk_ids", "", moe_only=True, cause="routing").on("sglang")
+def _sg_near_tie_decode(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "gate"):
+        return
+    state = {"decode": False}
+    _sg_gate_with(lay.mlp.gate, lambda x: _reverse_near_tie(x) if state["decode"] else x)
+    orig = lay.forward
+
+    def forward(positions, hidden_states, forward_batch, *args, **kwargs):
+        state["decode"] = forward_batch.forward_mode.is_decode()
+        return orig(positions, hidden_states, forward_batch, *args, **kwargs)
+    lay.forward = forward
+
+
+def _move_router_row(model, framework: str, layer: int) -> None:
+    w = _router_weight(model, framework, layer)
+    if w is not None:
+        with torch.no_grad():
+            w[[1, 3]] = w[[3, 1]].clone()
+
+
+for _fw in ("hf", "megatron", "sglang"):
+    fault("router_weight", "moe.router_logits", "router rows of experts 1 and 3 swapped (a router weight loaded "
+          "in the wrong expert order)", moe_only=True, cause="routing").on(_fw)(
+        lambda model, layer, _fw=_fw: _move_router_row(model, _fw, layer))
+
+
+def routing_faults() -> list[str]:
+    return [n for n, f in FAULTS.items() if f.cause == "routing"]
+
+
+EXPERT_BIAS = 0.2             # added to expert 3's router logit before the top-k, on one side only
+
+
+def _bias_expert(logits: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    out[..., 3] += EXPERT_BIAS
+    return out
+
+
+@fault("expert_bias", "moe.topk_ids", "a load-balancing bias (+0.2 on expert 3) in one side's top-k selection "
+       "only: the router logits agree, the choice does not", moe_only=True, cause="routing").on("hf")
+def _hf_expert_bias(model, layer):
+    _hf_gate_with(_hf_layer(model, layer).mlp.gate, _bias_expert, selection_only=True)
+
+
+@fault("expert_bias", "moe.topk_ids", "", moe_only=True, cause="routing").on("megatron")
+def _mg_expert_bias(model, layer):
+    lay = _mg_layer(model, layer)
+    if lay is None:
+        return
+    orig = lay.mlp.router.routing
+    lay.mlp.router.routing = lambda logits, *args, **kwargs: orig(_bias_expert(logits), *args, **kwargs)
+
+
+@fault("expert_bias", "moe.topk_ids", "", moe_only=True, cause="routing").on("sglang")
+def _sg_expert_bias(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "topk"):
+        return
+    topk = lay.mlp.topk
+    orig = topk.forward
+
+    def forward(hidden_states, router_logits, *args, **kwargs):
+        return orig(hidden_states, _bias_expert(router_logits), *args, **kwargs)
+    topk.forward = forward
+
+
+def _nan_final_norm_weight(model, framework: str, layer: int) -> None:
+    if framework == "hf":
+        norm = model.model.norm
+    elif framework == "megatron":
+        norm = next((getattr(getattr(r, "decoder", None), "final_layernorm", None) for r in _mg_roots(model)), None)
+    else:
+        norm = getattr(model.model, "norm", None)
+    w = getattr(norm, "weight", None)
+    if w is not None:
+        with torch.no_grad():
+            w[5] = float("nan")
+
+
+# NaN after the layers: a NaN inside a MoE layer also reaches the router, and Megatron then routes no token to
+# some expert (a zero-size expert input, which the tracer cannot store yet).
+for _fw in ("hf", "megatron", "sglang"):
+    fault("final_norm_nan", "final_norm", "one final-norm weight element NaN (an uninitialised parameter)",
+          layered=False, cause="nonfinite").on(_fw)(lambda model, layer, _fw=_fw: _nan_final_norm_weight(model, _fw, layer))

@@ -40,3 +40,26 @@ def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
 def sample_tokens(batch: int, seq: int, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def build_hf_model_stable(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Like `build_hf_model`, but the weights depend only on (config, seed): they are drawn from a private
+    generator after construction, always in float32. `save_pretrained` writes the model's dtype into its
+    config object, after which `from_config` builds in that dtype and `build_hf_model` draws different
+    weights (bf16 noise, and transformers' init consumes the global RNG differently); tests that save a
+    checkpoint and then build the model again (the exact reference's tests) need this one."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    # from_pretrained(dtype=bf16) keeps RoPE's inverse frequencies in fp32 (they are computed, not loaded);
+    # a plain .to(bf16) would round them too, and with them every angle — not what a real bf16 model does.
+    keep = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    model = model.to(dtype).eval()
+    for n, b in keep.items():
+        mod = model.get_submodule(n.rsplit(".", 1)[0])
+        setattr(mod, n.rsplit(".", 1)[1], b)
+    return model

@@ -1,8 +1,8 @@
-"""``python -m tic_trace.adapters.slime_train <slime train arguments> --tic-trace ...``
+"""``python -m tic_trace.integrations.slime.train <slime train arguments> --tic-trace ...``
 
 slime's own entry point (``train.py``) with the ``--tic-trace`` flag family added: it calls
 ``slime.utils.arguments.parse_args(add_custom_arguments=add_arguments)``, then
-:func:`tic_trace.adapters.slime.configure`, then ``train(args)`` of slime's ``train.py``. Without
+:func:`tic_trace.integrations.slime.configure`, then ``train(args)`` of slime's ``train.py``. Without
 ``--tic-trace`` the run is exactly ``python train.py <arguments>``.
 
 ``train.py`` is a script at the root of the slime checkout, not part of the ``slime`` package. It is
@@ -55,12 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tic-trace: {INSTALL_HINT} ({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     try:
-        train = _load_train(_entry_script(getattr(slime, "__file__", None)))
+        entry = _entry_script(getattr(slime, "__file__", None))
+        train = _load_train(entry)
     except (FileNotFoundError, AttributeError) as e:
         print(f"tic-trace: {e}", file=sys.stderr)
         return 2
-    from tic_trace.adapters.slime import add_arguments, configure
+    from tic_trace.integrations.slime import add_arguments, configure, enabled
+    from tic_trace.integrations.slime.config import ENTRY_ATTR
     args = parse_args(add_custom_arguments=add_arguments)
+    if enabled(args):
+        setattr(args, ENTRY_ATTR, entry.name)      # _warn_about_setup names what train_async.py changes
     args = configure(args)
     train(args)
     return 0

@@ -1,0 +1,133 @@
+"""The rollout side: ``--custom-generate-function-path`` and the rid slime's ``post`` sends.
+
+:func:`generate` is awaited as ``fn(args, sample, sampling_params, evaluation=...)`` by
+``slime/rollout/sglang_rollout.py:generate_and_rm``. It gives a traced sample's ``/generate`` requests the
+request id ``f"{rollout_id}-{sample.index}"`` and delegates to the user's generate function or slime's.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import inspect
+import sys
+import threading
+
+from tic_trace.integrations.slime.config import chained_hook, parse_rollout_ids, enabled, sample_key, selected, warn_once
+
+#: The thread ``slime/rollout/fully_async_rollout.py`` (``AsyncRolloutWorker.start``) generates from.
+FULLY_ASYNC_THREAD = "fully-async-rollout"
+
+_RID: contextvars.ContextVar[str | None] = contextvars.ContextVar("tic_trace_rid", default=None)
+
+
+async def generate(args, sample, sampling_params, evaluation=False):
+    """``--custom-generate-function-path``: for a traced sample of a traced rollout, every ``/generate``
+    request it sends carries ``rid = f"{rollout_id}-{sample.index}"`` (set by a wrapper around slime's HTTP
+    ``post``, for this coroutine only); then the user's own generate function (if one was set) or slime's
+    ``slime.rollout.sglang_rollout.generate`` runs unchanged. Evaluation requests are never tagged."""
+    rid = _rid_for(args, sample, evaluation)
+    fn = _generate_delegate(args)
+    token = _RID.set(rid) if rid is not None else None
+    try:
+        if "evaluation" in _params(fn):
+            return await fn(args, sample, sampling_params, evaluation=evaluation)
+        return await fn(args, sample, sampling_params)
+    finally:
+        if token is not None:
+            _RID.reset(token)
+
+
+def request_rid() -> str | None:
+    """The rid :func:`generate` gives the sample whose request is being sent from this coroutine, or None.
+    For a custom generate function that sends requests with its own HTTP client: ``payload["rid"] = rid``."""
+    return _RID.get()
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _generate_delegate(args):
+    user = chained_hook(args, "custom_generate_function_path")
+    if user is not None:
+        return user
+    return importlib.import_module("slime.rollout.sglang_rollout").generate
+
+
+def current_rollout_id() -> int | None:
+    """The rollout the RolloutManager is generating: slime publishes it with
+    ``slime.rollout.sample_hooks.set_current_rollout_id`` (v0.3.1+) before calling the rollout function."""
+    try:
+        mod = importlib.import_module("slime.rollout.sample_hooks")
+    except ImportError:
+        return None
+    v = getattr(mod, "_current_rollout_id", None)
+    return None if v is None else int(v)
+
+
+def _rid_for(args, sample, evaluation) -> str | None:
+    try:
+        if evaluation or not enabled(args):
+            return None
+        idx = getattr(sample, "index", None)
+        if idx is None:
+            return None
+        if threading.current_thread().name == FULLY_ASYNC_THREAD:
+            warn_once("fully-async", "tic-trace: requests sent by slime's fully asynchronous rollout worker are not "
+                                     "tagged: the rollout they are trained in is not known when they are sent "
+                                     "(use the default rollout function for a traced run)")
+            return None
+        rollout_id = current_rollout_id()
+        if rollout_id is None:
+            warn_once("no-current-rollout", "tic-trace: slime does not publish the current rollout id "
+                                             "(slime.rollout.sample_hooks, v0.3.1+): requests are not tagged")
+            return None
+        ids = args.tic_trace_rollout_ids if isinstance(args.tic_trace_rollout_ids, list) \
+            else parse_rollout_ids(args.tic_trace_rollout_ids)
+        if rollout_id not in ids or not selected(args, idx):
+            return None
+        install_rid_injection()
+        return sample_key(rollout_id, idx)
+    except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
+        warn_once("rid", f"tic-trace: request not tagged: {type(e).__name__}: {e}")
+        return None
+
+
+#: Modules whose ``post`` sends the rollout's ``/generate`` requests (slime's default ``generate`` uses the
+#: name it imported into ``sglang_rollout``; custom generate functions usually import it from http_utils).
+POST_MODULES = ("slime.utils.http_utils", "slime.rollout.sglang_rollout")
+
+
+def install_rid_injection() -> None:
+    """Wrap ``post`` in :data:`POST_MODULES` (once): a ``/generate`` payload sent while :func:`generate`
+    runs for a traced sample gets that sample's ``rid`` unless it already has one. Other requests, other
+    coroutines and untraced samples pass through unchanged."""
+    for name in POST_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+        orig = getattr(mod, "post", None)
+        if orig is None or getattr(orig, "_tic_trace", False):
+            continue
+        setattr(mod, "post", _rid_post(orig))
+
+
+def _rid_post(orig):
+    @functools.wraps(orig)
+    async def post(url, payload, *a, **kw):
+        rid = _RID.get()
+        if rid is not None and isinstance(payload, dict) and "rid" not in payload \
+                and str(url).split("?", 1)[0].rstrip("/").endswith("/generate"):
+            payload = {**payload, "rid": rid}
+        out = orig(url, payload, *a, **kw)
+        return await out if inspect.isawaitable(out) else out
+    post._tic_trace = True
+    return post
+

@@ -1,0 +1,235 @@
+"""Scenarios on slime's own code, one per process: ``python tests/slime_real_scenarios.py NAME OUT_DIR``.
+
+Run by tests/test_slime_real.py. Each scenario puts the vendored Megatron-LM and slime first on the path
+(tic_trace.testing.slime_vendor.activate), runs slime's code with the --tic-trace integration, and writes
+what it observed to ``OUT_DIR/result.json`` (the test asserts on it; traces go under ``OUT_DIR``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tic_trace.testing import slime_vendor
+
+slime_vendor.activate()
+
+import torch  # noqa: E402
+
+from tic_trace.testing import slime_real as sr  # noqa: E402
+from tic_trace.testing.hf_models import build_hf_model, tiny_qwen3_config  # noqa: E402
+
+INTEGRATION = "tic_trace.integrations.slime"
+
+
+def _integration():
+    import importlib
+    return importlib.import_module(INTEGRATION)
+
+
+def _checkpoint(out: Path):
+    hf = build_hf_model(tiny_qwen3_config(moe=True), seed=0)
+    return hf, sr.write_checkpoint(hf.config, out / "hf")
+
+
+def _plain(v):
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+# ================================================================== parse_args
+
+def scenario_args(out: Path) -> dict:
+    """slime's parse_args with and without our add_custom_arguments, then configure(); and the version check
+    against slime's own modules."""
+    ts = _integration()
+    from tic_trace.integrations.slime.version import check_megatron_side, check_rollout_side
+    check_rollout_side()
+    check_megatron_side()
+    hf, ckpt = _checkpoint(out)
+    argv = sr.base_argv(ckpt, hf.config) + ["--debug-train-only"]
+    plain = vars(sr.parse_args(argv))
+    ours_off = vars(ts.configure(sr.parse_args(argv, ts.add_arguments)))
+    on = ts.configure(sr.parse_args(argv + ["--tic-trace", "--tic-trace-dir", str(out / "t"),
+                                            "--tic-trace-rollout-ids", "0,3"], ts.add_arguments))
+    cfg = out / "trace.yaml"
+    cfg.write_text(f"tic_trace: true\ntic_trace_dir: {out / 'y'}\ntic_trace_rollout_ids: [2]\n"
+                   "tic_trace_max_samples: 1\n")
+    yaml_on = ts.configure(sr.parse_args(argv + ["--custom-config-path", str(cfg)], ts.add_arguments))
+    # the rollout side (SGLang server arguments) needs the sglang phase of parse_args
+    argv_rollout = [a for a in argv if a != "--debug-train-only"]
+    rollout_on = ts.configure(sr.parse_args(argv_rollout + ["--tic-trace"], ts.add_arguments))
+    try:
+        ts.configure(sr.parse_args(argv_rollout + ["--tic-trace", "--rollout-function-path",
+                                                   "slime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+                                   ts.add_arguments))
+        fully_async = None
+    except ValueError as e:
+        fully_async = str(e)
+    return {
+        "fully_async_refused": fully_async,
+        "plain": {k: _plain(v) for k, v in plain.items()},
+        "ours_off": {k: _plain(v) for k, v in ours_off.items()},
+        "on": {k: _plain(getattr(on, k, None)) for k in (*ts.HOOK_PATHS, "tic_trace_rollout_ids", "tic_trace_dir")},
+        "yaml": {k: _plain(getattr(yaml_on, k, None)) for k in (*ts.HOOK_PATHS, "tic_trace_rollout_ids",
+                                                                "tic_trace_dir", "tic_trace_max_samples")},
+        "rollout": {k: _plain(getattr(rollout_on, k, None)) for k in
+                    ("sglang_disable_cuda_graph", "sglang_disable_radix_cache", "sglang_forward_hooks",
+                     "sglang_enforce_disable_flashinfer_allreduce_fusion",
+                     "custom_generate_function_path")},
+        "hook_paths": dict(ts.HOOK_PATHS),
+        "server_args_in_slime_parser": {k: k in vars(sr.parse_args(argv_rollout)) for k in ts.SERVER_ARGS},
+    }
+
+
+# ================================================================== Megatron side
+
+
+def _megatron_world():
+    from tic_trace.testing import megatron_cpu as mc
+    mc.init_parallel(0, 1)
+    sr.install_cpu_accelerator()
+    sr.install_cpu_shims()
+
+
+def _samples(rollout_id: int, lengths, *, response_length=0, seed=0):
+    from slime.utils.types import Sample
+    g = torch.Generator().manual_seed(seed + rollout_id)
+    out = []
+    for j, n in enumerate(lengths):
+        s = Sample(index=len(lengths) * rollout_id + j, group_index=len(lengths) * rollout_id + j,
+                   tokens=torch.randint(2, 128, (n,), generator=g).tolist())
+        if response_length:
+            s.response_length = response_length
+            s.loss_mask = [1] * response_length
+            s.rollout_log_probs = [-0.5] * response_length
+            s.status = Sample.Status.COMPLETED
+            s.reward = 1.0
+        out.append(s)
+    return out
+
+
+def _passes(d: Path) -> list[dict]:
+    from tic_trace.format import open_trace
+    tr = open_trace(d)
+    out = []
+    for r in tr.ranks:
+        for i in tr.pass_indices(r):
+            p = tr.open_pass(r, i)
+            out.append({"tag": p.meta.get("tag"), "keys": list(p.rows["keys"]) if p.rows else None,
+                        "phases": sorted({rec.phase for rec in p.records})})
+    return out
+
+
+def scenario_train_step0(out: Path) -> dict:
+    """kl_coef 0, one train step: can_reuse_log_probs_in_loss skips the actor's log-prob pass; train step 0
+    is traced instead (its forward only), through slime's train -> train_one_step."""
+    from megatron.training.global_vars import set_args
+    ts = _integration()
+    hf, ckpt = _checkpoint(out)
+    args = ts.configure(sr.parse_args(sr.base_argv(ckpt, hf.config) + [
+        "--debug-train-only", "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-max-samples",
+        "1", "--lr", "0.0"], ts.add_arguments))
+    _megatron_world()
+    set_args(args)
+    from slime.utils.misc import load_function
+    load_function(args.custom_megatron_init_path)(args)          # what initialize.init does
+    actor = sr.train_actor(args, sr.model_chunks(hf), with_ref=False)
+    refs = sr.train_data_refs(args, _samples(0, (9, 7), response_length=3))
+    actor.train(0, refs)
+    return {"passes": _passes(out / "traces" / "rollout_00000" / "megatron"),
+            "num_microbatches": refs[0].inner["num_microbatches"], "micro_batch_indices": refs[0].inner["micro_batch_indices"],
+            "sample_indices": [int(i) for i in refs[0].inner["sample_indices"]]}
+
+
+# ================================================================== the whole flow
+
+
+def scenario_flow(out: Path) -> dict:
+    """Rollouts 0 and 1 (two samples each) through slime's generate_and_rm -> generate -> post over HTTP to
+    SGLang's model code, train data built by slime's RolloutManager code, the actor's ref and log-prob
+    passes through slime's train_actor -> compute_log_prob -> forward_only on Megatron's schedule.
+    Rollout 1 runs with a fault planted in Megatron's layer-1 input RMSNorm."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.global_vars import set_args
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    from tic_trace.testing import megatron_cpu as mc
+    from tic_trace.testing import sglang_cpu as sc
+    from tic_trace.testing.faults import plant
+    ts = _integration()
+    hf, ckpt = _checkpoint(out)
+    (out / "ref").mkdir()
+    argv = sr.base_argv(ckpt, hf.config) + [
+        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1",
+        "--tic-trace-max-samples", "2", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
+        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
+        # the user's own hooks: --tic-trace keeps them and calls them with slime's arguments
+        "--custom-megatron-init-path", "tic_trace.testing.slime_real.user_init",
+        "--custom-megatron-before-log-prob-hook-path", "tic_trace.testing.slime_real.user_before_log_prob",
+        "--custom-megatron-before-train-step-hook-path", "tic_trace.testing.slime_real.user_before_train_step",
+        "--custom-generate-function-path", "tic_trace.testing.slime_real.user_generate"]
+    args = ts.configure(sr.parse_args(argv, ts.add_arguments))
+    sc.init_sglang_distributed(tp_size=1)
+    mc.apply_all()
+    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+    sr.install_cpu_accelerator()
+    sr.install_cpu_shims()
+    set_args(args)
+    result = {"requests": {}, "passes": {}, "micro_batches": {}}
+    server = None
+    try:
+        sg_model = sc.build_sglang_model(hf.config, hf)
+        register_forward_hooks(sg_model, args.sglang_forward_hooks)    # what ModelRunner does with the spec
+        server = sr.EngineServer(sc.SGLangRollout(sg_model), expected=2)
+        args.sglang_router_port = server.start()
+        from slime.utils.http_utils import init_http_client
+        init_http_client(args)
+        from slime.utils.misc import load_function
+        load_function(args.custom_megatron_init_path)(args)
+        model = sr.model_chunks(hf)
+        actor = sr.train_actor(args, model, with_ref=True)
+        for rollout_id in (0, 1):
+            server.seen.clear()
+            samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
+            result["requests"][rollout_id] = sorted(str(p.get("rid")) for p in server.seen)
+            refs = sr.train_data_refs(args, samples)
+            result["micro_batches"][rollout_id] = refs[0].inner["micro_batch_indices"]
+            if rollout_id == 1:
+                plant(model, "megatron", "rmsnorm_eps", 1)
+            actor.train(rollout_id, refs)
+    finally:
+        from tic_trace.adapters.sglang_server import close_sessions
+        close_sessions()
+        if server is not None:
+            server.stop()
+        mps.destroy_model_parallel()
+        mc.remove_shims()
+        sc.destroy_sglang_distributed()
+    for rollout_id in (0, 1):
+        result["passes"][rollout_id] = _passes(out / "traces" / f"rollout_{rollout_id:05d}" / "megatron")
+    result["dir"] = str(out / "traces")
+    result["user_calls"] = [list(c) for c in sr.USER_CALLS]
+    return result
+
+
+SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow}
+
+
+def main() -> None:
+    name, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    res = SCENARIOS[name](out)
+    (out / "result.json").write_text(json.dumps(res, default=repr))
+    os._exit(0)       # slime's background event-loop thread and gloo groups: no slow interpreter teardown
+
+
+if __name__ == "__main__":
+    main()

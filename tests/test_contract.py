@@ -1,0 +1,86 @@
+"""The contract diff (tic_trace/contract.py) and parameter hashes (tic_trace/weights.py) on real HF pairs:
+no tensor value is read, and each planted difference is named in its section at its point."""
+import pytest
+import torch
+
+from tic_trace.align import CanonicalView
+from tic_trace.checkpoint import HFCheckpoint
+from tic_trace.contract import diff_contract
+from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.precision_faults import PRECISION_FAULTS
+from tic_trace.weights import weight_hashes_by_point
+
+from conftest import trace_hf
+
+IDS = sample_tokens(2, 8)
+
+
+def _bf16(**cfg):
+    return build_hf_model_stable(tiny_qwen3_config(moe=True, **cfg), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    d = tmp_path_factory.mktemp("contract")
+    model = _bf16()
+    model.save_pretrained(d / "ck")
+    trace_hf(model, d / "a", IDS)
+    return HFCheckpoint(d / "ck"), d / "a"
+
+
+def _diff(a, b, ck=None):
+    return diff_contract(CanonicalView(str(a)), CanonicalView(str(b)), ck)
+
+
+def test_identical_pair_has_an_empty_contract_diff(tmp_path, clean):
+    ck, a = clean
+    trace_hf(_bf16(), tmp_path / "b", IDS)
+    assert _diff(a, tmp_path / "b", ck) == []
+
+
+def test_fp32_router_is_a_precision_difference_at_its_point(tmp_path, clean):
+    ck, a = clean
+    model = _bf16()
+    PRECISION_FAULTS["router_fp32"].plant(model, 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    d = _diff(a, tmp_path / "b")
+    assert [(x.section, x.key, x.kind, x.a, x.b) for x in d] == [
+        ("dtype", "L1.moe.router_logits", "precision", "bfloat16", "float32")]
+
+
+def test_config_and_numerics_differences(tmp_path, clean):
+    ck, a = clean
+    model = _bf16(rms_norm_eps=1e-5)
+    model.set_attn_implementation("sdpa")
+    trace_hf(model, tmp_path / "b", IDS)
+    d = {(x.section, x.key, x.against, x.side): x for x in _diff(a, tmp_path / "b", ck)}
+    assert d[("config", "rms_norm_eps", "B", None)].b == 1e-5
+    assert ("config", "rms_norm_eps", "checkpoint", "B") in d and ("config", "rms_norm_eps", "checkpoint", "A") not in d
+    assert (d[("numerics", "attn_implementation", "B", None)].a, d[("numerics", "attn_implementation", "B", None)].b) \
+        == ("eager", "sdpa")
+
+
+def test_weight_hashes_name_the_point_and_the_side_that_differs_from_the_checkpoint(tmp_path, clean):
+    ck, a = clean
+    model = _bf16()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] += 0.5
+    trace_hf(model, tmp_path / "b", IDS)
+    by_point = weight_hashes_by_point(CanonicalView(str(a)))
+    assert ("attn.q", 1) in by_point and ("moe.experts_out", 0) in by_point and ("logits", None) in by_point
+    d = [x for x in _diff(a, tmp_path / "b", ck) if x.section == "weights"]
+    assert [(x.key, x.against, x.side) for x in d] == [("L1.attn.q", "B", None), ("L1.attn.q", "checkpoint", "B")]
+    assert d[0].a == ["model.layers.1.self_attn.q_proj.weight"]
+
+
+def test_weights_rehashed_only_when_changed():
+    from tic_trace.weights import ParameterHasher
+    model = _bf16()
+    h = ParameterHasher()
+    first = h([model])
+    assert "lm_head.weight" in first and len(first) == len(list(model.parameters()))
+    assert h([model]) is None                    # nothing changed: nothing repeated
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    second = h([model])
+    assert list(second) == ["lm_head.weight"] and second["lm_head.weight"][0] != first["lm_head.weight"][0]

@@ -1,0 +1,119 @@
+"""The slime integration on slime's own code (vendored snapshots of slime 624b824a8 and Megatron-LM 1dcf0daf).
+
+Each scenario of tests/slime_real_scenarios.py runs in its own process with the vendored Megatron-LM first on
+the path (it must not meet the megatron-core wheel the rest of the suite imports); the reports are made here,
+by the `tic-trace slime-report` command, on the traces the scenario wrote. The vendor folder is
+``../shared/vendor`` next to the repository, or ``$TIC_TRACE_VENDOR_DIR``; it is test data the project ships
+with CI, so its absence is an error, not a skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tic_trace.testing.slime_vendor import VENDOR_ENV, vendor_dir, vendored_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "slime_real_scenarios.py"
+
+
+def run_scenario(name: str, out: Path) -> dict:
+    vendored_paths()                      # a clear error when the snapshots are not where they should be
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault(VENDOR_ENV, str(vendor_dir()))
+    r = subprocess.run([sys.executable, str(SCRIPT), name, str(out)], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, f"scenario {name} failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-8000:]}"
+    return json.loads((out / "result.json").read_text())
+
+
+def test_real_parse_args_flag_family(tmp_path):
+    res = run_scenario("args", tmp_path)
+    hook_paths = res["hook_paths"]
+    # without --tic-trace, every argument slime and Megatron-LM parse is what they parse without our flags
+    ours = {k: v for k, v in res["ours_off"].items() if not k.startswith("tic_trace")}
+    assert ours == res["plain"]
+    assert {k for k in res["ours_off"] if k.startswith("tic_trace")} == {
+        "tic_trace", "tic_trace_dir", "tic_trace_rollout_ids", "tic_trace_max_samples", "tic_trace_mode",
+        "tic_trace_filter"}
+    assert res["ours_off"]["tic_trace"] is False
+    # with it, the hook-path arguments slime defines point at the integration
+    for attr, path in hook_paths.items():
+        assert res["on"][attr] == path
+        assert res["yaml"][attr] == path
+    assert res["on"]["tic_trace_rollout_ids"] == [0, 3] and res["on"]["tic_trace_dir"] == str(tmp_path / "t")
+    # --custom-config-path: slime setattr's the YAML keys after parsing; configure validates them
+    assert res["yaml"]["tic_trace_rollout_ids"] == [2] and res["yaml"]["tic_trace_max_samples"] == 1
+    assert res["yaml"]["tic_trace_dir"] == str(tmp_path / "y")
+    # the SGLang server arguments exist in slime's parser (SGLang's ServerArgs, --sglang- prefixed)
+    # every SGLang server argument configure() sets is one slime's parser defines (else it would not reach
+    # the servers), and each is set
+    assert all(res["server_args_in_slime_parser"].values()), res["server_args_in_slime_parser"]
+    assert res["rollout"]["sglang_disable_cuda_graph"] is True and res["rollout"]["sglang_disable_radix_cache"] is True
+    assert res["rollout"]["sglang_enforce_disable_flashinfer_allreduce_fusion"] is True
+    assert any("tic_trace.adapters.sglang" in h["hook_factory"] for h in res["rollout"]["sglang_forward_hooks"])
+    # fully asynchronous rollout: refused, naming the flag and what to do
+    assert "generate_rollout_fully_async" in res["fully_async_refused"]
+    assert "--debug-train-only" in res["fully_async_refused"]
+
+
+def test_real_train_step0_when_log_prob_pass_is_skipped(tmp_path):
+    """kl_coef 0 and one train step: slime's can_reuse_log_probs_in_loss skips the actor's log-prob pass;
+    train step 0 is traced through slime's train -> train_one_step on Megatron's schedule, its forward only,
+    only the micro-batch holding a selected sample (max 1 sample: index 0)."""
+    res = run_scenario("train_step0", tmp_path)
+    assert res["num_microbatches"] == [2] and sorted(sum(res["micro_batch_indices"], [])) == [0, 1]
+    passes = res["passes"]
+    assert [p["tag"] for p in passes] == ["train_step0"]
+    keys = passes[0]["keys"]
+    assert set(keys) == {"0-0", None} and keys.count("0-0") == 9    # sample 0 is 9 tokens; the rest is padding
+    assert passes[0]["phases"] == ["forward"]
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slime-flow")
+    return run_scenario("flow", out)
+
+
+def test_real_flow_tags_requests_and_traces_the_log_prob_pass(flow):
+    # slime's generate_and_rm -> generate -> post sent each traced sample's request with its rid
+    assert flow["requests"] == {"0": ["0-0", "0-1"], "1": ["1-2", "1-3"]}
+    for rid in ("0", "1"):
+        # slime's dynamic batching packed both samples into one micro-batch
+        assert flow["micro_batches"][rid] == [[0, 1]]
+        passes = flow["passes"][rid]
+        # one pass: the actor's log-prob micro-batch; the ref pass ("ref_") and the training step are not traced
+        assert [p["tag"] for p in passes] == ["logprob"]
+        keys = passes[0]["keys"]
+        r = int(rid)
+        assert sorted(set(keys) - {None}) == [f"{r}-{2 * r}", f"{r}-{2 * r + 1}"] and keys[-1] is None
+
+
+def test_real_flow_chains_the_users_hooks(flow):
+    calls = [tuple(c) for c in flow["user_calls"]]
+    assert calls[0] == ("init",)
+    # forward_only called the user's hook for the ref pass then the actor pass, per rollout, with slime's list
+    assert [c for c in calls if c[0] == "log_prob"] == [("log_prob", "ref_", "list"), ("log_prob", "", "list")] * 2
+    assert [c for c in calls if c[0] == "train_step"] == [("train_step", 0, 0), ("train_step", 1, 0)]
+    assert sorted(c[1] for c in calls if c[0] == "generate") == [0, 1, 2, 3]
+    assert all(c[2] is False for c in calls if c[0] == "generate")
+
+
+def test_real_flow_slime_report(flow, tmp_path):
+    from tic_trace.testing.faults import FAULTS
+    from tic_trace.tools.cli import main as cli_main
+    clean = tmp_path / "r0.json"
+    assert cli_main(["slime-report", flow["dir"], "--rollout-id", "0", "--json", str(clean)]) == 0
+    rep0 = json.loads(clean.read_text())
+    assert rep0["verdict"] == "consistent" and rep0["rows"]["matched"] == 20   # (9 + 3) + (5 + 3) rows
+    bad = tmp_path / "r1.json"
+    assert cli_main(["slime-report", flow["dir"], "--rollout-id", "1", "--json", str(bad)]) == 1
+    rep1 = json.loads(bad.read_text())
+    fd = rep1["first_divergence"]
+    assert (fd["point"], fd["layer"]) == (FAULTS["rmsnorm_eps"].point, 1)

@@ -1,0 +1,171 @@
+"""The intrinsic rule: which side (if any) computes an op less exactly, from both sides' intrinsic errors.
+
+The statistic is `IntrinsicError.excess`: a side's relative L2 error against the exact op on its own inputs,
+in units of the error of the correctly rounded exact value (1.0 = correctly rounded; an op that rounds twice
+sits near sqrt(2)). A side is *abnormal* at a point when its excess exceeds what clean implementations of
+that op show (the point's envelope, measured, times a margin); it is *to blame* when it is abnormal and also
+clearly worse than the other side (excess ratio over `ratio`). Where the sides record the point in different
+dtypes, ULPs and excess are not comparable: that is a `precision` finding, blaming the side whose output is
+further from exact in absolute terms (relative L2). The measurements behind every number: docs/replay.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .align import CanonicalView, common_points
+from .canonical import key_name
+from .intrinsic import IntrinsicError, NotReplayed, SideReplayer
+from .reference import ExactReference
+
+# Largest excess measured on clean bf16 implementations per point (HF eager and SDPA attention, split-K
+# o_proj, identical; 3 weight seeds x 16 tokens x 2 samples, 2 seeds x 64 tokens; docs/replay.md), rounded
+# up to the op's rounding count where theory gives it: ops that round once (GEMMs with fp32 accumulation,
+# residual adds, embedding, identity) are correctly rounded, excess 1.0.
+ENVELOPE: dict[str, float] = {
+    "attn_norm": 1.47, "mlp_norm": 1.48, "final_norm": 1.50,      # normalise, round, x weight, round
+    "attn.q_norm": 1.47, "attn.k_norm": 1.52,
+    "attn.q_rope": 1.52, "attn.k_rope": 1.60,                     # bf16 cos/sin tables, 3 roundings
+    "attn.core": 1.93,                                            # eager: scores and probabilities rounded
+    "moe.experts_out": 2.94,                                      # gate, up, act, product, down, weight, sum
+}
+SINGLE_ROUNDING = 1.0
+# The envelopes hold where the op's internal precision (fp32 accumulation, fp32 norm statistics) is far
+# finer than its output's: 16-bit outputs. An fp32 output carries its own fp32 accumulation error, which
+# grows with the reduction length (clean fp32 excess measured up to 10.6 with K = 64): there one allowance,
+# FP32_ALLOWANCE, catches wrong weights or wrong ops (excess 10^4 and more) but no precision choice.
+ENVELOPE_DTYPES = ("bfloat16", "float16")
+FP32_ALLOWANCE = 1000.0
+
+
+@dataclass(frozen=True)
+class Margins:
+    """The rule's thresholds. `over`: how far above its point's envelope a side must be to be abnormal;
+    `ratio`: how much worse than the other side it must be to be blamed; `min_numel`: fewer elements than
+    this on a side and no verdict is given (the excess of a handful of roundings is noise)."""
+    over: float = 1.08
+    ratio: float = 1.15
+    min_numel: int = 32
+    ids_share: float = 0.05        # top-k: rows whose set differs from the exact choice on the side's own logits
+    envelope: dict = field(default_factory=lambda: dict(ENVELOPE))
+
+    def limit(self, point: str, dtype: str = "bfloat16") -> float:
+        """Largest excess a clean implementation of this point's op may show (inf: no envelope known)."""
+        if dtype == "float32":
+            return FP32_ALLOWANCE
+        if dtype not in ENVELOPE_DTYPES:
+            return math.inf
+        return self.envelope.get(point, SINGLE_ROUNDING) * self.over
+
+
+DEFAULT_MARGINS = Margins()
+
+
+@dataclass(frozen=True)
+class IntrinsicVerdict:
+    point: str
+    layer: int | None
+    side: str | None               # "A" | "B" | None: the side whose op is the less exact one
+    kind: str | None               # "intrinsic" | "precision" | "nonfinite" | None
+    reason: str
+    a: IntrinsicError | NotReplayed
+    b: IntrinsicError | NotReplayed
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+
+def abnormal(e: IntrinsicError, margins: Margins = DEFAULT_MARGINS) -> bool:
+    """One side alone: is its intrinsic error beyond what clean implementations of this op show?"""
+    if e.nonfinite:
+        return True
+    if e.kind == "ids":
+        return 1.0 - e.share_rounded > margins.ids_share
+    return e.numel >= margins.min_numel and e.excess > margins.limit(e.point, e.dtype)
+
+
+def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotReplayed,
+                      margins: Margins = DEFAULT_MARGINS) -> IntrinsicVerdict:
+    """Which side, if any, computes this point's op less exactly. The one judging rule of the replay."""
+    point, layer = a.point, a.layer
+
+    def out(side, kind, reason):
+        return IntrinsicVerdict(point, layer, side, kind, reason, a, b)
+
+    if isinstance(a, NotReplayed) or isinstance(b, NotReplayed):
+        why = "; ".join(f"{s}: {x.reason}" for s, x in (("A", a), ("B", b)) if isinstance(x, NotReplayed))
+        return out(None, None, f"not replayed ({why})")
+    if bool(a.nonfinite) != bool(b.nonfinite):
+        side = "A" if a.nonfinite else "B"
+        return out(side, "nonfinite", f"{side} has non-finite values where the exact op has none")
+    if a.dtype != b.dtype and a.kind != "ids":
+        worse, better, side = (a, b, "A") if a.rel_l2 > b.rel_l2 else (b, a, "B")
+        said = f"computed in {a.dtype} on A and {b.dtype} on B; rel error vs exact {a.rel_l2:.2e} (A) vs {b.rel_l2:.2e} (B)"
+        if worse.rel_l2 < margins.ratio * better.rel_l2:
+            return out(None, None, said + ": equally exact")
+        return out(side, "precision", said)
+    if min(a.numel, b.numel) < margins.min_numel and a.kind != "ids":
+        return out(None, None, f"too few elements to judge ({min(a.numel, b.numel)} < {margins.min_numel})")
+    for x, y, side in ((a, b, "A"), (b, a, "B")):
+        if not abnormal(x, margins):
+            continue
+        if x.kind == "ids":
+            if (1 - x.share_rounded) >= 2 * (1 - y.share_rounded) + 1.0 / max(x.rows, 1):
+                return out(side, "intrinsic", f"{side}'s top-k differs from the exact choice on its own logits "
+                                              f"in {1 - x.share_rounded:.1%} of rows")
+            continue
+        if x.excess >= margins.ratio * y.excess:
+            return out(side, "intrinsic", f"{side}'s error is {x.excess:.2f}x the rounding floor (limit "
+                                          f"{margins.limit(point, x.dtype):.2f}), {x.excess / max(y.excess, 1e-12):.2f}x "
+                                          f"the other side's")
+    return out(None, None, "both sides within the clean envelope, or equally far from exact")
+
+
+# ---------------------------------------------------------------- walking two traces
+
+@dataclass(frozen=True)
+class IntrinsicFinding:
+    point: str
+    layer: int | None
+    side: str                      # "A" | "B"
+    kind: str                      # "intrinsic" | "precision" | "nonfinite"
+    reason: str
+    a: IntrinsicError
+    b: IntrinsicError
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+
+def intrinsic_walk(view_a: CanonicalView, view_b: CanonicalView, reference: ExactReference,
+                   layers: Iterable[int] | None = None, margins: Margins = DEFAULT_MARGINS,
+                   stop_at_first: bool = False) -> list[IntrinsicVerdict]:
+    """The verdict at every point both sides recorded, in dataflow order (global points only without
+    `layers`). Each side is replayed from its own inputs."""
+    keep = set(layers) if layers is not None else None
+    ra, rb = SideReplayer(view_a, reference), SideReplayer(view_b, reference)
+    both, _, _ = common_points(view_a, view_b)
+    out = []
+    for point, layer in both:
+        if keep is not None and layer not in keep:
+            continue
+        v = intrinsic_verdict(ra.replay(point, layer), rb.replay(point, layer), margins)
+        out.append(v)
+        if stop_at_first and v.side is not None:
+            break
+    return out
+
+
+def first_intrinsic_divergence(view_a: CanonicalView | str, view_b: CanonicalView | str,
+                               reference: ExactReference, layers: Iterable[int] | None = None,
+                               margins: Margins = DEFAULT_MARGINS) -> IntrinsicFinding | None:
+    """The first point in dataflow order where one side's op is intrinsically (or by precision) less exact."""
+    va = view_a if isinstance(view_a, CanonicalView) else CanonicalView(view_a)
+    vb = view_b if isinstance(view_b, CanonicalView) else CanonicalView(view_b)
+    for v in intrinsic_walk(va, vb, reference, layers, margins, stop_at_first=True):
+        if v.side is not None:
+            return IntrinsicFinding(v.point, v.layer, v.side, v.kind, v.reason, v.a, v.b)
+    return None

@@ -1,0 +1,142 @@
+"""Step 1 of the finder: measure one canonical point — load both sides, align rows, compute the metrics.
+
+`measure_point` reads only that point of each side and returns a `PointMeasurement`, a plain picklable
+record (no arrays, no open files): the finder may run it in worker processes, one point (or one block of
+rows) at a time. Nothing here judges; the judge (`judge.py`) and the walk (`verdict.py`) decide from these
+numbers, so everything they need per row is kept: the per-row errors (for the per-token walk and for
+judging a routed point without the tokens whose experts flipped), the reference norm of each row (to
+recombine a relative L2 over a subset of rows), the reference router logits' top values (the top-k margin
+of a flip) and the values of one-number points (log-probs: |Δ logprob| per token).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .align import CanonicalView, RowId, align_rows
+from .canonical import BY_NAME, LOGPROBS, key_name
+from .compare import compare_routing, compare_stats, compare_values
+from .judge import coarser
+
+# Reference router-logit values kept per row: enough for the margin between the k-th and (k+1)-th expert
+# for any k below this.
+ROUTER_TOP = 33
+
+
+@dataclass
+class PointMeasurement:
+    point: str
+    layer: int | None
+    dtype: str | None = None
+    error: float | None = None            # relative L2 over the matched rows (ids: share of flipped rows);
+                                          # None: nothing compared (see `reason`)
+    nonfinite: int = 0
+    rows: list[RowId] = field(default_factory=list)   # matched rows, side A's order
+    only_a: int = 0
+    only_b: int = 0
+    metrics: dict | None = None
+    stats: dict | None = None
+    routing: dict | None = None           # ids points: RoutingMetrics (set agreement, flipped rows)
+    flipped: list[RowId] = field(default_factory=list)
+    per_row: np.ndarray | list = field(default_factory=list)      # per-row relative error (inf: NaN/Inf one side)
+    per_row_abs: np.ndarray | list = field(default_factory=list)  # per-row max |a-b|
+    row_ref_norm: np.ndarray | None = None                        # routed points: ||a_row||
+    router_top: list[list[float]] | None = None             # router logits: side A's top values, descending
+    values_a: list[float] | None = None                     # one-number points (log-probs)
+    values_b: list[float] | None = None
+    reason: str | None = None
+    derived: bool = False                 # computed by the reader (log-probs from logits), not recorded
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+    @property
+    def compared(self) -> bool:
+        return self.error is not None
+
+
+def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None) -> PointMeasurement:
+    """Load `point` of both sides, align their rows and compare them."""
+    ta, tb = va.load(point, layer), vb.load(point, layer)
+    derived = point == LOGPROBS and ((LOGPROBS, None) not in va.entries or (LOGPROBS, None) not in vb.entries)
+    m = PointMeasurement(point, layer, sources={"a": ta.sources[:4], "b": tb.sources[:4]}, derived=derived)
+    if ta.values is None or tb.values is None:
+        return _measure_stats(m, ta, tb)
+    pair = align_rows(ta, tb)
+    m.rows, m.only_a, m.only_b = pair.rows, pair.only_a, pair.only_b
+    m.dtype = coarser(ta.dtype, tb.dtype)
+    if not pair.rows:
+        m.reason = (f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check that both sides "
+                    "traced the same samples (sample keys) and positions")
+        return m
+    if pair.a.shape[1:] != pair.b.shape[1:]:
+        m.rows = []
+        m.reason = (f"the sides' rows differ in shape: A {list(pair.a.shape[1:])} ({', '.join(ta.sources[:2])}), "
+                    f"B {list(pair.b.shape[1:])} ({', '.join(tb.sources[:2])}); check the two model configs "
+                    "and the adapters' layout for this point")
+        return m
+    if BY_NAME[point].kind == "ids":
+        rm = compare_routing(pair.a, pair.b)
+        m.routing = {"rows": rm.rows, "k": rm.k, "set_agreement": rm.set_agreement, "flipped": rm.flipped_rows}
+        m.flipped = [pair.rows[i] for i in rm.flipped_index]
+        m.error = rm.error
+        return m
+    met = compare_values(pair.a, pair.b, m.dtype)
+    m.metrics = met.to_json()
+    m.error, m.nonfinite = met.error, met.nonfinite
+    # arrays, not lists of Python floats: a trace has thousands of points of thousands of rows each
+    m.per_row = np.asarray(met.per_row_rel, dtype=np.float64)
+    m.per_row_abs = np.asarray(met.per_row_max, dtype=np.float64)
+    n = len(pair.rows)
+    if BY_NAME[point].routed:
+        m.row_ref_norm = np.linalg.norm(
+            np.nan_to_num(pair.a.reshape(n, -1).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0), axis=1)
+    if BY_NAME[point].role == "router_logits":
+        top = -np.sort(-pair.a.reshape(n, -1).astype(np.float64), axis=1)[:, :ROUTER_TOP]
+        m.router_top = top.tolist()
+    if pair.a.size == n:
+        m.values_a = [float(x) for x in pair.a.reshape(-1)]
+        m.values_b = [float(x) for x in pair.b.reshape(-1)]
+    return m
+
+
+def _measure_stats(m: PointMeasurement, ta, tb) -> PointMeasurement:
+    """Only statistics on at least one side: what the statistics can say (a lower bound on the error)."""
+    m.only_a, m.only_b = len(ta.rows), len(tb.rows)
+    missing = [s for s, t in (("A", ta), ("B", tb)) if not t.stats]
+    if missing:
+        m.reason = (f"no values on side {' and '.join(missing)}"
+                    + (" (log-probs need the logits and the next tokens in the trace)" if m.derived else ""))
+        return m
+    st = compare_stats(ta.stats, tb.stats, ta.hashes, tb.hashes)
+    m.stats = st
+    if not st["comparable"] or not st["count"][0]:
+        m.reason = ("only statistics recorded and the two sides cover different rows; "
+                    "re-trace with mode 'rows' or 'full' for these points")
+        return m
+    m.dtype = coarser(ta.dtype, tb.dtype)
+    nonf = st["nonfinite"][0] != st["nonfinite"][1]
+    m.nonfinite = int(abs(st["nonfinite"][0] - st["nonfinite"][1]))
+    m.error = math.inf if nonf else (0.0 if st["bitwise_equal"] else max(st["rel_rms"], st["rel_mean"]))
+    m.reason = "statistics only: the error is a lower bound"
+    return m
+
+
+def subset_error(m: PointMeasurement, leave_out: set) -> float | None:
+    """The relative L2 of a routed point over its rows minus `leave_out` (None when none is left)."""
+    if m.row_ref_norm is None or not len(m.rows):
+        return m.error
+    keep = np.fromiter((r not in leave_out for r in m.rows), dtype=bool, count=len(m.rows))
+    if not keep.any():
+        return None
+    e, na = np.asarray(m.per_row)[keep], np.asarray(m.row_ref_norm)[keep]
+    if not np.isfinite(e).all():
+        return math.inf
+    num, den = float(((e * na) ** 2).sum()), float((na * na).sum())
+    if den <= 1e-60:
+        return 0.0 if num == 0 else math.inf
+    return math.sqrt(num / den)

@@ -1,0 +1,239 @@
+"""bf16 precision faults and clean bf16 pairs, planted in the *computation* of one side of an HF model.
+
+A precision fault is a legitimate-looking precision choice one side makes at one op (RMSNorm without the
+fp32 upcast, a bf16 softmax, fp32 RoPE tables, an fp32 router, ...). Judged by A-B they are as large as the
+op-order noise of clean pairs (SDPA vs eager attention, a split-K o_proj); judged by each side's intrinsic
+error against the exact op they are not. `worse` says which side's op is the less exact one — the side the
+intrinsic rule must name: "planted" when the fault drops precision, "clean" when it adds precision (then the
+unmodified HF side is the less exact one, and saying so is the truth a numerics engineer needs).
+
+Clean variants (`CLEAN`) change only op order or kernel, never the precision of a stored result.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrecisionFault:
+    name: str
+    point: str                 # canonical point where it must be found
+    layered: bool
+    worse: str                 # "planted" | "clean": the side whose op is the less exact one
+    what: str
+    plant: Callable            # fn(hf_model, layer)
+    moe_only: bool = False
+    plant_megatron: Callable | None = None   # fn(megatron GPTModel, layer), where the fault has a planter
+    plant_sglang: Callable | None = None     # fn(SGLang *ForCausalLM, layer)
+
+
+def _layer(model, layer):
+    return model.model.layers[layer]
+
+
+def _wrap(module, fn):
+    module.forward = types.MethodType(fn, module)
+
+
+def _attention_with(model, layer: int, name: str, fn: Callable) -> None:
+    """Run one layer's attention through `fn` (registered under `name`): the layer gets a config copy
+    naming it, the model's other layers keep theirs."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, fn)
+    attn = _layer(model, layer).self_attn
+    cfg = copy.copy(attn.config)
+    cfg._attn_implementation = name
+    attn.config = cfg
+
+
+def _scores(module, q, k, scaling, mask):
+    rep = module.num_key_value_groups
+    s = torch.matmul(q, k.repeat_interleave(rep, dim=1).transpose(2, 3)) * scaling
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s
+
+
+def _finish(module, p, v):
+    out = torch.matmul(p, v.repeat_interleave(module.num_key_value_groups, dim=1))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _softmax_bf16_attention(module, q, k, v, mask, scaling=None, **kw):
+    """Softmax evaluated step by step in the activations' dtype: max-shift, exp, sum and divide each rounded."""
+    s = _scores(module, q, k, scaling, mask)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return _finish(module, e / e.sum(-1, keepdim=True), v)
+
+
+def _sdpa_attention(module, q, k, v, mask, scaling=None, **kw):
+    """torch's fused SDPA kernel (fp32 internals, one rounding) instead of HF's eager attention."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _rmsnorm_bf16(self, x):
+    """RMSNorm without the fp32 upcast: every step rounded to the activations' dtype."""
+    var = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+
+def _plant_rmsnorm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).input_layernorm, _rmsnorm_bf16)
+
+
+def _plant_qk_norm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).self_attn.q_norm, _rmsnorm_bf16)
+
+
+def _rmsnorm_bf16_torch(self, x):
+    """torch.nn.RMSNorm (megatron's local spec) without the upcast: each step rounded to x's dtype."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (x * r) * self.weight.to(x.dtype)
+
+
+def _mg_plant_rmsnorm_no_upcast(model, layer):
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.input_layernorm, _rmsnorm_bf16_torch)
+
+
+def _mg_plant_qk_norm_no_upcast(model, layer):
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.self_attention.q_layernorm, _rmsnorm_bf16_torch)
+
+
+def _plant_softmax_bf16(model, layer):
+    _attention_with(model, layer, f"tic_softmax_bf16_{id(model)}_{layer}", _softmax_bf16_attention)
+
+
+def _plant_rope_fp32(model, layer):
+    """cos/sin kept in fp32 (q_rope/k_rope come out fp32); attention then casts q, k back to bf16."""
+    attn = _layer(model, layer).self_attn
+    rotary = model.model.rotary_emb
+
+    def pre(mod, args, kwargs):
+        h, pos = kwargs["hidden_states"], kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(h.shape[1], device=h.device)[None]
+        kwargs["position_embeddings"] = rotary(h.float(), pos)
+        return args, kwargs
+    attn.register_forward_pre_hook(pre, with_kwargs=True)
+    eager = sys.modules[type(attn).__module__].eager_attention_forward
+
+    def cast_qk(module, q, k, v, mask, **kw):
+        return eager(module, q.to(v.dtype), k.to(v.dtype), v, mask, **kw)
+    _attention_with(model, layer, f"tic_cast_qk_{id(model)}_{layer}", cast_qk)
+
+
+def _plant_router_fp32(model, layer):
+    """Megatron's moe_router_dtype=fp32: router GEMM, softmax and top-k in fp32; fp32 logits."""
+    def forward(self, hidden_states):
+        hs = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hs.float(), self.weight.float())
+        probs = torch.softmax(logits, dim=-1)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(hs.dtype), idx
+    _wrap(_layer(model, layer).mlp.gate, forward)
+
+
+def _plant_lm_head_fp32(model, layer):
+    def forward(self, x):
+        return F.linear(x.float(), self.weight.float())
+    _wrap(model.lm_head, forward)
+
+
+def _plant_fp32_residual(model, layer):
+    """fp32_residual_connection for one layer: the residual stream (mid) is kept in fp32."""
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        mid = hidden_states.float() + h.float()
+        h = self.mlp(self.post_attention_layernorm(mid).to(hidden_states.dtype))
+        return (mid + h.float()).to(hidden_states.dtype)
+    _wrap(_layer(model, layer), forward)
+
+
+def _plant_fused_silu_up(model, layer):
+    """silu(gate) * up fused in fp32 with one rounding, where HF rounds silu(gate) and the product apart."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            tok, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = (F.silu(gate.float()) * up.float()).to(hidden_states.dtype)     # the fused kernel
+            y = F.linear(h, self.down_proj[e]) * top_k_weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+    _wrap(_layer(model, layer).mlp.experts, forward)
+
+
+def _sg_plant_qk_norm_no_upcast(model, layer):
+    """SGLang's RMSNorm (q_norm is called on [tokens*heads, head_dim] without a residual on CPU)."""
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.self_attn.q_norm, _rmsnorm_bf16)
+
+
+PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
+    PrecisionFault("rmsnorm_no_upcast", "attn_norm", True, "planted",
+                   "input RMSNorm computed in bf16 (no fp32 upcast)", _plant_rmsnorm_no_upcast,
+                   plant_megatron=_mg_plant_rmsnorm_no_upcast),
+    PrecisionFault("qk_norm_no_upcast", "attn.q_norm", True, "planted",
+                   "Q-norm computed in bf16 (no fp32 upcast)", _plant_qk_norm_no_upcast,
+                   plant_megatron=_mg_plant_qk_norm_no_upcast, plant_sglang=_sg_plant_qk_norm_no_upcast),
+    PrecisionFault("softmax_bf16", "attn.core", True, "planted",
+                   "attention softmax evaluated in bf16", _plant_softmax_bf16),
+    PrecisionFault("rope_fp32_tables", "attn.q_rope", True, "clean",
+                   "RoPE cos/sin kept in fp32 (q/k rotated in fp32)", _plant_rope_fp32),
+    PrecisionFault("router_fp32", "moe.router_logits", True, "clean",
+                   "router GEMM and softmax in fp32 (moe_router_dtype=fp32)", _plant_router_fp32, moe_only=True),
+    PrecisionFault("fp32_residual", "mid", True, "clean",
+                   "residual stream kept in fp32 (fp32_residual_connection)", _plant_fp32_residual),
+    PrecisionFault("lm_head_fp32", "logits", False, "clean",
+                   "lm_head GEMM in fp32, fp32 logits", _plant_lm_head_fp32),
+    PrecisionFault("fused_silu_up", "moe.experts_out", True, "clean",
+                   "silu(gate)*up fused in fp32 (one rounding)", _plant_fused_silu_up, moe_only=True),
+]}
+
+
+# ---------------------------------------------------------------- clean bf16 variants
+
+def _clean_sdpa(model):
+    for i in range(len(model.model.layers)):
+        _attention_with(model, i, f"tic_sdpa_{id(model)}_{i}", _sdpa_attention)
+
+
+def _clean_split_k(model):
+    """Every o_proj as two half-K GEMMs with fp32 partial sums, rounded once (a split-K kernel)."""
+    def forward(self, x):
+        k = x.shape[-1] // 2
+        y = F.linear(x[..., :k].float(), self.weight[:, :k].float()) + F.linear(x[..., k:].float(),
+                                                                             self.weight[:, k:].float())
+        return y.to(x.dtype)
+    for lay in model.model.layers:
+        _wrap(lay.self_attn.o_proj, forward)
+
+
+CLEAN: dict[str, Callable] = {
+    "identical": lambda model: None,
+    "sdpa_vs_eager": _clean_sdpa,
+    "split_k_o_proj": _clean_split_k,
+}

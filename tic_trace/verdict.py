@@ -1,0 +1,226 @@
+"""Steps 2 and 3 of the finder: judge every point in dataflow order, name the causes, decide the verdict.
+
+`assess()` works on the report's own points (`report_schema.Point`), which hold every fact the rule needs
+(the error, the error inherited from the inputs, the routing facts of each MoE layer, per-token errors of
+the worst tokens). The finder calls it on freshly measured points and `rejudge` on a saved report's points,
+so both give the same answer for the same settings.
+
+Verdict: `divergent` when some finding counts (an operator jump, NaN/Inf on one side only, routers that
+compute differently, or near-tie flips that carry error over tolerance to the output, unless near ties are
+accepted); `not_comparable` when some point both sides record could not be compared on any row, or nothing
+was; `consistent` otherwise: earned, never by default.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
+from .judge import (DIVERGENT, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, ROUTING, FlipFacts, Tolerance,
+                    growth_of, judge, point_kind)
+from .report_schema import Finding, Note, Point, WorstToken, num
+
+NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
+                   "and reduction order), or routing replay (training reuses the rollout's expert choice) "
+                   "removes them; --accept-near-tie-routing accepts them")
+ROUTER_REMEDY = ("the routers compute differently: make the router computation the same on both sides "
+                 "(router weights, dtype, score function, expert bias / score correction, top-k)")
+
+
+@dataclass
+class Assessment:
+    verdict: str
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    first: Finding | None = None
+
+
+def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool = False,
+           worst_tokens: list[WorstToken] | None = None, token_errors: dict | None = None,
+           routing: dict | None = None) -> Assessment:
+    """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict."""
+    judge_points(points, tolerance, accept_near_tie)
+    for w in worst_tokens or []:
+        w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
+                                               accept_near_tie)
+    if routing is not None:
+        routing["layers"] = {str(p.layer): _layer_summary(p.routing) for p in points
+                             if is_ids(p.point) and p.routing is not None}
+    findings = [f for p in points if (f := _finding(p)) is not None]
+    computational = [f for f in findings if f.divergent and f.computational]
+    counted = computational or [f for f in findings if f.divergent]
+    first = counted[0] if counted else None
+    notes = [n for n in (_accumulated_noise(points, findings),) if n is not None]
+    compared = [p for p in points if p.status != NOT_COMPARABLE]
+    if first is not None:
+        verdict = "divergent"
+    elif not compared or len(compared) < len(points):
+        verdict = "not_comparable"
+    else:
+        verdict = "consistent"
+    return Assessment(verdict, findings, notes, first)
+
+
+def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool) -> None:
+    by_key = {p.key: p for p in points}
+    for p in points:
+        if p.error is None:
+            p.status, p.cause = NOT_COMPARABLE, None
+            continue
+        if point_kind(p.point) == "ids" and p.routing is not None:
+            p.tol = 0.0
+            facts = _flip_facts(p, by_key, tolerance, accept_near_tie)
+            j = judge(p.error, 0.0, 0.0, tolerance.growth, "ids", flips=facts)
+            router = by_key.get((p.routing or {}).get("router_key") or "")
+            if router is not None and facts.flipped and router.status == DIVERGENT:
+                router.cause = ROUTING      # the router diverges and tokens pick other experts
+        else:
+            p.tol = tolerance.tol(p.dtype, p.point, p.key)
+            j = judge(p.error, p.input_error or 0.0, p.tol, tolerance.growth, nonfinite=p.nonfinite > 0)
+        p.status, p.cause = j.status, j.cause
+        p.growth = growth_of(p.error, p.input_error) if p.routing is None else None
+
+
+def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> FlipFacts:
+    r = p.routing or {}
+    flipped = int(r.get("flipped") or 0)
+    router = by_key.get(r.get("router_key") or "")
+    router_div = router is not None and router.status == DIVERGENT
+    explained = int(r.get("explained") or 0)
+    unexplained = flipped if router_div else flipped - explained
+    near = 0 if router_div else explained
+    reach = 0
+    if not router_div:
+        for key, err in r.get("explained_outputs") or []:
+            out, err = by_key.get(key), num(err)     # a saved report holds "inf"/"nan" strings
+            if out is not None and err is not None and err > tolerance.tol(out.dtype, out.point, out.key):
+                reach += 1
+    r.update(router_divergent=router_div, router_status=router.status if router is not None else None,
+             unexplained=unexplained, near_tie=near, near_tie_to_output=reach,
+             accepted=bool(accept and near and not unexplained))
+    return FlipFacts(flipped, unexplained, reach, accept)
+
+
+def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: Tolerance,
+                     accept: bool) -> str | None:
+    """The first point where this token's own error is judged divergent (same judge, per-token errors)."""
+    prev: dict[str, float] = {}
+    flipped_layers = {str(k) for k in (w.flips or {})}
+    out_key = next((k for k in OUTPUT_POINTS if k in errs), None)
+    out_pt = next((p for p in points if p.key == out_key), None)
+    out_over = (out_pt is not None and errs[out_key] is not None
+                and errs[out_key] > tolerance.tol(out_pt.dtype, out_pt.point, out_pt.key))
+    for p in points:
+        e = errs.get(p.key)
+        if e is None or p.status == NOT_COMPARABLE:
+            continue
+        if is_ids(p.point):
+            how = (w.flips or {}).get(str(p.layer))
+            if how is None:
+                continue
+            unexpl = how == "unexplained" or bool((p.routing or {}).get("router_divergent"))
+            facts = FlipFacts(1, int(unexpl), int(not unexpl and out_over), accept)
+            j = judge(1.0, 0.0, 0.0, tolerance.growth, "ids", flips=facts)
+        else:
+            ie = max((prev[k] for k in p.inputs if k in prev), default=0.0)
+            if is_routed(p.point) and str(p.layer) in flipped_layers:
+                ie = math.inf              # this token ran other experts in this layer: inherited, not born here
+            j = judge(e, ie, p.tol if p.tol is not None else 0.0, tolerance.growth, nonfinite=math.isinf(e))
+            prev[p.key] = e
+        if j.status == DIVERGENT:
+            return p.key
+    return None
+
+
+def _layer_summary(r: dict) -> dict:
+    keys = ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
+            "set_agreement", "dlogprob_share", "accepted")
+    return {k: r.get(k) for k in keys}
+
+
+def _finding(p: Point) -> Finding | None:
+    if is_ids(p.point):
+        r = p.routing or {}
+        if not r.get("flipped"):
+            return None
+        return _routing_finding(p, r)
+    if p.status == DIVERGENT and p.cause == OPERATOR:
+        return Finding(OPERATOR, p.key, p.layer, True, True,
+                       f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, "
+                       f"{_g(p.growth)} its inputs' {_f(p.input_error)}: the operator(s) between this point's "
+                       "inputs and its output compute differently",
+                       "compare the dispatcher ops of both sides in this region (first differing op below)")
+    if p.status == DIVERGENT and p.cause == NONFINITE:
+        return Finding(NONFINITE, p.key, p.layer, True, True,
+                       f"{p.key}: {p.nonfinite} element(s) NaN/Inf on one side only, its inputs finite",
+                       "look for an overflow (a dtype too narrow), a division by zero or uninitialised memory "
+                       "in this region", {"nonfinite": p.nonfinite})
+    return None
+
+
+def _routing_finding(p: Point, r: dict) -> Finding:
+    router_div = bool(r.get("router_divergent"))
+    key = r.get("router_key") if router_div and r.get("router_key") else p.key
+    flipped, rows = r.get("flipped"), r.get("rows")
+    near, unexpl, reach = r.get("near_tie") or 0, r.get("unexplained") or 0, r.get("near_tie_to_output") or 0
+    parts = [f"layer {p.layer}: {flipped} of {rows} tokens chose other experts"]
+    if router_div:
+        parts.append(f"the router logits diverge at {r.get('router_key')}, so every flip is computational")
+    elif not r.get("router_key"):
+        parts.append("the router logits were not compared, so no margin is known: every flip counts as "
+                     "computational")
+    else:
+        parts.append(f"{near} on near ties (router-logit margin within twice the token's router-logit error), "
+                     f"{unexpl} with a margin larger than the router-logit error")
+        if r.get("router_status") == OVER:
+            parts.append(f"the router-logit error is inherited from upstream ({r.get('router_key')} is over "
+                         "tolerance without a jump): these flips follow an earlier difference")
+        if near:
+            parts.append(f"{reach} near-tie token(s) carry error over tolerance to the output")
+    share = r.get("dlogprob_share")
+    if share is not None:
+        parts.append(f"flipped tokens carry {100 * share:.0f}% of the final |Δ logprob|")
+    if r.get("accepted"):
+        parts.append("near ties accepted (--accept-near-tie-routing)")
+    remedy = ROUTER_REMEDY if (router_div or unexpl) else NEAR_TIE_REMEDY
+    detail = {k: r.get(k) for k in ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output",
+                                    "router_divergent", "dlogprob_share", "flips")}
+    return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
+                   remedy, detail)
+
+
+def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:
+    """Points over tolerance with no jump before them: noise that accumulated along the graph."""
+    stop = next((f.key for f in findings if f.divergent and f.computational), None)
+    over = []
+    for p in points:
+        if p.key == stop:
+            break
+        if p.status == OVER and not is_ids(p.point):
+            over.append(p)
+    if not over:
+        return None
+    curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
+    largest = max(over, key=lambda p: p.error if p.error is not None else -1)
+    text = (f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
+            f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the graph, "
+            "what a clean low-precision pair looks like; not a divergence")
+    order = [p.key for p in points]
+    flips = [f.key for f in findings if f.cause == ROUTING]
+    if flips and order.index(flips[0]) < order.index(over[-1].key):
+        text += f"; points after {flips[0]} also carry the error of the tokens whose experts flipped"
+    return Note("accumulated_noise", text, {"points": [p.key for p in over], "curve": curve})
+
+
+def _f(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.2e}" if x else "0"
+
+
+def _g(x) -> str:
+    if x is None:
+        return "-"
+    return "∞×" if math.isinf(x) else f"{x:.1f}×"
