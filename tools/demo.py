@@ -65,9 +65,11 @@ def prepare_out(out: Path) -> None:
 
 
 def demo_out_dir(out: str | None, console: Console) -> Path:
-    """Where the demo writes: ``--out``, or a new temporary directory (so a checkout stays clean); says which."""
+    """Where the demo writes, made ready: ``--out``, or a new temporary directory (so a checkout stays clean);
+    says which."""
     from tic_trace.text import text
     path = Path(out) if out else Path(tempfile.mkdtemp(prefix="tic-trace-demo-"))
+    prepare_out(path)
     console.print(text(f"the demo writes its traces and reports under {path}"), soft_wrap=True)  # a path to copy
     return path
 
@@ -82,7 +84,6 @@ def run_demo(args, console: Console) -> int:
     check_demo_args(args)
     out = demo_out_dir(args.out, console)
     a, b = out / "A", out / "B"
-    prepare_out(out)
     fault = None if args.fault == "none" else args.fault
     side_a, side_b = _PAIRS.get(args.pair, (None, None))
     if side_a is None:
