@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16: a bf16 pair judged with the exact reference (a checkpoint saved in --out); "
                          "faults from tic_trace/testing/precision_faults.py, e.g. rmsnorm_no_upcast")
-    sp.add_argument("--out", default="tic-trace-demo", help="directory for the two traces and the reports "
-                    "(new, empty, or an earlier demo's)")
+    sp.add_argument("--out", help="directory for the two traces and the reports: new, empty, or an earlier demo's "
+                    "(default: a new temporary one)")
     sp.set_defaults(fn=cmd_demo)
 
     from tic_trace.tools.slime_report import add_parser as add_slime_report

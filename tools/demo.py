@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -63,6 +64,16 @@ def prepare_out(out: Path) -> None:
     (out / MARKER).write_text("written by `tic-trace demo`: the next demo run here replaces A/, B/ and report.*\n")
 
 
+def demo_out_dir(out: str | None, console: Console) -> Path:
+    """Where the demo writes, made ready: ``--out``, or a new temporary directory (so a checkout stays clean);
+    says which."""
+    from tic_trace.text import text
+    path = Path(out) if out else Path(tempfile.mkdtemp(prefix="tic-trace-demo-"))
+    prepare_out(path)
+    console.print(text(f"the demo writes its traces and reports under {path}"), soft_wrap=True)  # a path to copy
+    return path
+
+
 def run_demo(args, console: Console) -> int:
     from tic_trace.diverge import find_divergence
     from tic_trace.html import render_html
@@ -74,9 +85,8 @@ def run_demo(args, console: Console) -> int:
         return demo_precision.run(args, console)
 
     check_demo_args(args)
-    out = Path(args.out)
+    out = demo_out_dir(args.out, console)
     a, b = out / "A", out / "B"
-    prepare_out(out)
     fault = None if args.fault == "none" else args.fault
     side_a, side_b = _PAIRS.get(args.pair, (None, None))
     if side_a is None:

@@ -64,10 +64,9 @@ def run(args, console: Console) -> int:
     from tic_trace.report_schema import EXIT_ERROR
     from tic_trace.testing.precision_faults import PRECISION_FAULTS
     from tic_trace.text import text
-    from tic_trace.tools.demo import prepare_out
+    from tic_trace.tools.demo import demo_out_dir
     _check(args)
-    out = Path(args.out)
-    prepare_out(out)
+    out = demo_out_dir(args.out, console)
     ckpt, a, b = out / "checkpoint", out / "A", out / "B"
     if ckpt.is_dir() and not ckpt.is_symlink():      # inside a marked demo directory: the demo's own
         shutil.rmtree(ckpt)

@@ -25,11 +25,18 @@ MEGATRON_SNAPSHOT = "megatron-lm-1dcf0daf"
 
 
 def vendor_dir() -> Path:
-    """The vendored-sources folder: ``$TIC_TRACE_VENDOR_DIR``, else ``<repo>/../shared/vendor``."""
+    """The vendored-sources folder: ``$TIC_TRACE_VENDOR_DIR``, else the first ``shared/vendor`` holding the
+    snapshots in the repository or one of the folders above it (``<repo>/../shared/vendor`` on the project's
+    machines; a clone elsewhere below the same folder finds it too)."""
     env = os.environ.get(VENDOR_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "vendor"
+    repo = Path(__file__).resolve().parents[2]
+    for base in (repo, *repo.parents):
+        v = base / "shared" / "vendor"
+        if (v / SLIME_SNAPSHOT).is_dir() and (v / MEGATRON_SNAPSHOT).is_dir():
+            return v
+    return repo.parent / "shared" / "vendor"
 
 
 def vendored_paths() -> list[str]:
