@@ -182,7 +182,10 @@ def _causes(c: Console, report: dict) -> None:
     for f in report.get("findings") or []:
         style = "red" if f.get("divergent") else "yellow"
         mark = "" if f.get("divergent") else " (not counted)"
-        c.print(text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + text(f.get("summary") or ""),
+        summary = str(f.get("summary") or "")
+        if summary.startswith(f"{f.get('key')}: "):      # the key is already on the line
+            summary = summary[len(str(f.get("key"))) + 2:]
+        c.print(text(f"  cause [{f.get('cause')}]{mark} at {f.get('key')}: ", style=style) + text(summary),
                 soft_wrap=True)
         if f.get("remedy"):
             c.print(text(f"      what removes it: {f['remedy']}", style="dim"), soft_wrap=True)
