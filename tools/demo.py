@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 
 def _trace_hf(out: Path, fault: str | None, layer: int, console: Console, setup: str | None = None):
@@ -19,7 +20,7 @@ def _trace_hf(out: Path, fault: str | None, layer: int, console: Console, setup:
     prepare(model, "hf", setup, layer)            # what both sides need (e.g. two nearly tied experts)
     if fault:
         f = plant(model, "hf", fault, layer)
-        console.print(f"planted fault [bold]{fault}[/] in layer {layer} of side B: {f.what}")
+        console.print(Text.assemble("planted fault ", (fault, "bold"), f" in layer {layer} of side B: {f.what}"))
     ids = sample_tokens(2, 12, vocab=cfg.vocab_size)
     with tic_trace.trace(model, out, adapter="hf", points_mode="full", sample_keys=["req-0", "req-1"]) as t, \
             torch.no_grad():

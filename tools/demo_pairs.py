@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
+from rich.text import Text
 
 BATCH, SEQ = 2, 12
 SAMPLE_KEYS = ["req-0", "req-1"]
@@ -46,7 +47,7 @@ def trace_hf(out: Path, model, ids, fault: str | None = None, layer: int = 0, co
     if fault:
         f = plant(model, "hf", fault, layer)
         if console is not None:
-            console.print(f"planted fault [bold]{fault}[/] in layer {layer} of the HF model: {f.what}")
+            console.print(Text.assemble("planted fault ", (fault, "bold"), f" in layer {layer} of the HF model: {f.what}"))
     with tic_trace.trace(model, out, adapter="hf", points_mode="full", sample_keys=SAMPLE_KEYS) as t, torch.no_grad():
         model(ids)
     if t.failed:
@@ -72,7 +73,7 @@ def trace_megatron_tp1(out: Path, hf_config, hf_state_dict, ids, fault: str | No
         if fault:
             f = plant(model, "megatron", fault, layer)
             if console is not None:
-                console.print(f"planted fault [bold]{fault}[/] in layer {layer} of the Megatron model: {f.what}")
+                console.print(Text.assemble("planted fault ", (fault, "bold"), f" in layer {layer} of the Megatron model: {f.what}"))
         positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
         adapter = MegatronAdapter(vocab_size=int(hf_config.vocab_size))
         with tic_trace.trace(model, out, adapter=adapter, points_mode="full", sample_keys=SAMPLE_KEYS) as t, \
@@ -87,9 +88,9 @@ def trace_megatron_tp1(out: Path, hf_config, hf_state_dict, ids, fault: str | No
 def _hf_megatron(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
     cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
-    console.print(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}")
+    console.print(Text(f"tracing a tiny random Qwen3-MoE (HF transformers) as side A -> {a}"))
     trace_hf(a, hf, ids)
-    console.print(f"tracing the same weights in megatron-core GPTModel (local spec, TP1, CPU) as side B -> {b}")
+    console.print(Text(f"tracing the same weights in megatron-core GPTModel (local spec, TP1, CPU) as side B -> {b}"))
     trace_megatron_tp1(b, cfg, hf.state_dict(), ids, fault, layer, console)
     return "hf", "megatron"
 
@@ -113,7 +114,7 @@ def trace_sglang_rollout(out: Path, hf_model, ids, fault: str | None = None, lay
         if fault:
             f = plant(model, "sglang", fault, layer)
             if console is not None:
-                console.print(f"planted fault [bold]{fault}[/] in layer {layer} of the SGLang model: {f.what}")
+                console.print(Text.assemble("planted fault ", (fault, "bold"), f" in layer {layer} of the SGLang model: {f.what}"))
         eng = sc.SGLangRollout(model)
         # one pass per model forward; the engine's KV bookkeeping between forwards is not traced
         with trace_forwards(model, out, points_mode="full") as t, torch.no_grad():
@@ -125,17 +126,17 @@ def trace_sglang_rollout(out: Path, hf_model, ids, fault: str | None = None, lay
 
 
 def _sglang_side(b: Path, hf, ids, fault, layer, console) -> None:
-    console.print(f"running the same weights as an SGLang rollout (real SGLang model code, CPU): prompts of "
+    console.print(Text(f"running the same weights as an SGLang rollout (real SGLang model code, CPU): prompts of "
                   f"{SGLANG_PROMPT_LENS[0]} and {SGLANG_PROMPT_LENS[1]} tokens, prefill + {SGLANG_DECODE_STEPS} "
-                  f"decode steps, as side B -> {b}")
+                  f"decode steps, as side B -> {b}"))
     trace_sglang_rollout(b, hf, ids, fault, layer, console)
 
 
 def _megatron_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
     cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
-    console.print(f"tracing a tiny random Qwen3-MoE in megatron-core GPTModel (local spec, TP1, CPU), one forward "
-                  f"over the full sequences, as side A -> {a}")
+    console.print(Text(f"tracing a tiny random Qwen3-MoE in megatron-core GPTModel (local spec, TP1, CPU), one forward "
+                  f"over the full sequences, as side A -> {a}"))
     trace_megatron_tp1(a, cfg, hf.state_dict(), ids)
     _sglang_side(b, hf, ids, fault, layer, console)
     return "megatron", "sglang"
@@ -144,7 +145,7 @@ def _megatron_sglang(a: Path, b: Path, fault: str | None, layer: int, console: C
 def _hf_sglang(a: Path, b: Path, fault: str | None, layer: int, console: Console) -> tuple[str, str]:
     cfg, hf = _hf_model(fault, layer)
     ids = _tokens(cfg)
-    console.print(f"tracing a tiny random Qwen3-MoE (HF transformers), full sequences, as side A -> {a}")
+    console.print(Text(f"tracing a tiny random Qwen3-MoE (HF transformers), full sequences, as side A -> {a}"))
     trace_hf(a, hf, ids)
     _sglang_side(b, hf, ids, fault, layer, console)
     return "hf", "sglang"
