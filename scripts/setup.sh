@@ -21,3 +21,6 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "${pip[@]}" --no-deps -e .
   echo "$want" > "$stamp"
 fi
+# SGLang 0.5.15.post1 (slime's pin) is read, never installed: tests/test_sglang_versions.py checks its source
+# statically. Downloaded once into $VENV/tic-trace-wheels/ and checked against its sha256; a no-op after that.
+"$VENV/bin/python" -m tic_trace.testing.sglang_source
