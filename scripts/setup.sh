@@ -45,5 +45,10 @@ step "installing tic-trace itself (editable: pip install -e .)"
 step "checking that SGLang's model code imports with the light packages"
 "$py" -m tic_trace.testing.sglang_light_check
 
+# SGLang 0.5.15.post1 (slime's pin) is read, never installed: tests/test_sglang_versions.py checks its source
+# statically. Downloaded once into $VENV/tic-trace-wheels/ and checked against its sha256.
+step "fetching SGLang 0.5.15.post1's wheel (slime's pin) to check its source statically, never installed"
+"$py" -m tic_trace.testing.sglang_source
+
 echo "$want" > "$stamp"
 step "done: $VENV is ready"
