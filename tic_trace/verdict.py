@@ -146,7 +146,7 @@ def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: 
 
 
 def _layer_summary(r: dict) -> dict:
-    keys = ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
+    keys = ("rows", "k", "k_b", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
             "set_agreement", "dlogprob_share", "accepted")
     return {k: r.get(k) for k in keys}
 
@@ -252,7 +252,10 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     flipped, rows = r.get("flipped"), r.get("rows")
     near, unexpl, reach = r.get("near_tie") or 0, r.get("unexplained") or 0, r.get("near_tie_to_output") or 0
     parts = [f"layer {p.layer}: {flipped} of {rows} tokens chose other experts"]
-    if router_div:
+    if r.get("k_b") not in (None, r.get("k")):
+        parts.append(f"side A selects {r.get('k')} experts per token, side B {r.get('k_b')}: the top-k setting "
+                     "differs, so every flip is computational")
+    elif router_div:
         parts.append(f"the router logits diverge at {r.get('router_key')}, so every flip is computational")
     elif not r.get("router_key"):
         parts.append("the router logits were not compared, so no margin is known: every flip counts as "
@@ -271,8 +274,8 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     if r.get("accepted"):
         parts.append("near ties accepted (--accept-near-tie-routing)")
     remedy = ROUTER_REMEDY if (router_div or unexpl) else NEAR_TIE_REMEDY
-    detail = {k: r.get(k) for k in ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output",
-                                    "router_divergent", "dlogprob_share", "flips")}
+    detail = {k: r.get(k) for k in ("rows", "k", "k_b", "flipped", "near_tie", "unexplained",
+                                    "near_tie_to_output", "router_divergent", "dlogprob_share", "flips")}
     return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
                    remedy, detail)
 
