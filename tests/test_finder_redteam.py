@@ -136,3 +136,43 @@ def test_redteam_fault_found_megatron_vs_sglang(tmp_path, mgsg, name):
     if name == "topk_width":
         routing = next(f for f in rep.findings if f.cause == "routing")
         assert (routing.detail["k"], routing.detail["k_b"]) == (2, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 with the checkpoint as reference: a computational fault at a point the sides record in different
+# dtypes is `intrinsic` on the side that computes another op, not a `precision` choice
+
+def _fp32_topk_weights(model, layer: int, renormalise: bool) -> None:
+    """Qwen3-MoE's HF router keeping its top-k weights in fp32 (as SGLang does), optionally without the
+    renormalisation the config asks for."""
+    import torch.nn.functional as F
+    gate = model.model.layers[layer].mlp.gate
+
+    def forward(hidden_states):
+        hs = hidden_states.reshape(-1, gate.hidden_dim)
+        logits = F.linear(hs, gate.weight)
+        top, idx = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), gate.top_k, dim=-1)
+        return logits, (top / top.sum(-1, keepdim=True) if renormalise else top), idx
+    gate.forward = forward
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_another_dtype_is_precision_only_while_both_sides_are_exact(tmp_path, renormalise):
+    from tic_trace.reference import ExactReference
+    cfg = tiny_qwen3_config(moe=True)
+    ids = sample_tokens(2, 16)
+    a = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    a.save_pretrained(tmp_path / "ck")
+    trace_hf(a, tmp_path / "a", ids)
+    b = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    _fp32_topk_weights(b, 1, renormalise)
+    trace_hf(b, tmp_path / "b", ids)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=ExactReference(str(tmp_path / "ck")))
+    point = next(p for p in rep.points if p.key == "L1.moe.topk_weights")
+    assert point.dtypes == {"a": "bfloat16", "b": "float32"}
+    if renormalise:       # a precision choice: fp32 weights are the more exact, bf16 side A the less
+        assert (point.cause, point.replay["side"]) == ("precision", "A")
+    else:                 # B drops the renormalisation: B computes another op, in whatever dtype
+        assert (point.cause, point.replay["side"]) == ("intrinsic", "B"), point.replay
+        assert (rep.first["key"], rep.first["cause"]) == ("L1.moe.topk_weights", "intrinsic")
+    _round_trip(rep)
