@@ -176,3 +176,31 @@ def test_another_dtype_is_precision_only_while_both_sides_are_exact(tmp_path, re
         assert (point.cause, point.replay["side"]) == ("intrinsic", "B"), point.replay
         assert (rep.first["key"], rep.first["cause"]) == ("L1.moe.topk_weights", "intrinsic")
     _round_trip(rep)
+
+
+def test_nan_on_both_sides_alike_is_consistent_but_noted(tmp_path, clean_moe):
+    """Both sides NaN at the same element: they agree (no finding, exit 0), and the report says both compute
+    non-finite values from that point on; against a clean side the same trace is a `nonfinite` divergence."""
+    for side in ("a", "b"):
+        model = build_hf_model(tiny_qwen3_config(moe=True))
+        plant(model, "hf", "nan_one_token", 1)
+        trace_hf(model, tmp_path / side, IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.verdict == "consistent" and rep.exit_code == 0 and rep.findings == []
+    note = next(n for n in rep.notes if n.kind == "nonfinite_shared")
+    assert next(iter(note.detail["points"])) == "L1.attn.out" and "logits" in note.detail["points"]
+    _round_trip(rep)
+    rep = find_divergence(str(clean_moe), str(tmp_path / "b"))
+    assert (rep.first["key"], rep.first["cause"]) == ("L1.attn.out", "nonfinite")
+    assert not [n for n in rep.notes if n.kind == "nonfinite_shared"]
+
+
+def test_terminal_headline_names_shared_nonfinite(tmp_path, capsys):
+    from tic_trace.tools.cli import main as cli
+    for side in ("a", "b"):
+        model = build_hf_model(tiny_qwen3_config(moe=True))
+        plant(model, "hf", "nan_one_token", 1)
+        trace_hf(model, tmp_path / side, IDS)
+    assert cli(["first-divergence", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("CONSISTENT") and "BOTH sides compute NaN/Inf" in head and "accumulated" not in head

@@ -41,6 +41,7 @@ class Metrics:
     bitwise_equal: float         # fraction of elements exactly equal
     ref_rms: float
     nonfinite: int = 0           # elements NaN/Inf on exactly one side
+    nonfinite_shared: int = 0    # elements NaN (or the same Inf) on both sides: equal, and unusable
     per_row_rel: list[float] = field(default_factory=list)   # per-row relative L2 error
     per_row_max: list[float] = field(default_factory=list)
 
@@ -104,7 +105,7 @@ class _Acc:
         self.na2, self.nd2, self.rmax = np.zeros(n), np.zeros(n), np.zeros(n)
         self.nb2 = self.dot = self.abs_sum = self.ulp_sum = 0.0
         self.ulp_max = 0.0
-        self.equal = self.nonfinite = 0
+        self.equal = self.nonfinite = self.shared = 0
         self.row_nonfinite = np.zeros(n, dtype=bool)     # rows with NaN/Inf on one side only
         self.buf = [np.empty(block) for _ in range(3)]
 
@@ -161,6 +162,7 @@ class _Acc:
         nan_both = np.isnan(A) & np.isnan(B)
         one_sided = (fa != fb) | ((~fa & ~fb) & ~nan_both & (A != B))
         self.nonfinite += int(one_sided.sum())
+        self.shared += int((~fa & ~fb).sum()) - int(((~fa & ~fb) & one_sided).sum())
         self.row_nonfinite[rows] |= one_sided.any(axis=1)
         self.equal += int(((A == B) | nan_both).sum())
         both = fa & fb
@@ -218,7 +220,7 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
         mean_ulp=acc.ulp_sum / numel if numel else 0.0,
         bitwise_equal=acc.equal / numel if numel else 1.0,
         ref_rms=norm_a / math.sqrt(max(numel, 1)),
-        nonfinite=acc.nonfinite,
+        nonfinite=acc.nonfinite, nonfinite_shared=acc.shared,
         per_row_rel=per_row_rel.tolist(),
         per_row_max=np.where(acc.row_nonfinite, np.inf, acc.rmax).tolist() if numel else [],
     )

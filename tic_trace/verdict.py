@@ -58,7 +58,8 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     leading = [f for f in computational if f.cause in LEADING_CAUSES]
     counted = leading or computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
-    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings)) if n is not None]
+    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings), _shared_nonfinite(points))
+             if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     if first is not None:
         verdict = "divergent"
@@ -278,6 +279,18 @@ def _routing_finding(p: Point, r: dict) -> Finding:
                                     "near_tie_to_output", "router_divergent", "dlogprob_share", "flips")}
     return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
                    remedy, detail)
+
+
+def _shared_nonfinite(points: list[Point]) -> Note | None:
+    """Points where both sides hold NaN/Inf at the same elements: the sides agree there (no finding), but
+    the values are unusable; a pair whose log-probs are NaN on both sides must not read as plainly clean."""
+    hit = [(p.key, int((p.metrics or {}).get("nonfinite_shared") or 0)) for p in points]
+    hit = [(k, n) for k, n in hit if n]
+    if not hit:
+        return None
+    return Note("nonfinite_shared", f"{len(hit)} point(s) hold NaN/Inf on both sides at the same elements (first "
+                                    f"{hit[0][0]}: {hit[0][1]} element(s)): the sides agree there, but both "
+                                    "compute non-finite values", {"points": dict(hit)})
 
 
 def _not_replayed(points: list[Point]) -> Note | None:
