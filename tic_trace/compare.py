@@ -41,6 +41,7 @@ class Metrics:
     bitwise_equal: float         # fraction of elements exactly equal
     ref_rms: float
     nonfinite: int = 0           # elements NaN/Inf on exactly one side
+    nonfinite_shared: int = 0    # elements NaN (or the same Inf) on both sides: equal, and unusable
     per_row_rel: list[float] = field(default_factory=list)   # per-row relative L2 error
     per_row_max: list[float] = field(default_factory=list)
 
@@ -59,11 +60,12 @@ class Metrics:
 class RoutingMetrics:
     rows: int
     k: int
-    set_agreement: float         # mean |A ∩ B| / k over rows
+    set_agreement: float         # mean |A ∩ B| / max(k, k_b) over rows
     flipped_rows: int            # rows whose expert sets differ
     flipped_index: list[int]     # row indices (into the aligned rows) that flipped
     flip_margins: list[float]    # router-logit margin (k-th minus (k+1)-th, side A) at each flip, if known
     unexplained_flips: int       # flips whose margin exceeds the router-logit error at that row
+    k_b: int = 0                 # side B's top-k, where it differs from A's every row is an unexplained flip
 
     @property
     def error(self) -> float:
@@ -103,7 +105,7 @@ class _Acc:
         self.na2, self.nd2, self.rmax = np.zeros(n), np.zeros(n), np.zeros(n)
         self.nb2 = self.dot = self.abs_sum = self.ulp_sum = 0.0
         self.ulp_max = 0.0
-        self.equal = self.nonfinite = 0
+        self.equal = self.nonfinite = self.shared = 0
         self.row_nonfinite = np.zeros(n, dtype=bool)     # rows with NaN/Inf on one side only
         self.buf = [np.empty(block) for _ in range(3)]
 
@@ -160,6 +162,7 @@ class _Acc:
         nan_both = np.isnan(A) & np.isnan(B)
         one_sided = (fa != fb) | ((~fa & ~fb) & ~nan_both & (A != B))
         self.nonfinite += int(one_sided.sum())
+        self.shared += int((~fa & ~fb).sum()) - int(((~fa & ~fb) & one_sided).sum())
         self.row_nonfinite[rows] |= one_sided.any(axis=1)
         self.equal += int(((A == B) | nan_both).sum())
         both = fa & fb
@@ -217,7 +220,7 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
         mean_ulp=acc.ulp_sum / numel if numel else 0.0,
         bitwise_equal=acc.equal / numel if numel else 1.0,
         ref_rms=norm_a / math.sqrt(max(numel, 1)),
-        nonfinite=acc.nonfinite,
+        nonfinite=acc.nonfinite, nonfinite_shared=acc.shared,
         per_row_rel=per_row_rel.tolist(),
         per_row_max=np.where(acc.row_nonfinite, np.inf, acc.rmax).tolist() if numel else [],
     )
@@ -229,8 +232,9 @@ def compare_routing(ids_a: np.ndarray, ids_b: np.ndarray, logits_a: np.ndarray |
     between the k-th and (k+1)-th expert is within twice that row's router-logit error. Vectorised: the
     set intersection of each row from a [rows, k, k] equality table, in row blocks."""
     n, k = ids_a.shape[0], int(np.prod(ids_a.shape[1:], dtype=np.int64))
+    k_b = int(np.prod(ids_b.shape[1:], dtype=np.int64))   # another top-k on side B: no row's set can agree
     A = ids_a.reshape(n, k).astype(np.int64)
-    B = ids_b.reshape(n, k).astype(np.int64)
+    B = ids_b.reshape(n, k_b).astype(np.int64)
     inter = np.empty(n, dtype=np.int64)
     step = max(1, BLOCK_ELEMS // max(k * k, 1))
     earlier = np.tri(k, k, -1, dtype=bool)          # [i, j]: j < i
@@ -239,15 +243,15 @@ def compare_routing(ids_a: np.ndarray, ids_b: np.ndarray, logits_a: np.ndarray |
         first = ~((a[:, :, None] == a[:, None, :]) & earlier).any(axis=2)   # first copy of each id in a
         in_b = (a[:, :, None] == b[:, None, :]).any(axis=2)
         inter[r:r + step] = (first & in_b).sum(axis=1)
-    flipped = np.flatnonzero(inter < k)
+    flipped = np.flatnonzero(inter < k) if k_b == k else np.arange(n)
     margins = np.full(flipped.size, np.nan)
     if logits_a is not None and logits_a.shape[-1] > k and flipped.size:
         srt = -np.sort(-logits_a[flipped].reshape(flipped.size, -1), axis=1)
         margins = (srt[:, k - 1] - srt[:, k]).astype(np.float64)
     tol = 2.0 * np.asarray(logit_err, dtype=np.float64)[flipped] if logit_err is not None else 0.0
     with np.errstate(invalid="ignore"):
-        unexplained = int((~(margins <= tol)).sum())
-    return RoutingMetrics(rows=n, k=k, set_agreement=float(inter.mean() / k) if n else 1.0,
+        unexplained = int((~(margins <= tol)).sum()) if k_b == k else int(flipped.size)
+    return RoutingMetrics(rows=n, k=k, k_b=k_b, set_agreement=float(inter.mean() / max(k, k_b)) if n else 1.0,
                           flipped_rows=int(flipped.size), flipped_index=flipped.tolist(),
                           flip_margins=margins.tolist(), unexplained_flips=unexplained)
 

@@ -120,7 +120,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
         p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
                   only_b=m.only_b, metrics=m.metrics, stats=m.stats, reason=m.reason, sources=m.sources,
                   nonfinite=m.nonfinite, carried_error=m.error, dtypes=m.dtypes)
-        feeds = feeds_of(m.point, m.layer, present, n_layers)
+        feeds = _compared_feeds(feeds_of(m.point, m.layer, present, n_layers), by, present, n_layers)
         p.inputs = [key_name(*f) for f in feeds]
         ins = [(judged if is_routed(m.point) and is_routed(f[0]) and f[1] == m.layer else carried)[f]
                for f in feeds if not is_ids(f[0]) and f in carried]
@@ -143,6 +143,21 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
     return points
 
 
+def _compared_feeds(feeds: list, by: dict, present: set, n_layers: int | None) -> list:
+    """The feeds whose error is known: a feed that was not compared (rows of another shape, no rows in
+    common, statistics that cannot be compared) is replaced by its own feeds, up to compared ones. Dropping
+    it instead would make the point's inputs look as if they agree exactly, and any difference born at or
+    before the uncompared feed would be blamed on this point's operator."""
+    out: list = []
+    for f in feeds:
+        m = by.get(f)
+        if m is None or m.compared:
+            out.append(f)
+        else:
+            out.extend(_compared_feeds(feeds_of(f[0], f[1], present, n_layers), by, present, n_layers))
+    return list(dict.fromkeys(out))
+
+
 def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
     """Per-row errors of the output points (log-probs, logits, final norm), best first."""
     by = {m.key: m for m in measured if m.compared and len(m.per_row)}
@@ -159,6 +174,8 @@ def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[t
     error, explained). A flip is *explained* when the margin is within twice the error; without router logits
     the margin is unknown (NaN) and the flip is not explained."""
     k = int(m.routing["k"])
+    if m.routing.get("k_b") not in (None, k):       # another top-k on side B: no margin explains that
+        return [(row, math.nan, math.nan, False) for row in m.flipped]
     rix = {r: i for i, r in enumerate(router.rows)} if router is not None and router.router_top else {}
     out = []
     for row in m.flipped:
@@ -258,7 +275,7 @@ def _first_divergence(v: Assessment, points: list[Point], ops_of: Callable[[Poin
 
 
 def _ops_in_region(va: CanonicalView, vb: CanonicalView, first: Point, present: set, n_layers) -> OpsRegion:
-    feeds = feeds_of(first.point, first.layer, present, n_layers)
+    feeds = [parse_key(k) for k in first.inputs] if first.inputs else feeds_of(first.point, first.layer, present, n_layers)
     out = {}
     for side, v in (("a", va), ("b", vb)):
         seqs = [s for s in (v.seq_of(*f) for f in feeds) if s is not None]

@@ -210,8 +210,17 @@ class SideReplayer:
         x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
         if point == "attn.core":
             x.update(_kv_feeds(feeds["attn.k_rope"], feeds["attn.v"], dev))
-        exact = self.ref.compute(point, layer, x, rows, self.view.tokens).cpu().numpy()
+        try:
+            exact = self.ref.compute(point, layer, x, rows, self.view.tokens).cpu().numpy()
+        except (RuntimeError, ValueError) as e:    # the side's inputs do not fit the checkpoint's op
+            raise NotReplayable(f"the exact op does not accept this side's inputs ({type(e).__name__}: "
+                                f"{str(e)[:160]}): the side computes another op than the checkpoint's config "
+                                "says") from None
         y = out.values[idx[0]]
+        if y.size != exact.size:
+            raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
+                                f"config gives {list(exact.shape[1:])}: the side computes another op (another "
+                                "top-k, head count or size)")
         return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype)
 
     def replay_all(self, layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:

@@ -116,6 +116,15 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
         side = "A" if a.nonfinite else "B"
         return out(side, "nonfinite", f"{side} has non-finite values where the exact op has none")
     if a.dtype != b.dtype and a.kind != "ids":
+        # Another dtype is a precision choice only while each side is as exact as clean implementations are
+        # in its own dtype; a side beyond that computes another op (a missing renormalisation, a wrong
+        # weight), whatever the other side's dtype: that is intrinsic, not precision.
+        odd = [(x, side) for x, side in ((a, "A"), (b, "B")) if abnormal(x, margins)]
+        if len(odd) == 1:
+            x, side = odd[0]
+            return out(side, "intrinsic", f"{side}'s error is {x.excess:.2f}x the rounding floor of its own dtype "
+                                          f"{x.dtype} (limit {margins.limit(point, x.dtype):.2f}): beyond a "
+                                          "precision choice (the sides record different dtypes)")
         worse, better, side = (a, b, "A") if a.rel_l2 > b.rel_l2 else (b, a, "B")
         said = f"computed in {a.dtype} on A and {b.dtype} on B; rel error vs exact {a.rel_l2:.2e} (A) vs {b.rel_l2:.2e} (B)"
         if worse.rel_l2 < margins.ratio * better.rel_l2:

@@ -74,7 +74,8 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         m.reason = (f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check that both sides "
                     "traced the same samples (sample keys) and positions")
         return m
-    if pair.a.shape[1:] != pair.b.shape[1:]:
+    ids = BY_NAME[point].kind == "ids" and pair.a.ndim == pair.b.ndim == 2
+    if pair.a.shape[1:] != pair.b.shape[1:] and not ids:     # ids of another top-k: every set differs
         m.rows = []
         m.reason = (f"the sides' rows differ in shape: A {list(pair.a.shape[1:])} ({', '.join(ta.sources[:2])}), "
                     f"B {list(pair.b.shape[1:])} ({', '.join(tb.sources[:2])}); check the two model configs "
@@ -83,6 +84,8 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     if BY_NAME[point].kind == "ids":
         rm = compare_routing(pair.a, pair.b)
         m.routing = {"rows": rm.rows, "k": rm.k, "set_agreement": rm.set_agreement, "flipped": rm.flipped_rows}
+        if rm.k_b != rm.k:
+            m.routing["k_b"] = rm.k_b
         m.flipped = [pair.rows[i] for i in rm.flipped_index]
         m.error = rm.error
         return m

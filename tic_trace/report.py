@@ -62,7 +62,10 @@ def headline(report: dict) -> str:
         if any(f.get("cause") == "routing" for f in report.get("findings") or []):
             extra.append("routing flips on near ties shown below" + (
                 " (accepted)" if (report.get("settings") or {}).get("accept_near_tie_routing") else ""))
-        if report.get("notes"):
+        kinds = [n.get("kind") for n in report.get("notes") or []]
+        if "nonfinite_shared" in kinds:
+            extra.append("BOTH sides compute NaN/Inf at the same elements (noted below)")
+        if "accumulated_noise" in kinds:
             extra.append("accumulated noise noted below")
         return (f"CONSISTENT: {n} canonical points compared on {(report.get('rows') or {}).get('matched')} rows, "
                 "none diverges" + ("; " + "; ".join(extra) if extra else ""))

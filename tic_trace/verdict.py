@@ -58,7 +58,8 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     leading = [f for f in computational if f.cause in LEADING_CAUSES]
     counted = leading or computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
-    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings)) if n is not None]
+    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings), _shared_nonfinite(points))
+             if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     if first is not None:
         verdict = "divergent"
@@ -146,7 +147,7 @@ def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: 
 
 
 def _layer_summary(r: dict) -> dict:
-    keys = ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
+    keys = ("rows", "k", "k_b", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
             "set_agreement", "dlogprob_share", "accepted")
     return {k: r.get(k) for k in keys}
 
@@ -252,7 +253,10 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     flipped, rows = r.get("flipped"), r.get("rows")
     near, unexpl, reach = r.get("near_tie") or 0, r.get("unexplained") or 0, r.get("near_tie_to_output") or 0
     parts = [f"layer {p.layer}: {flipped} of {rows} tokens chose other experts"]
-    if router_div:
+    if r.get("k_b") not in (None, r.get("k")):
+        parts.append(f"side A selects {r.get('k')} experts per token, side B {r.get('k_b')}: the top-k setting "
+                     "differs, so every flip is computational")
+    elif router_div:
         parts.append(f"the router logits diverge at {r.get('router_key')}, so every flip is computational")
     elif not r.get("router_key"):
         parts.append("the router logits were not compared, so no margin is known: every flip counts as "
@@ -271,10 +275,22 @@ def _routing_finding(p: Point, r: dict) -> Finding:
     if r.get("accepted"):
         parts.append("near ties accepted (--accept-near-tie-routing)")
     remedy = ROUTER_REMEDY if (router_div or unexpl) else NEAR_TIE_REMEDY
-    detail = {k: r.get(k) for k in ("rows", "k", "flipped", "near_tie", "unexplained", "near_tie_to_output",
-                                    "router_divergent", "dlogprob_share", "flips")}
+    detail = {k: r.get(k) for k in ("rows", "k", "k_b", "flipped", "near_tie", "unexplained",
+                                    "near_tie_to_output", "router_divergent", "dlogprob_share", "flips")}
     return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
                    remedy, detail)
+
+
+def _shared_nonfinite(points: list[Point]) -> Note | None:
+    """Points where both sides hold NaN/Inf at the same elements: the sides agree there (no finding), but
+    the values are unusable; a pair whose log-probs are NaN on both sides must not read as plainly clean."""
+    hit = [(p.key, int((p.metrics or {}).get("nonfinite_shared") or 0)) for p in points]
+    hit = [(k, n) for k, n in hit if n]
+    if not hit:
+        return None
+    return Note("nonfinite_shared", f"{len(hit)} point(s) hold NaN/Inf on both sides at the same elements (first "
+                                    f"{hit[0][0]}: {hit[0][1]} element(s)): the sides agree there, but both "
+                                    "compute non-finite values", {"points": dict(hit)})
 
 
 def _not_replayed(points: list[Point]) -> Note | None:

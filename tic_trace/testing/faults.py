@@ -27,19 +27,21 @@ class Fault:
     setup: dict = field(default_factory=dict)   # framework -> fn(model, layer): a property of the *model*
                                                 # both sides need before the fault means anything (e.g. two
                                                 # experts' router rows nearly tied); applied with `prepare`
+    suite: str = "core"          # "core": the adapters' suites run it; "redteam": tests/test_finder_redteam.py
 
 
 FAULTS: dict[str, Fault] = {}
 
 
-def fault(name: str, point: str, what: str, *, layered: bool = True, moe_only: bool = False, cause: str = "operator"):
+def fault(name: str, point: str, what: str, *, layered: bool = True, moe_only: bool = False, cause: str = "operator",
+          suite: str = "core"):
     """Register a planter for `framework` under fault `name` (decorator: @fault(...).on("hf")), or a setup
     both sides need (@fault(...).setup_on("hf"))."""
     def _register(framework: str, fn: Callable, slot: str):
-        f = FAULTS.get(name) or Fault(name, point, layered, what, {}, moe_only, cause, {})
+        f = FAULTS.get(name) or Fault(name, point, layered, what, {}, moe_only, cause, {}, suite)
         plant_, setup_ = dict(f.plant), dict(f.setup)
         (plant_ if slot == "plant" else setup_)[framework] = fn
-        FAULTS[name] = Fault(f.name, f.point, f.layered, f.what, plant_, f.moe_only, f.cause, setup_)
+        FAULTS[name] = Fault(f.name, f.point, f.layered, f.what, plant_, f.moe_only, f.cause, setup_, f.suite)
 
     class _Reg:
         @staticmethod
@@ -190,7 +192,8 @@ def _hf_lm_head_bf16(model, layer):
 
 def hf_faults(moe: bool) -> list[str]:
     """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
-    return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only) and not f.setup]
+    return [n for n, f in FAULTS.items() if "hf" in f.plant and (moe or not f.moe_only) and not f.setup
+            and f.suite == "core"]
 
 
 # ---------------------------------------------------------------- Megatron planters
@@ -351,7 +354,8 @@ def _mg_lm_head_bf16(model, layer):
 
 def megatron_faults(moe: bool) -> list[str]:
     """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
-    return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only) and not f.setup]
+    return [n for n, f in FAULTS.items() if "megatron" in f.plant and (moe or not f.moe_only) and not f.setup
+            and f.suite == "core"]
 
 
 # ---------------------------------------------------------------- SGLang planters
@@ -501,7 +505,8 @@ def _sg_decode_only_scale(model, layer):
 
 def sglang_faults(moe: bool) -> list[str]:
     """Faults planted on one side only (those with a both-sides setup are listed by `routing_faults`)."""
-    return [n for n, f in FAULTS.items() if "sglang" in f.plant and (moe or not f.moe_only) and not f.setup]
+    return [n for n, f in FAULTS.items() if "sglang" in f.plant and (moe or not f.moe_only) and not f.setup
+            and f.suite == "core"]
 
 
 # ---------------------------------------------------------------- routing faults (all frameworks)
@@ -644,7 +649,7 @@ for _fw in ("hf", "megatron", "sglang"):
 
 
 def routing_faults() -> list[str]:
-    return [n for n, f in FAULTS.items() if f.cause == "routing"]
+    return [n for n, f in FAULTS.items() if f.cause == "routing" and f.suite == "core"]
 
 
 EXPERT_BIAS = 0.2             # added to expert 3's router logit before the top-k, on one side only
@@ -702,3 +707,231 @@ def _nan_final_norm_weight(model, framework: str, layer: int) -> None:
 for _fw in ("hf", "megatron", "sglang"):
     fault("final_norm_nan", "final_norm", "one final-norm weight element NaN (an uninitialised parameter)",
           layered=False, cause="nonfinite").on(_fw)(lambda model, layer, _fw=_fw: _nan_final_norm_weight(model, _fw, layer))
+
+
+# ---------------------------------------------------------------- red-team faults (tests/test_finder_redteam.py)
+# Bugs a real engine or trainer has had, none of them one of the faults above. Each is planted in the
+# computation of one side; `redteam_faults(framework)` lists them.
+
+def redteam_faults(framework: str, moe: bool = True) -> list[str]:
+    return [n for n, f in FAULTS.items() if f.suite == "redteam" and framework in f.plant
+            and (moe or not f.moe_only)]
+
+
+def _rt(name: str, point: str, what: str, **kw):
+    return fault(name, point, what, suite="redteam", **kw)
+
+
+def _hf_attention_with(model, layer: int, fn: Callable) -> None:
+    """One layer's attention through `fn` (a transformers attention function), the other layers unchanged."""
+    import copy
+    from transformers import AttentionInterface
+    name = f"tic_redteam_{id(model)}_{layer}_{fn.__name__}"
+    AttentionInterface.register(name, fn)
+    attn = _hf_layer(model, layer).self_attn
+    cfg = copy.copy(attn.config)
+    cfg._attn_implementation = name
+    attn.config = cfg
+
+
+def _eager(module, q, k, v, mask, scaling, *, tile: bool = False, future: int = 0):
+    rep = module.num_key_value_groups
+    k2, v2 = (k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)) if tile else \
+        (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+    s = torch.matmul(q, k2.transpose(2, 3)) * scaling
+    if future:
+        n = s.shape[-1]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(future), float("-inf"))
+    elif mask is not None:
+        s = s + mask
+    p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v2).transpose(1, 2).contiguous(), None
+
+
+def _causal_off_by_one(module, q, k, v, mask, scaling=None, **kw):
+    return _eager(module, q, k, v, mask, scaling, future=1)      # each query also sees the next token
+
+
+def _gqa_tiled(module, q, k, v, mask, scaling=None, **kw):
+    return _eager(module, q, k, v, mask, scaling, tile=True)     # query head h reads kv head h % kv_heads
+
+
+@_rt("causal_off_by_one", "attn.core", "causal mask off by one: each token attends one future token").on("hf")
+def _hf_causal_off_by_one(model, layer):
+    _hf_attention_with(model, layer, _causal_off_by_one)
+
+
+@_rt("gqa_tiled", "attn.core", "GQA head mapping permuted: kv heads tiled instead of interleaved").on("hf")
+def _hf_gqa_tiled(model, layer):
+    _hf_attention_with(model, layer, _gqa_tiled)
+
+
+@_rt("rotate_half_interleaved", "attn.q_rope", "RoPE with the interleaved rotate_half convention "
+                                               "(pairs 2i, 2i+1) on a half-split model").on("hf")
+def _hf_rotate_half_interleaved(model, layer):
+    import sys
+    attn = _hf_layer(model, layer).self_attn
+    mod = sys.modules[type(attn).__module__]
+    orig = mod.rotate_half
+
+    def interleaved(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+    attn.register_forward_pre_hook(lambda *a: setattr(mod, "rotate_half", interleaved))
+    attn.register_forward_hook(lambda *a: setattr(mod, "rotate_half", orig))
+
+
+@_rt("k_norm_weight_on_q", "attn.q_norm", "the K-norm weight loaded into the Q-norm").on("hf")
+def _hf_k_norm_on_q(model, layer):
+    attn = _hf_layer(model, layer).self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.copy_(attn.k_norm.weight)
+
+
+def _v_bias(n: int) -> torch.Tensor:
+    return 0.01 * torch.randn(n, generator=torch.Generator().manual_seed(3))
+
+
+@_rt("v_bias", "attn.v", "a stray bias (std 0.01) on the v projection").on("hf")
+def _hf_v_bias(model, layer):
+    v = _hf_layer(model, layer).self_attn.v_proj
+    b = _v_bias(v.out_features)
+    v.register_forward_hook(lambda mod, i, o: o + b.to(o.dtype))
+
+
+@_rt("final_norm_eps", "final_norm", "final RMSNorm epsilon 1e-6 -> 1e-3 (only there)", layered=False).on("hf")
+def _hf_final_norm_eps(model, layer):
+    model.model.norm.variance_epsilon = 1e-3
+
+
+@_rt("lm_head_row", "logits", "one lm_head row (token 7) x1.05", layered=False).on("hf")
+def _hf_lm_head_row(model, layer):
+    with torch.no_grad():
+        model.lm_head.weight[7] *= 1.05
+
+
+@_rt("no_norm_topk_prob", "moe.topk_weights", "norm_topk_prob off on one side", moe_only=True).on("hf")
+def _hf_no_norm_topk(model, layer):
+    _hf_layer(model, layer).mlp.gate.norm_topk_prob = False
+
+
+@_rt("topk_width", "moe.topk_ids", "top-1 routing on one side where the model says top-2", moe_only=True,
+     cause="routing").on("hf")
+def _hf_topk_width(model, layer):
+    _hf_layer(model, layer).mlp.gate.top_k = 1
+
+
+@_rt("logit_softcap", "logits", "logits soft-capped (5 tanh(x/5)) on one side", layered=False).on("hf")
+def _hf_logit_softcap(model, layer):
+    model.lm_head.register_forward_hook(lambda mod, i, o: 5.0 * torch.tanh(o / 5.0))
+
+
+def _nan_row(y: torch.Tensor) -> torch.Tensor:
+    y = y.clone()
+    y.view(-1, y.shape[-1])[min(3, y.numel() // y.shape[-1] - 1), 0] = float("nan")
+    return y
+
+
+@_rt("nan_one_token", "attn.out", "one element of one token's attention output NaN", cause="nonfinite").on("hf")
+def _hf_nan_one_token(model, layer):
+    _hf_layer(model, layer).self_attn.o_proj.register_forward_hook(lambda mod, i, o: _nan_row(o))
+
+
+@_rt("dropout_attn_out", "attn.out", "dropout-like zeroing of 1% of the attention output").on("hf")
+def _hf_dropout_attn_out(model, layer):
+    def hook(mod, i, out):
+        keep = torch.rand(out.shape, generator=torch.Generator().manual_seed(5)) >= 0.01
+        return out * keep.to(out.dtype)
+    _hf_layer(model, layer).self_attn.o_proj.register_forward_hook(hook)
+
+
+@_rt("residual_scale", "mid", "the attention residual scaled by (1 + 1e-3)").on("hf")
+def _hf_residual_scale(model, layer):
+    lay = _hf_layer(model, layer)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        h = self.input_layernorm(hidden_states)
+        h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        mid = hidden_states * (1 + 1e-3) + h                              # the fault
+        return mid + self.mlp(self.post_attention_layernorm(mid))
+    _wrap_forward(lay, forward)
+
+
+# SGLang: the rollout side
+@_rt("topk_width", "moe.topk_ids", "", moe_only=True, cause="routing").on("sglang")
+def _sg_topk_width(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None and hasattr(lay.mlp, "topk"):
+        lay.mlp.topk.topk_config.top_k = 1
+
+
+@_rt("decode_rope_position", "attn.q_rope", "decode steps rotate q/k at position + 1 (a KV-cache position "
+                                            "bug); prefill is right").on("sglang")
+def _sg_decode_rope_position(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    attn = lay.self_attn
+    orig = attn.forward
+
+    def forward(positions, hidden_states, forward_batch, *args, **kwargs):
+        if forward_batch.forward_mode.is_decode():
+            positions = positions + 1                                      # the fault
+        return orig(positions, hidden_states, forward_batch, *args, **kwargs)
+    attn.forward = forward
+
+
+@_rt("nan_one_token", "attn.out", "", cause="nonfinite").on("sglang")
+def _sg_nan_one_token(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        lay.self_attn.o_proj.register_forward_hook(lambda mod, i, o: (_nan_row(o[0]), o[1]))
+
+
+@_rt("v_bias", "attn.v", "").on("sglang")
+def _sg_v_bias(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    attn = lay.self_attn
+    b = _v_bias(attn.kv_size)
+
+    def hook(mod, i, out):
+        y = out[0].clone()
+        y[..., attn.q_size + attn.kv_size:] += b.to(y.dtype)             # the v slice of the fused qkv
+        return y, out[1]
+    attn.qkv_proj.register_forward_hook(hook)
+
+
+@_rt("final_norm_eps", "final_norm", "", layered=False).on("sglang")
+def _sg_final_norm_eps(model, layer):
+    model.model.norm.variance_epsilon = 1e-3
+
+
+@_rt("lm_head_row", "logits", "", layered=False).on("sglang")
+def _sg_lm_head_row(model, layer):
+    with torch.no_grad():
+        model.lm_head.weight[7] *= 1.05
+
+
+@_rt("no_norm_topk_prob", "moe.topk_weights", "", moe_only=True).on("sglang")
+def _sg_no_norm_topk(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is not None and hasattr(lay.mlp, "topk"):
+        lay.mlp.topk.topk_config.renormalize = False
+
+
+@_rt("residual_scale", "mid", "").on("sglang")
+def _sg_residual_scale(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    norm = lay.post_attention_layernorm
+    orig = norm.forward
+
+    def forward(x, residual=None, *args, **kwargs):
+        if residual is None:
+            return orig(x, *args, **kwargs)
+        return orig(x, residual * (1 + 1e-3), *args, **kwargs)            # the fault
+    norm.forward = forward
