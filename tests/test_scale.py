@@ -238,6 +238,7 @@ def _reference_metrics(a, b, mant):
             "max_ulp": (np.abs(d) / ulp).max(), "mean_ulp": (np.abs(d) / ulp).mean(),
             "bitwise_equal": ((a2 == b2) | (np.isnan(a2) & np.isnan(b2))).mean(),
             "nonfinite": int((fa != fb).sum() + ((~fa & ~fb) & ~(np.isnan(a2) & np.isnan(b2)) & (a2 != b2)).sum()),
+            "nonfinite_shared": int(((~fa & ~fb) & ~one_sided).sum()),
             # a row with NaN/Inf on one side only has an infinite error, never that of its finite elements
             "per_row_rel": np.where(one_sided.any(1), np.inf, np.sqrt((d * d).sum(1) / (ra * ra).sum(1))),
             "per_row_max": np.where(one_sided.any(1), np.inf, np.abs(d).max(1))}
@@ -263,7 +264,7 @@ def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, 
         assert np.allclose(g, v, rtol=1e-12, atol=0, equal_nan=True), (k, g, v)
     assert got.rows == shape[0] and got.numel == a.size
     assert got.to_json().keys() == {"rows", "numel", "max_abs", "mean_abs", "rel_l2", "cosine", "max_ulp",
-                                    "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite"}
+                                    "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite", "nonfinite_shared"}
 
 
 def test_routing_comparison_matches_per_row_sets():
