@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .dtypes import to_float
+from .host_kernels import hash_kernel
 
 # Hash mixing constants (odd 64-bit multipliers from splitmix64), as signed int64.
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -31,6 +32,9 @@ _TABLE_MAX = 1 << 21  # longest cached `arange(n) * K1` per device (16 MiB of in
 # The bound the tests measure: two int64 hash buffers, or a float64 copy plus one temporary of the input's
 # dtype (<= 8 bytes), plus a non-contiguous block's copy, per block; caches (index table, CPU scratch) aside.
 TRANSIENT_BYTES_MAX = 64 << 20
+# Hash CPU tensors with the fused numba kernel when numba is installed (same bits as the torch ops; tests
+# switch it off to compare the two).
+USE_HOST_KERNELS = True
 # Test-only switch: take the accelerator code path (fresh buffers, branch-free masked statistics) on CPU.
 FORCE_DEVICE_PATH = False
 
@@ -142,6 +146,10 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
     sum (on an accelerator the widening is fused into the xor: type promotion into an int64 `out`)."""
     with torch._C._DisableTorchDispatch():   # our own kernels are not the model's: no dispatch-mode overhead
         x = _logical(t)
+        if _host_path(x.device) and USE_HOST_KERNELS:
+            kernel = hash_kernel()
+            if kernel is not None:
+                return _fused_host_hash(x, kernel)
         total = torch.zeros((), dtype=torch.int64, device=x.device)
         for start, blk in blocks(x, min(_step(x.device), _TABLE_MAX)):
             m = blk.numel()
@@ -162,6 +170,20 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
             total += v.sum()
             del v, tmp, idx     # before the next block's buffers exist: one block's worth at a time
         return total
+
+
+def _fused_host_hash(x: torch.Tensor, kernel) -> torch.Tensor:
+    """device_hash of a CPU tensor with the fused kernel (host_kernels.py): one pass over the bits, no
+    temporaries: a contiguous tensor in one call; a strided one in logical-order blocks, each copied
+    contiguous (at most one block's bytes)."""
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    if x.is_contiguous():
+        return torch.tensor(int(kernel(_bits_view(x).reshape(-1).numpy(), 0)), dtype=torch.int64)
+    total = 0
+    for start, blk in blocks(x, _step(x.device)):
+        total += int(kernel(_bits_view(blk.contiguous()).view(-1).numpy(), start))
+    return torch.tensor(_wrap64(total), dtype=torch.int64)
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:
