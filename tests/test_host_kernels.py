@@ -68,3 +68,64 @@ def test_without_numba_the_torch_path_gives_the_same_hash(monkeypatch):
     monkeypatch.setattr(stats_mod, "hash_kernel", lambda: None)
     assert int(device_hash(t)) == want
     assert int(device_hash(t.t())) == numpy_hash(host_copy.as_storage(t.t().contiguous()))
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.numpy().tobytes()
+
+
+def _stats_and_hash(v: torch.Tensor, fused: bool, monkeypatch) -> tuple[bytes, int]:
+    monkeypatch.setattr(stats_mod, "USE_HOST_KERNELS", fused)
+    return _bits(stats_mod.device_stats(v)), int(device_hash(v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", ["finite", "nan", "inf", "zeros-and-negatives", "signed-zeros", "all-zero"])
+def test_fused_stats_equal_the_torch_ops_bit_for_bit(monkeypatch, dtype, case):
+    """`device_stats` through the fused pass (float32/float64 on the CPU) returns exactly the bytes of the
+    torch-op path: every statistic, sums included (same float64 copy, same torch reductions, same blocks),
+    contiguous and strided, in one block and in many; the hash it hands to `device_hash` is the hash."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(301, 67, generator=g, dtype=torch.float64) * 50
+    if case == "nan":
+        base[5, 3], base[200, 1] = float("nan"), -float("nan")
+    elif case == "inf":
+        base[17, 0] = -float("inf")
+    elif case == "zeros-and-negatives":
+        base = -base.abs()
+        base[::7] = 0.0
+    elif case == "signed-zeros":
+        base = base.abs()
+        base[::5], base[1::5] = 0.0, -0.0
+    elif case == "all-zero":
+        base.zero_()
+    t = base.to(dtype)
+    for chunk in (1 << 17, 1000):
+        monkeypatch.setattr(stats_mod, "_HOST_CHUNK", chunk)
+        for v in (t, t.t(), t[3:, 1:]):
+            fused, ops = _stats_and_hash(v, True, monkeypatch), _stats_and_hash(v, False, monkeypatch)
+            assert fused == ops, (case, chunk, v.stride())
+            assert fused[1] == numpy_hash(host_copy.as_storage(v.contiguous()))
+
+
+def test_a_hash_kept_from_the_statistics_pass_serves_only_the_next_call_on_the_same_tensor(monkeypatch):
+    """Inside `hash_kept_for_next_call` the fused pass keeps its hash for the next `device_hash` of the same
+    tensor object (no second read: a planted wrong kept hash shows it is used); another tensor, a second call,
+    or any call outside the block hash afresh."""
+    t, other = torch.randn(1000), torch.randn(1000)
+    with stats_mod.hash_kept_for_next_call():
+        stats_mod.device_stats(t)
+        assert stats_mod._LAST_HASH.entry[0] == id(t)                 # the fused pass kept its hash
+        stats_mod._LAST_HASH.entry = (id(t), torch.tensor(7))        # what the next call of t must return
+        assert int(device_hash(t)) == 7
+        assert int(device_hash(t)) == numpy_hash(t.numpy())          # consumed
+        stats_mod.device_stats(t)
+        assert int(device_hash(other)) == numpy_hash(other.numpy())  # another tensor: its own hash
+        assert int(device_hash(t)) == numpy_hash(t.numpy())
+    stats_mod.device_stats(t)
+    assert getattr(stats_mod._LAST_HASH, "entry", None) is None      # outside the block nothing is kept
+    with torch.inference_mode():
+        u = torch.randn(1000)
+        with stats_mod.hash_kept_for_next_call():
+            stats_mod.device_stats(u)
+            assert int(device_hash(u)) == numpy_hash(u.numpy())      # inference tensors: no version needed

@@ -22,11 +22,19 @@ log = logging.getLogger("tic_trace")
 K1 = 0x9E3779B97F4A7C15 - (1 << 64)
 K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 
-_KERNEL: Callable | None = None
+_KERNELS: "Kernels | None" = None
 _TRIED = False
 
 
-def _build() -> Callable:
+class Kernels:
+    """The compiled kernels (numba dispatchers; first call per argument types compiles, or loads the cache)."""
+
+    def __init__(self, hash_bits: Callable, float_block: Callable):
+        self.hash_bits = hash_bits
+        self.float_block = float_block
+
+
+def _build() -> Kernels:
     import numba
     import numpy as np
 
@@ -44,18 +52,46 @@ def _build() -> Callable:
             idx += k1
         return total
 
-    return hash_bits
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def float_block(vals, bits, out, start, low):
+        """One pass over a contiguous float32/float64 block `vals` (`bits`: the same memory as int32/int64):
+        `out[:] = vals` widened to float64, the hash of the block at flat offset `start`, and the smallest and
+        largest order key of the values (key = bits ^ (sign ? low : 0), low = 2**(width-1) - 1: ordered like
+        the floats, and an integer min/max vectorises where a float one does not; NaN has keys beyond +-inf)."""
+        total = np.int64(0)
+        idx = np.int64(start) * k1
+        b0 = np.int64(bits[0])
+        kmin = b0 ^ ((b0 >> 63) & low)
+        kmax = kmin
+        for i in range(vals.shape[0]):
+            out[i] = vals[i]
+            b = np.int64(bits[i])
+            key = b ^ ((b >> 63) & low)
+            kmin = key if key < kmin else kmin
+            kmax = key if key > kmax else kmax
+            v = (b ^ idx) * k2
+            total += v ^ (v >> 31)
+            idx += k1
+        return total, kmin, kmax
+
+    return Kernels(hash_bits, float_block)
+
+
+def kernels() -> Kernels | None:
+    """The compiled kernels, or None without numba (the callers then take their torch-op paths)."""
+    global _KERNELS, _TRIED
+    if not _TRIED:
+        _TRIED = True
+        try:
+            _KERNELS = _build()
+        except Exception as e:  # noqa: BLE001 - ImportError, or a numba that cannot compile here: torch path
+            log.info("tic-trace: numba not usable (%s: %s); CPU statistics and hashes use torch ops (slower, "
+                     "same values)", type(e).__name__, e)
+            _KERNELS = None
+    return _KERNELS
 
 
 def hash_kernel() -> Callable | None:
     """The compiled `hash_bits(bits: np.ndarray, start: int) -> np.int64`, or None without numba."""
-    global _KERNEL, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        try:
-            _KERNEL = _build()
-        except Exception as e:  # noqa: BLE001 - ImportError, or a numba that cannot compile here: torch path
-            log.info("tic-trace: numba not usable (%s: %s); hashing CPU tensors with torch ops (slower, same "
-                     "values)", type(e).__name__, e)
-            _KERNEL = None
-    return _KERNEL
+    k = kernels()
+    return k.hash_bits if k is not None else None
