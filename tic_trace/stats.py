@@ -273,17 +273,20 @@ def _recall_hash(t: torch.Tensor) -> torch.Tensor | None:
 
 def _fused_host_stats_hash(x: torch.Tensor, float_block) -> tuple[torch.Tensor, torch.Tensor]:
     ints, fcode, icode, low = _FUSED_FLOAT[x.dtype]
+    step = _step(x.device)
+    xd_all = _scratch(min(step, x.numel()), 0).view(torch.float64)
+    xd_all_np = xd_all.numpy()
     total, parts = 0, []
-    for start, blk in blocks(x, _step(x.device)):
-        blk = blk.contiguous()                  # a strided slab: one block's copy, as device_stats makes
-        xd = _scratch(blk.numel(), 0).view(torch.float64)
-        h, kmin, kmax = float_block(blk.view(-1).numpy(), blk.view(ints).view(-1).numpy(), xd.numpy(), start, low)
+    for start, blk, vals, bits in _host_blocks(x, ints, step):
+        m = vals.shape[0]
+        xd, xd_np = (xd_all, xd_all_np) if m == xd_all_np.shape[0] else (xd_all[:m], xd_all_np[:m])
+        h, kmin, kmax = float_block(vals, bits, xd_np, start, low)
         total += int(h)
         mn, mx = _key_value(int(kmin), fcode, icode, low), _key_value(int(kmax), fcode, icode, low)
         if math.isfinite(mn) and math.isfinite(mx) and mn != 0.0 and mx != 0.0:
             parts.append((xd.sum().item(), _sumsq(xd).item(), mn, mx))      # plain: Python floats
         else:
-            parts.append(_special_block(blk, xd, mn, mx))
+            parts.append(_special_block(blk(), xd, mn, mx))
     hash_t = torch.tensor(_wrap64(total), dtype=torch.int64)
     count = float(x.numel())
     if all(len(p) == 4 for p in parts):
@@ -291,6 +294,21 @@ def _fused_host_stats_hash(x: torch.Tensor, float_block) -> tuple[torch.Tensor, 
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
     parts = [(f64(p[0]), f64(p[1]), f64(p[2]), f64(p[3]), 0, 0) if len(p) == 4 else p for p in parts]
     return _combine(f64(count), parts), hash_t
+
+
+def _host_blocks(x: torch.Tensor, ints: torch.dtype, step: int):
+    """(flat start, the block as `blocks` yields it (a thunk: only special blocks need it), its values and
+    bits as 1-D numpy arrays) in `blocks` order: a contiguous tensor's numpy views are made once and sliced;
+    a strided slab is copied contiguous (one block's bytes, as device_stats's float64 copy of it)."""
+    if x.is_contiguous():
+        flat = x.view(-1)
+        vals, bits = flat.numpy(), flat.view(ints).numpy()
+        for s in range(0, vals.shape[0], step):
+            yield s, (lambda s=s: flat[s:s + step]), vals[s:s + step], bits[s:s + step]
+        return
+    for start, blk in blocks(x, step):
+        flat = blk.contiguous().view(-1)
+        yield start, (lambda blk=blk: blk), flat.numpy(), flat.view(ints).numpy()   # special blocks: as before
 
 
 def _key_value(key: int, fcode: str, icode: str, low: int) -> float:
