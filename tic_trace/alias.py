@@ -29,6 +29,8 @@ class AliasCache:
 
     @staticmethod
     def _storage_id(t: torch.Tensor) -> tuple | None:
+        if t.is_inference():     # no version counter to prove the bits unchanged: never reused
+            return None
         try:
             st = t.untyped_storage()
         except Exception:  # noqa: BLE001 - sparse, nested, functional wrappers: no plain storage, no reuse

@@ -11,7 +11,10 @@ a few buffers of `_CHUNK` int64/float64 elements (`TRANSIENT_BYTES_MAX`, tested)
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import struct
 import threading
 from typing import Iterator
 
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from .dtypes import to_float
+from .host_kernels import hash_kernel, kernels
 
 # Hash mixing constants (odd 64-bit multipliers from splitmix64), as signed int64.
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -31,6 +35,9 @@ _TABLE_MAX = 1 << 21  # longest cached `arange(n) * K1` per device (16 MiB of in
 # The bound the tests measure: two int64 hash buffers, or a float64 copy plus one temporary of the input's
 # dtype (<= 8 bytes), plus a non-contiguous block's copy, per block; caches (index table, CPU scratch) aside.
 TRANSIENT_BYTES_MAX = 64 << 20
+# Hash CPU tensors with the fused numba kernel when numba is installed (same bits as the torch ops; tests
+# switch it off to compare the two).
+USE_HOST_KERNELS = True
 # Test-only switch: take the accelerator code path (fresh buffers, branch-free masked statistics) on CPU.
 FORCE_DEVICE_PATH = False
 
@@ -40,6 +47,9 @@ _NP_INT_VIEW = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _NATIVE_FLOAT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _IDX_TABLE: dict[torch.device, torch.Tensor] = {}
 _SCRATCH = threading.local()   # CPU only: reusable int64 buffers, so a record costs no fresh allocation
+# CPU only, inside `hash_kept_for_next_call`: the hash the fused statistics pass computed, for the
+# `device_hash` of the same tensor right after: (id of the tensor, the hash).
+_LAST_HASH = threading.local()
 
 
 def _host_path(dev: torch.device) -> bool:
@@ -140,8 +150,15 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
     sum_i mix((bits_i as int64) ^ (i * K1)), mix(v) = w ^ (w >> 31) with w = v * K2: the same definition as
     `numpy_hash`. Per block, in place in two int64 buffers: widen, xor the index table, multiply, shift, xor,
     sum (on an accelerator the widening is fused into the xor: type promotion into an int64 `out`)."""
+    h = _recall_hash(t)
+    if h is not None:
+        return h
     with torch._C._DisableTorchDispatch():   # our own kernels are not the model's: no dispatch-mode overhead
         x = _logical(t)
+        if _host_path(x.device) and USE_HOST_KERNELS:
+            kernel = hash_kernel()
+            if kernel is not None:
+                return _fused_host_hash(x, kernel)
         total = torch.zeros((), dtype=torch.int64, device=x.device)
         for start, blk in blocks(x, min(_step(x.device), _TABLE_MAX)):
             m = blk.numel()
@@ -164,6 +181,20 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
         return total
 
 
+def _fused_host_hash(x: torch.Tensor, kernel) -> torch.Tensor:
+    """device_hash of a CPU tensor with the fused kernel (host_kernels.py): one pass over the bits, no
+    temporaries: a contiguous tensor in one call; a strided one in logical-order blocks, each copied
+    contiguous (at most one block's bytes)."""
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    if x.is_contiguous():
+        return torch.tensor(int(kernel(_bits_view(x).reshape(-1).numpy(), 0)), dtype=torch.int64)
+    total = 0
+    for start, blk in blocks(x, _step(x.device)):
+        total += int(kernel(_bits_view(blk.contiguous()).view(-1).numpy(), start))
+    return torch.tensor(_wrap64(total), dtype=torch.int64)
+
+
 def device_stats(t: torch.Tensor) -> torch.Tensor:
     """[count, sum, sumsq, absmax, min, max, nan, inf] as float64 on t's device (non-finite values excluded
     from the moments, counted instead): the definition of `numpy_stats`.
@@ -171,9 +202,18 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     Per block of at most _CHUNK elements: min and max in one reduction, the moments from one float64 copy
     (sum and a dot product). Non-finite values need masking; on a CPU tensor the min/max just computed tell
     whether there are any (reading a CPU scalar is not a device sync), so the masking passes only run when
-    needed. On an accelerator the masked path always runs, branch free, so no host sync happens per record."""
+    needed. On an accelerator the masked path always runs, branch free, so no host sync happens per record.
+    A float32/float64 CPU tensor, with numba, is read once per block instead of five times (statistics and
+    hash): one fused pass widens the block into the float64 scratch (whose sum and dot product torch then
+    takes, as here: same kernels, same blocks, same bits), finds its extremes and hashes it; inside
+    `hash_kept_for_next_call` the hash is kept for the `device_hash` of the same tensor that follows."""
     with torch._C._DisableTorchDispatch():
         x = _logical(t)
+        kernel = _fused_kernel(x)
+        if kernel is not None:
+            stats, h = _fused_host_stats_hash(x, kernel)
+            _remember_hash(t, h)
+            return stats
         dev = x.device
         if x.numel() == 0:
             return torch.zeros(8, dtype=torch.float64, device=dev)
@@ -188,6 +228,112 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
         else:
             parts = [_masked_block(b) for _, b in blocks(x, step)]
         return _combine(count, parts)
+
+
+# Dtypes whose statistics the fused CPU kernel computes: (integer view, struct codes float/int, `low` of the
+# order key).
+_FUSED_FLOAT = {torch.float32: (torch.int32, "<f", "<i", (1 << 31) - 1),
+                torch.float64: (torch.int64, "<d", "<q", (1 << 63) - 1)}
+
+
+def _fused_kernel(x: torch.Tensor):
+    """The fused CPU statistics + hash kernel for x, or None (another dtype or device, no numba)."""
+    if x.dtype in _FUSED_FLOAT and x.numel() and _host_path(x.device) and USE_HOST_KERNELS:
+        k = kernels()
+        return k.float_block if k is not None else None
+    return None
+
+
+@contextlib.contextmanager
+def hash_kept_for_next_call():
+    """Inside this block, `device_stats(t)` on the fused CPU path keeps the hash it computed, and the
+    `device_hash(t)` called next on the same tensor object returns it instead of reading t again. For callers
+    that run the two back to back with nothing in between (the tracer): no version check is needed (and
+    inference tensors have none). Outside the block every call computes its own."""
+    _LAST_HASH.on, _LAST_HASH.entry = True, None
+    try:
+        yield
+    finally:
+        _LAST_HASH.on, _LAST_HASH.entry = False, None
+
+
+def _remember_hash(t: torch.Tensor, h: torch.Tensor) -> None:
+    if getattr(_LAST_HASH, "on", False):
+        _LAST_HASH.entry = (id(t), h)
+
+
+def _recall_hash(t: torch.Tensor) -> torch.Tensor | None:
+    """The kept hash if it is t's; consumed either way, so it never serves a later call."""
+    entry = getattr(_LAST_HASH, "entry", None)
+    if entry is None:
+        return None
+    _LAST_HASH.entry = None
+    return entry[1] if entry[0] == id(t) else None
+
+
+def _fused_host_stats_hash(x: torch.Tensor, float_block) -> tuple[torch.Tensor, torch.Tensor]:
+    ints, fcode, icode, low = _FUSED_FLOAT[x.dtype]
+    step = _step(x.device)
+    xd_all = _scratch(min(step, x.numel()), 0).view(torch.float64)
+    xd_all_np = xd_all.numpy()
+    total, parts = 0, []
+    for start, blk, vals, bits in _host_blocks(x, ints, step):
+        m = vals.shape[0]
+        xd, xd_np = (xd_all, xd_all_np) if m == xd_all_np.shape[0] else (xd_all[:m], xd_all_np[:m])
+        h, kmin, kmax = float_block(vals, bits, xd_np, start, low)
+        total += int(h)
+        mn, mx = _key_value(int(kmin), fcode, icode, low), _key_value(int(kmax), fcode, icode, low)
+        if math.isfinite(mn) and math.isfinite(mx) and mn != 0.0 and mx != 0.0:
+            parts.append((xd.sum().item(), _sumsq(xd).item(), mn, mx))      # plain: Python floats
+        else:
+            parts.append(_special_block(blk(), xd, mn, mx))
+    hash_t = torch.tensor(_wrap64(total), dtype=torch.int64)
+    count = float(x.numel())
+    if all(len(p) == 4 for p in parts):
+        return _combine_plain(count, parts), hash_t
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    parts = [(f64(p[0]), f64(p[1]), f64(p[2]), f64(p[3]), 0, 0) if len(p) == 4 else p for p in parts]
+    return _combine(f64(count), parts), hash_t
+
+
+def _host_blocks(x: torch.Tensor, ints: torch.dtype, step: int):
+    """(flat start, the block as `blocks` yields it (a thunk: only special blocks need it), its values and
+    bits as 1-D numpy arrays) in `blocks` order: a contiguous tensor's numpy views are made once and sliced;
+    a strided slab is copied contiguous (one block's bytes, as device_stats's float64 copy of it)."""
+    if x.is_contiguous():
+        flat = x.view(-1)
+        vals, bits = flat.numpy(), flat.view(ints).numpy()
+        for s in range(0, vals.shape[0], step):
+            yield s, (lambda s=s: flat[s:s + step]), vals[s:s + step], bits[s:s + step]
+        return
+    for start, blk in blocks(x, step):
+        flat = blk.contiguous().view(-1)
+        yield start, (lambda blk=blk: blk), flat.numpy(), flat.view(ints).numpy()   # special blocks: as before
+
+
+def _key_value(key: int, fcode: str, icode: str, low: int) -> float:
+    """The float whose order key (host_kernels.float_block) is `key`: the key is its own inverse."""
+    return struct.unpack(fcode, struct.pack(icode, key ^ low if key < 0 else key))[0]
+
+
+def _special_block(blk: torch.Tensor, xd: torch.Tensor, mn: float, mx: float) -> tuple:
+    """A block's part as `_host_float_block` returns it, when the fused pass found non-finite values (the
+    masked path, as there) or an extreme that is zero (torch's own min/max: which of -0.0 and 0.0 it returns
+    is torch's choice, kept as it was); the float64 copy is in `xd`."""
+    if not (math.isfinite(mn) and math.isfinite(mx)):
+        return _masked_block(blk)
+    tmn, tmx = torch.aminmax(blk)
+    return xd.sum(), _sumsq(xd), tmn.to(torch.float64), tmx.to(torch.float64), 0, 0
+
+
+def _combine_plain(count: float, parts: list[tuple]) -> torch.Tensor:
+    """`_combine` of blocks whose extremes are finite and non-zero, in Python floats: the same IEEE double
+    additions in the same order; min/max of such values have no signed-zero or NaN cases to differ on, and
+    max(-min, max) is then > 0, so the clamp at 0 changes nothing."""
+    s, ss, mn, mx = parts[0]
+    for ps, pss, pmn, pmx in parts[1:]:
+        s, ss, mn, mx = s + ps, ss + pss, min(mn, pmn), max(mx, pmx)
+    return torch.tensor([count, s, ss, max(-mn, mx), mn, mx, 0.0, 0.0], dtype=torch.float64)
 
 
 def _native(b: torch.Tensor) -> torch.Tensor:
