@@ -48,7 +48,8 @@ def _check_number(what: str, v, *, allow_inf: bool) -> float:
     return x
 
 
-def _check_point_key(key: str) -> None:
+def check_point_key(key: str) -> None:
+    """SettingsError (with the closest names) unless `key` is a canonical point or point key."""
     if known_key(key):
         return
     names = [p.name for p in SCHEMA]
@@ -75,7 +76,7 @@ class Tolerance:
             if not known_dtype(k):
                 raise SettingsError(f"tolerance key {k!r} is not a known dtype")
         for k in self.per_point:
-            _check_point_key(k)
+            check_point_key(k)
         self.per_dtype = {k: _check_number(f"tolerance {k}", v, allow_inf=True) for k, v in self.per_dtype.items()}
         self.per_point = {k: _check_number(f"tolerance {k}", v, allow_inf=True) for k, v in self.per_point.items()}
 

@@ -287,10 +287,16 @@ def _ops(c: Console, fd: dict | None) -> None:
 
 
 def _worst(c: Console, report: dict) -> None:
+    render_worst_tokens(c, report)
+
+
+def render_worst_tokens(c: Console, report: dict, title: str = "tokens with the largest |Δ logprob|") -> bool:
+    """The worst-tokens table (every renderer of the terminal report, slime-report too); False when the report
+    has no per-token log-probabilities."""
     w = report.get("worst_tokens") or []
     if not w:
-        return
-    t = Table(title="tokens with the largest |Δ logprob|", title_justify="left", show_edge=False)
+        return False
+    t = Table(title=title, title_justify="left", show_edge=False)
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
     for x in w:
@@ -299,6 +305,7 @@ def _worst(c: Console, report: dict) -> None:
                   _f4(x["logprob_b"]), text(x.get("divergence_starts") or "-"), text(flips) if flips else ("yes" if x.get("routing_flip") else ""))
     c.print(t)
     c.print()
+    return True
 
 
 def _f4(x) -> str:

@@ -38,12 +38,17 @@ MARKER = ".tic-trace-demo"
 def check_demo_args(args) -> None:
     """Fault and layer against what the demo's tiny models have (one line naming the problem, exit 2)."""
     from tic_trace.testing.faults import FAULTS
-    from tic_trace.testing.hf_models import tiny_qwen3_config
     if args.fault != "none" and args.fault not in FAULTS:
         raise SystemExit(f"--fault {args.fault!r}: no such fault (have: none, {', '.join(sorted(FAULTS))})")
+    check_demo_layer(args.layer)
+
+
+def check_demo_layer(layer: int) -> None:
+    """--layer against the demo's tiny model (every pair and dtype uses the same one)."""
+    from tic_trace.testing.hf_models import tiny_qwen3_config
     n = tiny_qwen3_config(moe=True).num_hidden_layers
-    if not 0 <= args.layer < n:
-        raise SystemExit(f"--layer {args.layer}: the demo's model has layers 0 to {n - 1}")
+    if not 0 <= layer < n:
+        raise SystemExit(f"--layer {layer}: the demo's model has layers 0 to {n - 1}")
 
 
 def prepare_out(out: Path) -> None:

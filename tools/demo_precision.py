@@ -23,16 +23,14 @@ def wanted(args) -> bool:
 
 
 def _check(args) -> None:
-    from tic_trace.testing.hf_models import tiny_qwen3_config
     from tic_trace.testing.precision_faults import PRECISION_FAULTS
+    from tic_trace.tools.demo import check_demo_layer
     if args.pair != "hf-hf":
         raise SystemExit(f"--pair {args.pair}: the bf16 precision demo runs hf-hf only")
     if args.fault != "none" and args.fault not in PRECISION_FAULTS:
         raise SystemExit(f"--fault {args.fault!r} with --dtype bfloat16: give a precision fault "
                          f"(none, {', '.join(sorted(PRECISION_FAULTS))})")
-    n = tiny_qwen3_config(moe=True).num_hidden_layers
-    if not 0 <= args.layer < n:
-        raise SystemExit(f"--layer {args.layer}: the demo's model has layers 0 to {n - 1}")
+    check_demo_layer(args.layer)
 
 
 def _trace(out: Path, fault: str | None, layer: int, ckpt: Path | None) -> None:

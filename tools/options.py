@@ -3,7 +3,6 @@ fails at parse time with one line naming the option (exit status 2)."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import re
@@ -23,14 +22,18 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def count(s: str) -> int:
+def _whole(s: str, minimum: int, expected: str = "a whole number") -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {s!r}")
     return v
+
+
+def count(s: str) -> int:
+    return _whole(s, 0)
 
 
 def positive(s: str) -> float:
@@ -45,17 +48,17 @@ def positive(s: str) -> float:
 
 def tol_item(item: str) -> tuple[str, float]:
     """NAME=VALUE, NAME a dtype (bfloat16) or a canonical point (attn.core, L3.mid)."""
-    from tic_trace.canonical import BY_NAME, parse_key
     from tic_trace.dtypes import known_dtype
+    from tic_trace.judge import SettingsError, check_point_key
     name, eq, value = item.partition("=")
     if not eq or not name or not value:
         raise argparse.ArgumentTypeError(
             f"expected NAME=VALUE (a dtype like bfloat16=0.02 or a point like L3.attn.core=1e-3), got {item!r}")
-    point, _ = parse_key(name)
-    if not known_dtype(name) and point not in BY_NAME:
-        close = difflib.get_close_matches(point, list(BY_NAME), n=3)
-        raise argparse.ArgumentTypeError(f"{name!r} is neither a dtype nor a canonical point"
-                                         + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    if not known_dtype(name):
+        try:
+            check_point_key(name)
+        except SettingsError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     try:
         v = float(value)
     except ValueError:
@@ -75,13 +78,7 @@ def workers(s: str) -> tuple[str, int]:
     backend = backend if colon else "processes"
     if backend not in ("processes", "ray"):
         raise argparse.ArgumentTypeError(f"expected N or ray:N (e.g. 4 or ray:8), got {s!r}")
-    try:
-        v = int(n)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of workers (N or ray:N), got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {s!r}")
-    return backend, v
+    return backend, _whole(n, 1, f"a whole number of workers (N or ray:N) in {s!r}")
 
 
 def record_pattern(s: str) -> str:

@@ -123,26 +123,8 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
 
 
 def _print_worst(console, report: dict) -> None:
-    from rich.table import Table
-    w = report.get("worst_tokens") or []
-    if not w:
+    from tic_trace.report import render_worst_tokens
+    if not render_worst_tokens(console, report, "tokens with the largest |Δ logprob| (A Megatron, B SGLang; logprob "
+                                                "of the next token, before temperature) and where each one's "
+                                                "divergence starts"):
         console.print("no per-token log-probabilities on both sides (logits not traced on one side?)")
-        return
-    t = Table(title="tokens with the largest |Δ logprob| (A Megatron, B SGLang; logprob of the next token, "
-                    "before temperature) and where each one's divergence starts",
-              title_justify="left", show_edge=False)
-    for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
-        t.add_column(col)
-    for x in w:
-        t.add_row(text(x["sample"]), text(x["position"]), _fmt(x["abs_dlogprob"], ".3e"), _fmt(x["logprob_a"], ".5f"),
-                  _fmt(x["logprob_b"], ".5f"), text(x.get("divergence_starts") or "-"),
-                  "yes" if x.get("routing_flip") else "")
-    console.print(t)
-    console.print()
-
-
-def _fmt(x, spec: str) -> str:
-    """A report number (NaN/Inf arrive encoded as strings) in `spec`, or '-'."""
-    from tic_trace.report_schema import num
-    v = num(x)
-    return "-" if v is None else format(v, spec)
