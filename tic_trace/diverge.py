@@ -45,7 +45,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     ref = _reference(reference)
     contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
-    measured = _measure_all(va, vb, both, workers, backend, progress)
+    measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)
     kept = [m for m in measured if m.compared or not m.derived]
     n_layers = va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
@@ -97,19 +97,17 @@ def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, 
                        "b": encode_intrinsic(rb.replay(p.point, p.layer), margins)}
 
 
-def _measure_all(va: CanonicalView, vb: CanonicalView, points: list, workers: int, backend: str,
-                 progress: Callable[[str], None] | None) -> list[PointMeasurement]:
-    """Step 1 over every point (measure_workers: in this process for one worker, else split by point)."""
-    return measure_all(va, vb, points, workers=workers, backend=backend, progress=progress)
-
-
 # ------------------------------------------------------------------------------------------------ step 2
 
 def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list[Point]:
     """Report points (dataflow order) from measurements: inherited errors, routed points judged without the
     layer's flipped tokens, routing facts. Nothing here depends on the tolerance."""
-    present = {(m.point, m.layer) for m in measured}
     by = {(m.point, m.layer): m for m in measured}
+    # A feed that was not compared (rows of another shape, no rows in common, statistics that cannot be
+    # compared) is resolved to its own feeds, up to compared ones, as a feed with no record is: dropping it
+    # would make the inputs look as if they agree exactly, and a difference born at or before it would be
+    # blamed on this point's operator.
+    compared = {k for k, m in by.items() if m.compared}
     flipped_at = {m.layer: set(m.flipped) for m in measured if is_ids(m.point) and m.flipped}
     outputs = _output_rows(measured)
     dlogprob = _dlogprob(measured)
@@ -120,7 +118,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
         p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
                   only_b=m.only_b, metrics=m.metrics, stats=m.stats, reason=m.reason, sources=m.sources,
                   nonfinite=m.nonfinite, carried_error=m.error, dtypes=m.dtypes)
-        feeds = _compared_feeds(feeds_of(m.point, m.layer, present, n_layers), by, present, n_layers)
+        feeds = feeds_of(m.point, m.layer, compared, n_layers)
         p.inputs = [key_name(*f) for f in feeds]
         ins = [(judged if is_routed(m.point) and is_routed(f[0]) and f[1] == m.layer else carried)[f]
                for f in feeds if not is_ids(f[0]) and f in carried]
@@ -141,21 +139,6 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
             judged[(m.point, m.layer)] = p.error
         points.append(p)
     return points
-
-
-def _compared_feeds(feeds: list, by: dict, present: set, n_layers: int | None) -> list:
-    """The feeds whose error is known: a feed that was not compared (rows of another shape, no rows in
-    common, statistics that cannot be compared) is replaced by its own feeds, up to compared ones. Dropping
-    it instead would make the point's inputs look as if they agree exactly, and any difference born at or
-    before the uncompared feed would be blamed on this point's operator."""
-    out: list = []
-    for f in feeds:
-        m = by.get(f)
-        if m is None or m.compared:
-            out.append(f)
-        else:
-            out.extend(_compared_feeds(feeds_of(f[0], f[1], present, n_layers), by, present, n_layers))
-    return list(dict.fromkeys(out))
 
 
 def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
