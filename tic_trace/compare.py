@@ -87,17 +87,6 @@ def _mantissa_bits(dtype: str) -> int:
     return dtype_info(dtype).mantissa_bits if known_dtype(dtype) and dtype_info(dtype).is_float else 23
 
 
-def ulp_of(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Spacing of `dtype` at |x| (its unit in the last place), floored at the dtype's smallest normal."""
-    ax = np.maximum(np.abs(np.asarray(x, dtype=np.float64)), _MIN_NORMAL)
-    return np.ldexp(_pow2_floor(ax), -_mantissa_bits(dtype))
-
-
-def _pow2_floor(ax: np.ndarray) -> np.ndarray:
-    """2**floor(log2(ax)) for positive normal float64 ax, exactly: the exponent bits alone."""
-    return (ax.view(np.int64) & _EXP_MASK).view(np.float64)
-
-
 class _Acc:
     """Per-row sums and global sums of one comparison, filled block by block."""
 
@@ -151,7 +140,7 @@ class _Acc:
         np.maximum(self.rmax[rows], D.max(axis=1), out=self.rmax[rows])
         self.abs_sum += float(D.sum())
         np.bitwise_and(A.view(np.int64), _EXP_MASK, out=A.view(np.int64))    # A := 2**floor(log2|a|) (no sign)
-        np.maximum(A, _MIN_NORMAL, out=A)       # zero and subnormals: the smallest normal, as ulp_of
+        np.maximum(A, _MIN_NORMAL, out=A)       # zero and subnormals: the ULP of fp32's smallest normal
         np.divide(D, A, out=D)
         self.ulp_max = max(self.ulp_max, math.ldexp(float(D.max()), mant))
         self.ulp_sum += math.ldexp(float(D.sum()), mant)
