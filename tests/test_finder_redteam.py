@@ -86,9 +86,9 @@ def test_topk_width_is_routing_not_an_operator(tmp_path, clean_moe):
     assert {d["key"] for d in rep.to_json()["not_comparable"]} == {"L1.moe.topk_weights"}
 
 
-def test_topk_width_bf16_with_reference_is_not_replayed_not_a_crash(tmp_path):
-    """With the checkpoint as reference, the side whose top-k does not fit the config is not replayed at that
-    point (the reason says why), and the A-B rule names the routing cause."""
+def _bf16_pair_with_reference(tmp_path, change_b):
+    """The tiny bf16 MoE saved as an HF checkpoint and traced as side A; the same weights with `change_b`
+    applied traced as side B; the report with the checkpoint as reference."""
     from tic_trace.reference import ExactReference
     cfg = tiny_qwen3_config(moe=True)
     ids = sample_tokens(2, 16)
@@ -96,9 +96,15 @@ def test_topk_width_bf16_with_reference_is_not_replayed_not_a_crash(tmp_path):
     a.save_pretrained(tmp_path / "ck")
     trace_hf(a, tmp_path / "a", ids)
     b = build_hf_model_stable(cfg, dtype=torch.bfloat16)
-    plant(b, "hf", "topk_width", 1)
+    change_b(b)
     trace_hf(b, tmp_path / "b", ids)
-    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=ExactReference(str(tmp_path / "ck")))
+    return find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=ExactReference(str(tmp_path / "ck")))
+
+
+def test_topk_width_bf16_with_reference_is_not_replayed_not_a_crash(tmp_path):
+    """With the checkpoint as reference, the side whose top-k does not fit the config is not replayed at that
+    point (the reason says why), and the A-B rule names the routing cause."""
+    rep = _bf16_pair_with_reference(tmp_path, lambda b: plant(b, "hf", "topk_width", 1))
     assert (rep.first["key"], rep.first["cause"]) == ("L1.moe.topk_ids", "routing")
     ids_point = next(p for p in rep.points if p.key == "L1.moe.topk_ids")
     assert "another top-k" in ids_point.intrinsic["b"]["not_replayed"]
@@ -158,16 +164,7 @@ def _fp32_topk_weights(model, layer: int, renormalise: bool) -> None:
 
 @pytest.mark.parametrize("renormalise", [True, False])
 def test_another_dtype_is_precision_only_while_both_sides_are_exact(tmp_path, renormalise):
-    from tic_trace.reference import ExactReference
-    cfg = tiny_qwen3_config(moe=True)
-    ids = sample_tokens(2, 16)
-    a = build_hf_model_stable(cfg, dtype=torch.bfloat16)
-    a.save_pretrained(tmp_path / "ck")
-    trace_hf(a, tmp_path / "a", ids)
-    b = build_hf_model_stable(cfg, dtype=torch.bfloat16)
-    _fp32_topk_weights(b, 1, renormalise)
-    trace_hf(b, tmp_path / "b", ids)
-    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=ExactReference(str(tmp_path / "ck")))
+    rep = _bf16_pair_with_reference(tmp_path, lambda b: _fp32_topk_weights(b, 1, renormalise))
     point = next(p for p in rep.points if p.key == "L1.moe.topk_weights")
     assert point.dtypes == {"a": "bfloat16", "b": "float32"}
     if renormalise:       # a precision choice: fp32 weights are the more exact, bf16 side A the less
