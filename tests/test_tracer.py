@@ -179,14 +179,14 @@ def test_failure_mid_forward_disables_tracing_once(tmp_path, hf_moe_config, capl
         ref = model(ids).logits
     calls = {"n": 0}
     import tic_trace.tracer as tracer_mod
-    real = tracer_mod.device_stats
+    real = tracer_mod.stats_and_hash
 
     def flaky(x):
         calls["n"] += 1
         if calls["n"] == 40:
             raise RuntimeError("planted tracer failure")
         return real(x)
-    monkeypatch.setattr(tracer_mod, "device_stats", flaky)
+    monkeypatch.setattr(tracer_mod, "stats_and_hash", flaky)
     with caplog.at_level(logging.WARNING, logger="tic_trace"):
         with tic_trace.trace(model, tmp_path / "t", adapter="hf") as t, torch.no_grad():
             out = model(ids).logits

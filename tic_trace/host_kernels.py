@@ -29,9 +29,9 @@ _TRIED = False
 class Kernels:
     """The compiled kernels (numba dispatchers; first call per argument types compiles, or loads the cache)."""
 
-    def __init__(self, hash_bits: Callable, float_block: Callable):
+    def __init__(self, hash_bits: Callable, float_stats_hash: Callable):
         self.hash_bits = hash_bits
-        self.float_block = float_block
+        self.float_stats_hash = float_stats_hash
 
 
 def _build() -> Kernels:
@@ -52,29 +52,80 @@ def _build() -> Kernels:
             idx += k1
         return total
 
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def float_block(vals, bits, out, start, low):
-        """One pass over a contiguous float32/float64 block `vals` (`bits`: the same memory as int32/int64):
-        `out[:] = vals` widened to float64, the hash of the block at flat offset `start`, and the smallest and
-        largest order key of the values (key = bits ^ (sign ? low : 0), low = 2**(width-1) - 1: ordered like
-        the floats, and an integer min/max vectorises where a float one does not; NaN has keys beyond +-inf)."""
+    # Only the float64 sums may be reassociated (LLVM then vectorises them); the integer arithmetic of the hash
+    # and of the order keys is exact whatever the order, and no flag lets LLVM assume values are finite.
+    @numba.njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})
+    def _float_part(vals, bits, start, low):
+        """Statistics + hash of a contiguous float32/float64 run (`bits`: the same memory as int32/int64) at
+        flat offset `start`, every value included: the hash, the smallest and largest order key (key = bits ^
+        (sign ? low : 0), low = the magnitude mask: ordered like the floats, NaN beyond +-inf, and an integer
+        min/max vectorises where a float one does not), the sum and sum of squares."""
         total = np.int64(0)
         idx = np.int64(start) * k1
         b0 = np.int64(bits[0])
         kmin = b0 ^ ((b0 >> 63) & low)
         kmax = kmin
+        s, q = 0.0, 0.0
         for i in range(vals.shape[0]):
-            out[i] = vals[i]
+            a = np.float64(vals[i])
+            s += a
+            q += a * a
             b = np.int64(bits[i])
             key = b ^ ((b >> 63) & low)
-            kmin = key if key < kmin else kmin
-            kmax = key if key > kmax else kmax
+            kmin = min(kmin, key)
+            kmax = max(kmax, key)
             v = (b ^ idx) * k2
             total += v ^ (v >> 31)
             idx += k1
-        return total, kmin, kmax
+        return total, kmin, kmax, s, q
 
-    return Kernels(hash_bits, float_block)
+    @numba.njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})
+    def _masked_part(vals, bits, low, expo, key_pinf, key_ninf):
+        """`_float_part`'s statistics of a run that holds non-finite values (rare: slower, no hash): those
+        excluded from the extremes and sums, counted (|bits| >= the exponent mask `expo`: not finite; above
+        it: NaN). No finite value: the keys of +inf and -inf, as the masked torch path gives."""
+        kmin, kmax = np.int64(key_pinf), np.int64(key_ninf)
+        s, q = 0.0, 0.0
+        nan, nonfinite = np.int64(0), np.int64(0)
+        for i in range(vals.shape[0]):
+            b = np.int64(bits[i])
+            mag = b & low
+            if mag >= expo:
+                nonfinite += 1
+                nan += mag > expo
+                continue
+            a = np.float64(vals[i])
+            s += a
+            q += a * a
+            key = b ^ ((b >> 63) & low)
+            kmin = min(kmin, key)
+            kmax = max(kmax, key)
+        return kmin, kmax, s, q, nan, nonfinite
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def float_stats_hash(vals, bits, start, low, expo, key_pinf, key_ninf, block):
+        """Statistics + hash of a contiguous float32/float64 array, in `block`-element runs whose sums are
+        added in order (the rounding error of a float64 sum then grows with the block, not the tensor): (hash,
+        min key, max key, sum, sum of squares, NaN count, non-finite count), non-finite values excluded from
+        all but the hash and the counts. One call per tensor, no temporaries."""
+        total, kmin, kmax = np.int64(0), np.int64(key_pinf), np.int64(key_ninf)
+        s, q, nan, nonfinite = 0.0, 0.0, np.int64(0), np.int64(0)
+        n = vals.shape[0]
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            h, bmin, bmax, bs, bq = _float_part(vals[lo:hi], bits[lo:hi], start + lo, low)
+            total += h
+            if bmin <= key_ninf or bmax >= key_pinf:    # an infinity or a NaN (keys beyond them) in this run
+                bmin, bmax, bs, bq, bnan, bnf = _masked_part(vals[lo:hi], bits[lo:hi], low, expo, key_pinf,
+                                                             key_ninf)
+                nan += bnan
+                nonfinite += bnf
+            kmin, kmax = min(kmin, bmin), max(kmax, bmax)
+            s += bs
+            q += bq
+        return total, kmin, kmax, s, q, nan, nonfinite
+
+    return Kernels(hash_bits, float_stats_hash)
 
 
 def kernels() -> Kernels | None:

@@ -11,8 +11,6 @@ a few buffers of `_CHUNK` int64/float64 elements (`TRANSIENT_BYTES_MAX`, tested)
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import struct
 import threading
@@ -47,9 +45,6 @@ _NP_INT_VIEW = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _NATIVE_FLOAT = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _IDX_TABLE: dict[torch.device, torch.Tensor] = {}
 _SCRATCH = threading.local()   # CPU only: reusable int64 buffers, so a record costs no fresh allocation
-# CPU only, inside `hash_kept_for_next_call`: the hash the fused statistics pass computed, for the
-# `device_hash` of the same tensor right after: (id of the tensor, the hash).
-_LAST_HASH = threading.local()
 
 
 def _host_path(dev: torch.device) -> bool:
@@ -150,9 +145,6 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
     sum_i mix((bits_i as int64) ^ (i * K1)), mix(v) = w ^ (w >> 31) with w = v * K2: the same definition as
     `numpy_hash`. Per block, in place in two int64 buffers: widen, xor the index table, multiply, shift, xor,
     sum (on an accelerator the widening is fused into the xor: type promotion into an int64 `out`)."""
-    h = _recall_hash(t)
-    if h is not None:
-        return h
     with torch._C._DisableTorchDispatch():   # our own kernels are not the model's: no dispatch-mode overhead
         x = _logical(t)
         if _host_path(x.device) and USE_HOST_KERNELS:
@@ -203,137 +195,100 @@ def device_stats(t: torch.Tensor) -> torch.Tensor:
     (sum and a dot product). Non-finite values need masking; on a CPU tensor the min/max just computed tell
     whether there are any (reading a CPU scalar is not a device sync), so the masking passes only run when
     needed. On an accelerator the masked path always runs, branch free, so no host sync happens per record.
-    A float32/float64 CPU tensor, with numba, is read once per block instead of five times (statistics and
-    hash): one fused pass widens the block into the float64 scratch (whose sum and dot product torch then
-    takes, as here: same kernels, same blocks, same bits), finds its extremes and hashes it; inside
-    `hash_kept_for_next_call` the hash is kept for the `device_hash` of the same tensor that follows."""
+    A float32/float64 CPU tensor, with numba, takes the fused pass of `stats_and_hash` instead."""
     with torch._C._DisableTorchDispatch():
         x = _logical(t)
         kernel = _fused_kernel(x)
         if kernel is not None:
-            stats, h = _fused_host_stats_hash(x, kernel)
-            _remember_hash(t, h)
-            return stats
-        dev = x.device
-        if x.numel() == 0:
-            return torch.zeros(8, dtype=torch.float64, device=dev)
-        if x.dtype == torch.bool:
-            x = x.view(torch.uint8)
-        count = torch.full((), float(x.numel()), dtype=torch.float64, device=dev)
-        step = _step(dev)
-        if not x.is_floating_point():
-            parts = [_int_block(b) for _, b in blocks(x, step)]
-        elif _host_path(dev):
-            parts = [_host_float_block(b) for _, b in blocks(x, step)]
-        else:
-            parts = [_masked_block(b) for _, b in blocks(x, step)]
-        return _combine(count, parts)
+            return _fused_host_stats_hash(x, kernel)[0]
+        return _stats_by_ops(x)
 
 
-# Dtypes whose statistics the fused CPU kernel computes: (integer view, struct codes float/int, `low` of the
-# order key).
-_FUSED_FLOAT = {torch.float32: (torch.int32, "<f", "<i", (1 << 31) - 1),
-                torch.float64: (torch.int64, "<d", "<q", (1 << 63) - 1)}
+def stats_and_hash(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`device_stats(t)` and `device_hash(t)`, both on t's device: what the tracer takes of every record. A
+    float32/float64 CPU tensor, with numba, is read once for both (host_kernels.float_stats_hash)."""
+    with torch._C._DisableTorchDispatch():
+        x = _logical(t)
+        kernel = _fused_kernel(x)
+        if kernel is not None:
+            return _fused_host_stats_hash(x, kernel)
+        return _stats_by_ops(x), device_hash(t)
+
+
+def _stats_by_ops(x: torch.Tensor) -> torch.Tensor:
+    dev = x.device
+    if x.numel() == 0:
+        return torch.zeros(8, dtype=torch.float64, device=dev)
+    if x.dtype == torch.bool:
+        x = x.view(torch.uint8)
+    count = torch.full((), float(x.numel()), dtype=torch.float64, device=dev)
+    step = _step(dev)
+    if not x.is_floating_point():
+        parts = [_int_block(b) for _, b in blocks(x, step)]
+    elif _host_path(dev):
+        parts = [_host_float_block(b) for _, b in blocks(x, step)]
+    else:
+        parts = [_masked_block(b) for _, b in blocks(x, step)]
+    return _combine(count, parts)
+
+
+def _order_key(v: float, fcode: str, icode: str, low: int) -> int:
+    """host_kernels' order key of the float v (bits ^ (sign ? low : 0)); the key is its own inverse."""
+    b = struct.unpack(icode, struct.pack(fcode, v))[0]
+    return b ^ low if b < 0 else b
+
+
+class _FusedDtype:
+    """What the fused kernel needs of a dtype: its integer view, the magnitude and exponent masks, and the
+    order keys of +inf and -inf (extremes of no finite value: min +inf, max -inf, as the masked path)."""
+
+    def __init__(self, ints: torch.dtype, fcode: str, icode: str, width: int, mantissa: int):
+        self.ints, self.fcode, self.icode = ints, fcode, icode
+        self.low = (1 << (width - 1)) - 1
+        self.expo = self.low ^ ((1 << mantissa) - 1)
+        self.key_pinf = _order_key(math.inf, fcode, icode, self.low)
+        self.key_ninf = _order_key(-math.inf, fcode, icode, self.low)
+
+    def value(self, key: int) -> float:
+        return struct.unpack(self.fcode, struct.pack(self.icode, key ^ self.low if key < 0 else key))[0]
+
+
+_FUSED_FLOAT = {torch.float32: _FusedDtype(torch.int32, "<f", "<i", 32, 23),
+                torch.float64: _FusedDtype(torch.int64, "<d", "<q", 64, 52)}
 
 
 def _fused_kernel(x: torch.Tensor):
     """The fused CPU statistics + hash kernel for x, or None (another dtype or device, no numba)."""
     if x.dtype in _FUSED_FLOAT and x.numel() and _host_path(x.device) and USE_HOST_KERNELS:
         k = kernels()
-        return k.float_block if k is not None else None
+        return k.float_stats_hash if k is not None else None
     return None
 
 
-@contextlib.contextmanager
-def hash_kept_for_next_call():
-    """Inside this block, `device_stats(t)` on the fused CPU path keeps the hash it computed, and the
-    `device_hash(t)` called next on the same tensor object returns it instead of reading t again. For callers
-    that run the two back to back with nothing in between (the tracer): no version check is needed (and
-    inference tensors have none). Outside the block every call computes its own."""
-    _LAST_HASH.on, _LAST_HASH.entry = True, None
-    try:
-        yield
-    finally:
-        _LAST_HASH.on, _LAST_HASH.entry = False, None
-
-
-def _remember_hash(t: torch.Tensor, h: torch.Tensor) -> None:
-    if getattr(_LAST_HASH, "on", False):
-        _LAST_HASH.entry = (id(t), h)
-
-
-def _recall_hash(t: torch.Tensor) -> torch.Tensor | None:
-    """The kept hash if it is t's; consumed either way, so it never serves a later call."""
-    entry = getattr(_LAST_HASH, "entry", None)
-    if entry is None:
-        return None
-    _LAST_HASH.entry = None
-    return entry[1] if entry[0] == id(t) else None
-
-
-def _fused_host_stats_hash(x: torch.Tensor, float_block) -> tuple[torch.Tensor, torch.Tensor]:
-    ints, fcode, icode, low = _FUSED_FLOAT[x.dtype]
+def _fused_host_stats_hash(x: torch.Tensor, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Statistics and hash of a float32/float64 CPU tensor from one read: a contiguous tensor in one kernel
+    call; a strided one in logical-order blocks, each copied contiguous (at most one block's bytes). The sums
+    are float64 in the kernel's order (runs of `_HOST_CHUNK`, each vectorised), not torch's: they agree with
+    the torch path and `numpy_stats` to float64 rounding; extremes, counts and the hash exactly."""
+    fd = _FUSED_FLOAT[x.dtype]
     step = _step(x.device)
-    xd_all = _scratch(min(step, x.numel()), 0).view(torch.float64)
-    xd_all_np = xd_all.numpy()
-    total, parts = 0, []
-    for start, blk, vals, bits in _host_blocks(x, ints, step):
-        m = vals.shape[0]
-        xd, xd_np = (xd_all, xd_all_np) if m == xd_all_np.shape[0] else (xd_all[:m], xd_all_np[:m])
-        h, kmin, kmax = float_block(vals, bits, xd_np, start, low)
-        total += int(h)
-        mn, mx = _key_value(int(kmin), fcode, icode, low), _key_value(int(kmax), fcode, icode, low)
-        if math.isfinite(mn) and math.isfinite(mx) and mn != 0.0 and mx != 0.0:
-            parts.append((xd.sum().item(), _sumsq(xd).item(), mn, mx))      # plain: Python floats
-        else:
-            parts.append(_special_block(blk(), xd, mn, mx))
-    hash_t = torch.tensor(_wrap64(total), dtype=torch.int64)
-    count = float(x.numel())
-    if all(len(p) == 4 for p in parts):
-        return _combine_plain(count, parts), hash_t
-    f64 = functools.partial(torch.tensor, dtype=torch.float64)
-    parts = [(f64(p[0]), f64(p[1]), f64(p[2]), f64(p[3]), 0, 0) if len(p) == 4 else p for p in parts]
-    return _combine(f64(count), parts), hash_t
-
-
-def _host_blocks(x: torch.Tensor, ints: torch.dtype, step: int):
-    """(flat start, the block as `blocks` yields it (a thunk: only special blocks need it), its values and
-    bits as 1-D numpy arrays) in `blocks` order: a contiguous tensor's numpy views are made once and sliced;
-    a strided slab is copied contiguous (one block's bytes, as device_stats's float64 copy of it)."""
+    args = (fd.low, fd.expo, fd.key_pinf, fd.key_ninf, step)
     if x.is_contiguous():
-        flat = x.view(-1)
-        vals, bits = flat.numpy(), flat.view(ints).numpy()
-        for s in range(0, vals.shape[0], step):
-            yield s, (lambda s=s: flat[s:s + step]), vals[s:s + step], bits[s:s + step]
-        return
-    for start, blk in blocks(x, step):
-        flat = blk.contiguous().view(-1)
-        yield start, (lambda blk=blk: blk), flat.numpy(), flat.view(ints).numpy()   # special blocks: as before
-
-
-def _key_value(key: int, fcode: str, icode: str, low: int) -> float:
-    """The float whose order key (host_kernels.float_block) is `key`: the key is its own inverse."""
-    return struct.unpack(fcode, struct.pack(icode, key ^ low if key < 0 else key))[0]
-
-
-def _special_block(blk: torch.Tensor, xd: torch.Tensor, mn: float, mx: float) -> tuple:
-    """A block's part as `_host_float_block` returns it, when the fused pass found non-finite values (the
-    masked path, as there) or an extreme that is zero (torch's own min/max: which of -0.0 and 0.0 it returns
-    is torch's choice, kept as it was); the float64 copy is in `xd`."""
-    if not (math.isfinite(mn) and math.isfinite(mx)):
-        return _masked_block(blk)
-    tmn, tmx = torch.aminmax(blk)
-    return xd.sum(), _sumsq(xd), tmn.to(torch.float64), tmx.to(torch.float64), 0, 0
-
-
-def _combine_plain(count: float, parts: list[tuple]) -> torch.Tensor:
-    """`_combine` of blocks whose extremes are finite and non-zero, in Python floats: the same IEEE double
-    additions in the same order; min/max of such values have no signed-zero or NaN cases to differ on, and
-    max(-min, max) is then > 0, so the clamp at 0 changes nothing."""
-    s, ss, mn, mx = parts[0]
-    for ps, pss, pmn, pmx in parts[1:]:
-        s, ss, mn, mx = s + ps, ss + pss, min(mn, pmn), max(mx, pmx)
-    return torch.tensor([count, s, ss, max(-mn, mx), mn, mx, 0.0, 0.0], dtype=torch.float64)
+        flat = x.reshape(-1)
+        parts = [kernel(flat.numpy(), flat.view(fd.ints).numpy(), 0, *args)]
+    else:
+        parts = []
+        for start, blk in blocks(x, step):
+            flat = blk.contiguous().view(-1)
+            parts.append(kernel(flat.numpy(), flat.view(fd.ints).numpy(), start, *args))
+    h, kmin, kmax, s, q, nan, nonfinite = parts[0]
+    h, kmin, kmax, nan, nonfinite = int(h), int(kmin), int(kmax), int(nan), int(nonfinite)
+    for ph, pmin, pmax, ps, pq, pnan, pnf in parts[1:]:
+        h, kmin, kmax = h + int(ph), min(kmin, int(pmin)), max(kmax, int(pmax))
+        s, q, nan, nonfinite = s + ps, q + pq, nan + int(pnan), nonfinite + int(pnf)
+    mn, mx = fd.value(kmin), fd.value(kmax)
+    row = np.array([x.numel(), s, q, max(-mn, mx, 0.0), mn, mx, nan, nonfinite - nan], dtype=np.float64)
+    return torch.from_numpy(row), torch.from_numpy(np.array(_wrap64(h), dtype=np.int64))
 
 
 def _native(b: torch.Tensor) -> torch.Tensor:
@@ -436,6 +391,7 @@ def numpy_stats(raw: np.ndarray, dtype: str) -> dict:
         x = to_float(raw, dtype).astype(np.float64)
     finite = np.isfinite(x)
     xz = np.where(finite, x, 0.0)
-    return stats_dict([x.size, xz.sum(), (xz * xz).sum(), np.abs(xz).max(),
-                       np.where(finite, x, np.inf).min(), np.where(finite, x, -np.inf).max(),
-                       np.isnan(x).sum(), np.isinf(x).sum()])
+    with np.errstate(over="ignore"):    # the sum of squares of float64 near its max is inf, as on the device
+        return stats_dict([x.size, xz.sum(), (xz * xz).sum(), np.abs(xz).max(),
+                           np.where(finite, x, np.inf).min(), np.where(finite, x, -np.inf).max(),
+                           np.isnan(x).sum(), np.isinf(x).sum()])

@@ -34,7 +34,7 @@ from .alias import AliasCache
 from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
 from .odd_tensors import recordable
-from .stats import device_hash, device_stats, hash_kept_for_next_call, stats_dict
+from .stats import stats_and_hash, stats_dict
 from .weights import ParameterHasher
 
 log = logging.getLogger("tic_trace")
@@ -664,9 +664,9 @@ class Tracer:
         slot = self._alias.lookup(x) if self._alias is not None else None
         if slot is None:
             slot = len(self._stat_rows)
-            with hash_kept_for_next_call():   # on the CPU one fused pass gives both (stats.py)
-                self._stat_rows.append(device_stats(x))
-                self._hashes.append(device_hash(x))
+            stats, h = stats_and_hash(x)
+            self._stat_rows.append(stats)
+            self._hashes.append(h)
             if self._alias is not None:
                 self._alias.add(x, slot)
         return slot
