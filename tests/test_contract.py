@@ -3,6 +3,8 @@ no tensor value is read, and each planted difference is named in its section at 
 import pytest
 import torch
 
+import tic_trace
+
 from tic_trace.align import CanonicalView
 from tic_trace.checkpoint import HFCheckpoint
 from tic_trace.contract import diff_contract
@@ -84,3 +86,39 @@ def test_weights_rehashed_only_when_changed():
         model.lm_head.weight[0, 0] += 1.0
     second = h([model])
     assert list(second) == ["lm_head.weight"] and second["lm_head.weight"][0] != first["lm_head.weight"][0]
+
+
+def test_weights_hashed_beside_the_forward_equal_the_pass_end_hashes_and_follow_late_changes():
+    """`begin` hashes CPU parameters on a background thread; the pass-end call joins it. The hashes equal
+    those of a hasher that never began; a parameter changed in place between `begin` and the call is hashed
+    again (its version moved), not reported with the value the thread read."""
+    from tic_trace.stats import numpy_hash
+    from tic_trace.weights import ParameterHasher
+    model = _bf16()
+    plain = ParameterHasher()([model])
+    h = ParameterHasher()
+    h.begin([model])
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    got = h([model])
+    assert got.keys() == plain.keys()
+    assert {k: v for k, v in got.items() if k != "lm_head.weight"} == \
+        {k: v for k, v in plain.items() if k != "lm_head.weight"}
+    w = model.lm_head.weight.detach()
+    assert got["lm_head.weight"][0] == numpy_hash(w.view(torch.int16).numpy()) != plain["lm_head.weight"][0]
+    h.begin([model])                               # nothing changed since: no thread, nothing re-emitted
+    assert h._background is None and h([model]) is None
+
+
+def test_weights_traced_on_the_cpu_are_hashed_beside_the_forward(tmp_path):
+    """Through the tracer: a CPU model's pass records every parameter's hash, equal to numpy's of its bits."""
+    from tic_trace.stats import numpy_hash
+    model = _bf16()
+    with tic_trace.trace(model, tmp_path / "t", adapter="hf") as t, torch.no_grad():
+        model(sample_tokens(1, 6))
+    assert t.failed is None
+    weights = next(tic_trace.open_trace(tmp_path / "t").passes()).meta["weights"]
+    params = dict(model.named_parameters())
+    assert weights.keys() == params.keys()
+    for k, (h, dtype, shape) in weights.items():
+        assert h == numpy_hash(params[k].detach().view(torch.int16).numpy()) and dtype == "bfloat16"

@@ -621,7 +621,16 @@ class Tracer:
                 raise RuntimeError("tracer not started")
             self._pass = self._writer.begin_pass({})
             self._pass_index = self._pass.index
+            self._begin_weights()
         return self._pass
+
+    def _begin_weights(self) -> None:
+        """Parameter hashes of CPU weights start now, beside the forward (weights.ParameterHasher.begin)."""
+        if self.hash_weights:
+            try:
+                self._param_hasher.begin(self.models)
+            except Exception as e:  # noqa: BLE001 - the pass's end hashes them instead
+                self._notes.add(f"parameter hashes not started beside the forward: {type(e).__name__}: {e}")
 
     def _capture(self, name: str, path: str, kind: str, op: str | None, call: int, t: torch.Tensor, mode: str,
                  ops_in_region: int | None, extra: dict | None = None) -> None:
