@@ -1,4 +1,6 @@
 """The trace format: framing, checksums, and clear errors for bad files."""
+import math
+import os
 import struct
 import zlib
 
@@ -146,3 +148,38 @@ def test_product_code_never_unpickles():
     offenders = [str(p) for d in ("tic_trace", "adapters", "tools") for p in (root / d).rglob("*.py")
                  if pat.search(p.read_text())]
     assert offenders == []
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_closed_pass_is_readable_at_once_and_fsynced_before_or_after_close(tmp_path, monkeypatch, durable,
+                                                                            hf_dense_config):
+    """`durable=True`: the blob is fsynced by the closing thread before `close` returns. Default: the closing
+    thread never fsyncs (a background thread does, and `wait_for_disk` returns once it has); either way the
+    pass is complete and readable as soon as the `with` block ends."""
+    import threading
+
+    from tic_trace import format as fmt
+    fmt.wait_for_disk()           # passes of earlier tests are not this test's
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(threading.current_thread().name)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(fmt.os, "fsync", spy)
+    model = build_hf_model(hf_dense_config)
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", adapter="hf", points_mode="full",
+                                          durable=durable) as t:
+        model(sample_tokens(1, 4))
+    main = threading.current_thread().name
+    if durable:
+        assert synced == [main]
+    else:
+        assert main not in synced
+        fmt.wait_for_disk()
+        assert synced == ["tic-trace-fsync"]
+    assert t.failed is None
+    (p,) = list(open_trace(tmp_path / "t").passes())
+    assert p.meta["complete"] and any(r.has_data for r in p.records)
+    assert all(r.values().size == math.prod(r.shape) for r in p.records if r.has_data)

@@ -18,10 +18,12 @@ against the typed schema of `schema.py` before any other code looks at it.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import secrets
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -343,13 +345,56 @@ def list_passes(rank_dir: Path) -> tuple[dict[int, bool], list[str]]:
     return passes, ignored
 
 
-class PassWriter:
-    """Streams one pass: tensor bytes go to the blob as they arrive, the index is written at `close`."""
+class _BackgroundSync:
+    """One daemon thread per process that fsyncs, then closes, the blobs of closed passes, so closing a pass
+    does not wait for the disk (`durable=False`, the default). Readers see the bytes at once through the page
+    cache; what a machine crash (not a process crash) can cost is the last passes, whose CRCs then name the
+    damage. `wait()` returns when everything handed over is on disk."""
 
-    def __init__(self, rank_dir: Path, index: int, meta: dict):
+    def __init__(self) -> None:
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def fsync_and_close(self, f) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="tic-trace-fsync", daemon=True)
+                self._thread.start()
+        self._queue.put(f)
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            f = self._queue.get()
+            try:
+                os.fsync(f.fileno())
+            except OSError:
+                pass          # durability is best effort here; the bytes are already written and readable
+            finally:
+                f.close()
+                self._queue.task_done()
+
+
+_BACKGROUND_SYNC = _BackgroundSync()
+
+
+def wait_for_disk() -> None:
+    """Block until every pass closed with `durable=False` in this process has been fsynced."""
+    _BACKGROUND_SYNC.wait()
+
+
+class PassWriter:
+    """Streams one pass: tensor bytes go to the blob as they arrive, the index is written at `close`. The blob
+    is fsynced before `close` returns when `durable`, else by a background thread (`_BackgroundSync`)."""
+
+    def __init__(self, rank_dir: Path, index: int, meta: dict, durable: bool = False):
         self.rank_dir = rank_dir
         self.index = index
         self.meta = dict(meta)
+        self.durable = durable
         self.records: list[Record] = []
         self._blob_path = rank_dir / f"{pass_stem(index)}.bin"
         fd, self._tmp = new_temp_file(rank_dir, pass_stem(index), ".bin.tmp")
@@ -371,8 +416,11 @@ class PassWriter:
         """Write the index. `incomplete`: why the pass is not a whole forward (its forward raised, or it
         ended inside one); such a pass is kept for a post-mortem under a name readers skip."""
         self._blob.flush()
-        os.fsync(self._blob.fileno())
-        self._blob.close()
+        if self.durable:
+            os.fsync(self._blob.fileno())
+            self._blob.close()
+        else:
+            _BACKGROUND_SYNC.fsync_and_close(self._blob)   # readable now (page cache); on disk shortly after
         os.replace(self._tmp, self._blob_path)
         payload = dict(self.meta)
         payload.update(index=self.index, blob=self._blob_path.name, blob_nbytes=self._size,
@@ -412,8 +460,8 @@ class TraceWriter:
         write_framed(self.rank_dir / "rank.msgpack", KIND_RANK, {"rank": rank, **rank_info, "run": run})
         self.next_index = max(existing) + 1 if existing else 0
 
-    def begin_pass(self, meta: dict) -> PassWriter:
-        w = PassWriter(self.rank_dir, self.next_index, {**meta, "run": self.run})
+    def begin_pass(self, meta: dict, durable: bool = False) -> PassWriter:
+        w = PassWriter(self.rank_dir, self.next_index, {**meta, "run": self.run}, durable)
         self.next_index += 1
         return w
 
