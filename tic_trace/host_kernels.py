@@ -103,11 +103,20 @@ def _build() -> Kernels:
         return kmin, kmax, s, q, nan, nonfinite
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def float_stats_hash(vals, bits, start, low, expo, key_pinf, key_ninf, block):
-        """Statistics + hash of a contiguous float32/float64 array, in `block`-element runs whose sums are
-        added in order (the rounding error of a float64 sum then grows with the block, not the tensor): (hash,
-        min key, max key, sum, sum of squares, NaN count, non-finite count), non-finite values excluded from
-        all but the hash and the counts. One call per tensor, no temporaries."""
+    def _key_value(key, low, vals, bits):
+        """The float (as float64) whose order key is `key`: the key is its own inverse."""
+        b = key ^ low if key < 0 else key
+        tmp = np.empty(1, bits.dtype)
+        tmp[0] = b
+        return np.float64(tmp.view(vals.dtype)[0])
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def float_stats_hash(vals, bits, start, low, expo, key_pinf, key_ninf, block, row):
+        """Statistics + hash of a contiguous float32/float64 array at flat offset `start`, in `block`-element
+        runs whose sums are added in order (the rounding error of a float64 sum then grows with the block,
+        not the tensor). Writes `row` = [count, sum, sumsq, absmax, min, max, nan, inf] (non-finite values
+        excluded from all but the counts; min +inf and max -inf when no value is finite) and returns the hash.
+        One call per tensor, no temporaries."""
         total, kmin, kmax = np.int64(0), np.int64(key_pinf), np.int64(key_ninf)
         s, q, nan, nonfinite = 0.0, 0.0, np.int64(0), np.int64(0)
         n = vals.shape[0]
@@ -123,7 +132,10 @@ def _build() -> Kernels:
             kmin, kmax = min(kmin, bmin), max(kmax, bmax)
             s += bs
             q += bq
-        return total, kmin, kmax, s, q, nan, nonfinite
+        mn, mx = _key_value(kmin, low, vals, bits), _key_value(kmax, low, vals, bits)
+        row[0], row[1], row[2], row[3] = n, s, q, max(-mn, mx, 0.0)
+        row[4], row[5], row[6], row[7] = mn, mx, nan, nonfinite - nan
+        return total
 
     return Kernels(hash_bits, float_stats_hash)
 

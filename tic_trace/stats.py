@@ -12,7 +12,6 @@ a few buffers of `_CHUNK` int64/float64 elements (`TRANSIENT_BYTES_MAX`, tested)
 from __future__ import annotations
 
 import math
-import struct
 import threading
 from typing import Iterator
 
@@ -232,29 +231,23 @@ def _stats_by_ops(x: torch.Tensor) -> torch.Tensor:
     return _combine(count, parts)
 
 
-def _order_key(v: float, fcode: str, icode: str, low: int) -> int:
-    """host_kernels' order key of the float v (bits ^ (sign ? low : 0)); the key is its own inverse."""
-    b = struct.unpack(icode, struct.pack(fcode, v))[0]
-    return b ^ low if b < 0 else b
-
-
 class _FusedDtype:
     """What the fused kernel needs of a dtype: its integer view, the magnitude and exponent masks, and the
-    order keys of +inf and -inf (extremes of no finite value: min +inf, max -inf, as the masked path)."""
+    order keys (host_kernels: bits ^ (sign ? magnitude mask : 0)) of +inf and -inf."""
 
-    def __init__(self, ints: torch.dtype, fcode: str, icode: str, width: int, mantissa: int):
-        self.ints, self.fcode, self.icode = ints, fcode, icode
+    def __init__(self, ints: torch.dtype, width: int, mantissa: int):
+        self.ints = ints
         self.low = (1 << (width - 1)) - 1
-        self.expo = self.low ^ ((1 << mantissa) - 1)
-        self.key_pinf = _order_key(math.inf, fcode, icode, self.low)
-        self.key_ninf = _order_key(-math.inf, fcode, icode, self.low)
-
-    def value(self, key: int) -> float:
-        return struct.unpack(self.fcode, struct.pack(self.icode, key ^ self.low if key < 0 else key))[0]
+        self.expo = self.low ^ ((1 << mantissa) - 1)     # +inf's bits
+        self.key_pinf = self.expo
+        self.key_ninf = _wrap_signed(self.expo | (1 << (width - 1)), width) ^ self.low
 
 
-_FUSED_FLOAT = {torch.float32: _FusedDtype(torch.int32, "<f", "<i", 32, 23),
-                torch.float64: _FusedDtype(torch.int64, "<d", "<q", 64, 52)}
+def _wrap_signed(v: int, width: int) -> int:
+    return v - (1 << width) if v >= 1 << (width - 1) else v
+
+
+_FUSED_FLOAT = {torch.float32: _FusedDtype(torch.int32, 32, 23), torch.float64: _FusedDtype(torch.int64, 64, 52)}
 
 
 def _fused_kernel(x: torch.Tensor):
@@ -265,30 +258,34 @@ def _fused_kernel(x: torch.Tensor):
     return None
 
 
+def _ordered_min(a: float, b: float) -> float:
+    """min with -0.0 below 0.0, as the kernel's order keys have it (never NaN here)."""
+    return b if b < a or (b == a and math.copysign(1.0, b) < 0) else a
+
+
 def _fused_host_stats_hash(x: torch.Tensor, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Statistics and hash of a float32/float64 CPU tensor from one read: a contiguous tensor in one kernel
-    call; a strided one in logical-order blocks, each copied contiguous (at most one block's bytes). The sums
-    are float64 in the kernel's order (runs of `_HOST_CHUNK`, each vectorised), not torch's: they agree with
-    the torch path and `numpy_stats` to float64 rounding; extremes, counts and the hash exactly."""
+    call; a strided one in logical-order blocks, each copied contiguous (at most one block's bytes), their
+    rows combined as `_combine` does. The sums are float64 in the kernel's order (runs of `_HOST_CHUNK`, each
+    vectorised), not torch's: they agree with the torch path and `numpy_stats` to float64 rounding; extremes,
+    counts and the hash exactly."""
     fd = _FUSED_FLOAT[x.dtype]
     step = _step(x.device)
-    args = (fd.low, fd.expo, fd.key_pinf, fd.key_ninf, step)
+    row = np.empty(8, dtype=np.float64)
     if x.is_contiguous():
         flat = x.reshape(-1)
-        parts = [kernel(flat.numpy(), flat.view(fd.ints).numpy(), 0, *args)]
-    else:
-        parts = []
-        for start, blk in blocks(x, step):
-            flat = blk.contiguous().view(-1)
-            parts.append(kernel(flat.numpy(), flat.view(fd.ints).numpy(), start, *args))
-    h, kmin, kmax, s, q, nan, nonfinite = parts[0]
-    h, kmin, kmax, nan, nonfinite = int(h), int(kmin), int(kmax), int(nan), int(nonfinite)
-    for ph, pmin, pmax, ps, pq, pnan, pnf in parts[1:]:
-        h, kmin, kmax = h + int(ph), min(kmin, int(pmin)), max(kmax, int(pmax))
-        s, q, nan, nonfinite = s + ps, q + pq, nan + int(pnan), nonfinite + int(pnf)
-    mn, mx = fd.value(kmin), fd.value(kmax)
-    row = np.array([x.numel(), s, q, max(-mn, mx, 0.0), mn, mx, nan, nonfinite - nan], dtype=np.float64)
-    return torch.from_numpy(row), torch.from_numpy(np.array(_wrap64(h), dtype=np.int64))
+        h = kernel(flat.numpy(), flat.view(fd.ints).numpy(), 0, fd.low, fd.expo, fd.key_pinf, fd.key_ninf, step, row)
+        return torch.from_numpy(row), torch.from_numpy(np.array(h, dtype=np.int64))
+    total, part = 0, np.empty(8, dtype=np.float64)
+    for i, (start, blk) in enumerate(blocks(x, step)):
+        flat = blk.contiguous().view(-1)
+        total += int(kernel(flat.numpy(), flat.view(fd.ints).numpy(), start, fd.low, fd.expo, fd.key_pinf,
+                            fd.key_ninf, step, row if i == 0 else part))
+        if i:
+            row[[0, 1, 2, 6, 7]] += part[[0, 1, 2, 6, 7]]
+            row[4], row[5] = _ordered_min(row[4], part[4]), -_ordered_min(-row[5], -part[5])
+    row[3] = max(-row[4], row[5], 0.0)
+    return torch.from_numpy(row), torch.from_numpy(np.array(_wrap64(total), dtype=np.int64))
 
 
 def _native(b: torch.Tensor) -> torch.Tensor:
