@@ -377,16 +377,10 @@ def check_pinned_cap(ctx: Ctx) -> dict:
     cap = 256 << 20 if ctx.cuda else 16 << 20
     x = torch.randn(1 << 24 if ctx.cuda else 1 << 20, device=ctx.dev)
     model = _Many()
-    forced = not ctx.cuda
-    if forced:
-        host_copy.FORCE_STAGING = True          # the CPU stand-in: plain host ring, same writer thread
-    stats0 = _host_stats()
-    try:
-        with torch.no_grad(), tic_trace.trace(model, ctx.fresh_dir(), mode="stats", points_mode="full",
-                                              pinned_cap_bytes=cap) as t:
-            model(x)
-    finally:
-        host_copy.FORCE_STAGING = False
+    stats0 = _host_stats()      # on CPU: a plain host ring, the same writer thread (host_copy.STAGE_CPU)
+    with torch.no_grad(), tic_trace.trace(model, ctx.fresh_dir(), mode="stats", points_mode="full",
+                                          pinned_cap_bytes=cap) as t:
+        model(x)
     stats1 = _host_stats()
     p = next(tic_trace.open_trace(t.out_dir).passes())
     stored = [r for r in p.records if r.has_data]

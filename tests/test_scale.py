@@ -152,7 +152,7 @@ def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
 @pytest.fixture
 def staged(monkeypatch):
     """The device path of the host copy (ring, writer thread, cap) on CPU tensors."""
-    monkeypatch.setattr(host_copy, "FORCE_STAGING", True)
+    monkeypatch.setattr(host_copy, "STAGE_CPU", True)
     monkeypatch.setattr(host_copy, "_MIN_RING", 1 << 12)
 
 
@@ -219,6 +219,31 @@ def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeyp
     assert torch.equal(out, ref)
     assert isinstance(t.failed, OSError)
     assert not list((tmp_path / "t").rglob("*.idx"))
+
+
+def test_cpu_values_go_through_the_ring_whose_pages_the_next_tracer_reuses(tmp_path, monkeypatch):
+    """CPU tensors are staged (memcpy into the ring, written by the writer thread), values as produced even when
+    the model later writes into them; the pageable ring outlives its tracer for the next one (no fresh page
+    faults), up to SPARE_RING_MAX, and `release_host_memory` frees it."""
+    monkeypatch.setattr(host_copy, "_MIN_RING", 1 << 16)
+    host_copy.release_host_memory()
+    x, model = torch.randn(4, 8), _Writes()
+    with tic_trace.trace(model, tmp_path / "a", mode="full") as t:
+        out = model(x)
+    assert t._stager.peak_ring_bytes == 1 << 16                  # staged: the ring was used
+    assert _records(tmp_path / "a")["<root>:out"].hash == numpy_hash(out.numpy())
+    (spare,) = host_copy._SPARE
+    ptr = spare.data_ptr()
+    with tic_trace.trace(model, tmp_path / "b", mode="full") as t2:
+        model(x)
+    assert t2._stager.peak_ring_bytes == 1 << 16 and host_copy._SPARE[0].data_ptr() == ptr   # taken and returned
+    assert _values(tmp_path / "a") == _values(tmp_path / "b")
+    host_copy.release_host_memory()
+    assert not host_copy._SPARE
+    monkeypatch.setattr(host_copy, "SPARE_RING_MAX", 1 << 10)    # a ring above the bound is not kept
+    with tic_trace.trace(model, tmp_path / "c", mode="full"):
+        model(x)
+    assert not host_copy._SPARE
 
 
 # ------------------------------------------------------------------------------------------------ comparator
@@ -365,7 +390,7 @@ _ODD_NOTES = {"zero-size": None, "sparse": "sparse_coo tensors not recorded", "s
 @pytest.mark.parametrize("kind", list(_ODD_NOTES))
 @pytest.mark.parametrize("staged_copy", [False, True], ids=["direct", "staged"])
 def test_odd_tensors_are_recorded_or_named_never_fatal(tmp_path, monkeypatch, kind, staged_copy):
-    monkeypatch.setattr(host_copy, "FORCE_STAGING", staged_copy)
+    monkeypatch.setattr(host_copy, "STAGE_CPU", staged_copy)
     x = torch.randn(4, 3)
     model = _OddModel(kind)
     with tic_trace.trace(model, tmp_path / "t", mode="full") as t:
