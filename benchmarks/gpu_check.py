@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -68,7 +67,6 @@ def _map_subpackages() -> None:
 
 
 _map_subpackages()
-from tic_trace import host_copy  # noqa: E402
 from tic_trace import stats as stats_mod  # noqa: E402
 from tic_trace.dtypes import torch_dtype_name  # noqa: E402
 from tic_trace.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
@@ -326,7 +324,7 @@ def check_transient_memory(ctx: Ctx) -> dict:
                         ("fp32 1 GiB with NaN", lambda: torch.randn(1 << 28, device=ctx.dev).index_fill_(
                             0, torch.tensor([7], device=ctx.dev), float("nan")))):
         x = make()
-        peak = _peak_above(ctx, lambda: (device_stats(x), device_hash(x)))
+        peak = _peak_above(ctx, lambda x=x: (device_stats(x), device_hash(x)))
         out[label] = f"{peak / 2**20:.1f} MiB"
         worst = max(worst, peak)
         del x
