@@ -121,6 +121,15 @@ def test_alias_reuse_changes_no_value_and_skips_work(tmp_path):
     assert on.keys() == off.keys()
     for name in on:
         assert on[name].hash == off[name].hash and on[name].stats == off[name].stats, name
+        assert on[name].mode == off[name].mode, name
+        if on[name].has_data:                          # read back, CRC checked: the same values
+            assert np.array_equal(on[name].values(), off[name].values()), name
+    # Full records of the same tensor share one stored copy: the logits are the root's output and lm_head's.
+    assert (on["lm_head:out"].offset, on["lm_head:out"].nbytes) == \
+        (on["<root>:out['logits']"].offset, on["<root>:out['logits']"].nbytes)
+    assert off["lm_head:out"].offset != off["<root>:out['logits']"].offset
+    blob = lambda d: sum(p.stat().st_size for p in d.rglob("*.bin"))    # noqa: E731
+    assert blob(tmp_path / "on") < blob(tmp_path / "off")
 
 
 class _Writes(torch.nn.Module):

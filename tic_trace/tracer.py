@@ -65,6 +65,7 @@ class _Frame:
 class _Pending:
     record: Record
     stat_slot: int | None = None
+    bytes_of: "_Pending | None" = None   # a full record of the same tensor whose stored bytes this one shares
 
 
 # Depth of tracer-internal code on this thread, over all tracers: the ops one tracer runs itself (statistics,
@@ -160,6 +161,7 @@ class Tracer:
         self._stat_rows: list[torch.Tensor] = []
         self._hashes: list[torch.Tensor] = []
         self._alias = AliasCache() if reuse_aliases else None
+        self._stored_full: dict[int, _Pending] = {}   # statistics slot -> the record that stored it in full
         self._stager = HostStager(pinned_cap_bytes, on_cap)
         self.durable = durable
         self._seq = 0
@@ -375,6 +377,7 @@ class Tracer:
         self._pending.clear()
         self._stat_rows.clear()
         self._hashes.clear()
+        self._stored_full.clear()
 
     # ------------------------------------------------------------ installation
     def _install(self) -> None:
@@ -666,7 +669,13 @@ class Tracer:
                 x = self._select_subset(x, rec, subset)
             elif mode == "rows":
                 x = self._select_rows(x, rec)
-            if rec.mode in ("full", "rows"):
+            if rec.mode == "full" and subset is None:
+                # An alias of a tensor already stored in full: the same logical values, so the same bytes.
+                pending.bytes_of = self._stored_full.get(pending.stat_slot)
+                if pending.bytes_of is None:
+                    self._store(pw, x, pending)
+                    self._stored_full[pending.stat_slot] = pending
+            elif rec.mode in ("full", "rows"):
                 self._store(pw, x, pending)
         pw.add(rec)
         self._pending.append(pending)
@@ -782,11 +791,17 @@ class Tracer:
             stats_np = torch.stack(self._stat_rows).cpu().numpy()
             hashes_np = torch.stack(self._hashes).cpu().numpy()
         self._stager.drain()    # every queued host copy is in the blob (the writer's error, if any, raised)
-        self._notes.update(self._stager.take_notes())
         for p in self._pending:
             if p.stat_slot is not None:
                 p.record.stats = stats_dict(stats_np[p.stat_slot])
                 p.record.hash = int(hashes_np[p.stat_slot])
+            if p.bytes_of is not None:
+                src, rec = p.bytes_of.record, p.record
+                rec.offset, rec.nbytes, rec.crc = src.offset, src.nbytes, src.crc
+                if not src.has_data:     # the stored copy was degraded at the cap: so is this record
+                    rec.mode = "stats"
+                    self._stager.degraded.append(rec.name)
+        self._notes.update(self._stager.take_notes())
         weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
@@ -795,6 +810,7 @@ class Tracer:
         self._pending.clear()
         self._stat_rows.clear()
         self._hashes.clear()
+        self._stored_full.clear()
         if self._alias is not None:
             self._alias.clear()
         self._blind.clear()
