@@ -669,16 +669,22 @@ class Tracer:
                 x = self._select_subset(x, rec, subset)
             elif mode == "rows":
                 x = self._select_rows(x, rec)
-            if rec.mode == "full" and subset is None:
-                # An alias of a tensor already stored in full: the same logical values, so the same bytes.
-                pending.bytes_of = self._stored_full.get(pending.stat_slot)
-                if pending.bytes_of is None:
-                    self._store(pw, x, pending)
-                    self._stored_full[pending.stat_slot] = pending
-            elif rec.mode in ("full", "rows"):
-                self._store(pw, x, pending)
+            if rec.mode in ("full", "rows"):
+                self._store_value(pw, x, pending, whole=subset is None)
         pw.add(rec)
         self._pending.append(pending)
+
+    def _store_value(self, pw: PassWriter, x: torch.Tensor, pending: _Pending, whole: bool) -> None:
+        """Store x's value, or, for a full record of a tensor already stored in full in this pass (an alias:
+        same statistics slot), share that record's bytes (same logical values, same bytes; resolved at the
+        pass's end, once the writer has placed them)."""
+        if pending.record.mode != "full" or not whole:
+            self._store(pw, x, pending)
+            return
+        pending.bytes_of = self._stored_full.get(pending.stat_slot)
+        if pending.bytes_of is None:
+            self._store(pw, x, pending)
+            self._stored_full[pending.stat_slot] = pending
 
     def _stats_slot(self, x: torch.Tensor) -> int:
         """The slot of x's statistics and hash: an earlier record's when x aliases it (see alias.py), else
