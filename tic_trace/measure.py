@@ -113,7 +113,7 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
 def _effective_dtypes(da: str, a: np.ndarray, db: str, b: np.ndarray) -> dict | None:
     """The dtype each side computed in, where the records' dtypes differ: an fp32 record whose values all lie
     on the bf16 grid (an engine that upcasts its bf16 output) computed in bf16. None when they agree."""
-    from .intrinsic import effective_dtype
+    from .grid import effective_dtype
     ea = effective_dtype(np.asarray(a, dtype=np.float64), da)
     eb = effective_dtype(np.asarray(b, dtype=np.float64), db)
     return {"a": ea, "b": eb} if ea != eb else None

@@ -9,11 +9,10 @@ canonical point whose module owns them, through the adapter's table.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .stats import device_hash
+if TYPE_CHECKING:
+    import torch
 
 
 class ParameterHasher:
@@ -32,6 +31,9 @@ class ParameterHasher:
         for i, model in enumerate(models):
             for name, p in model.named_parameters():
                 params[name if i == 0 else f"{i}:{name}"] = p
+        import torch   # here, not at import: the comparator reads weight hashes (below) with numpy only
+
+        from .stats import device_hash
         todo = [(k, p) for k, p in params.items()
                 if self._seen.get(k, (None,))[:3] != (p.data_ptr(), p._version, str(p.dtype))]
         if todo:
