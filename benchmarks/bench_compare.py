@@ -70,6 +70,16 @@ class _AnonPeak:
         self.peak = max(self.peak, _rss_anon_kib())
 
 
+class _NoPeak:
+    peak = base = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 def bare_pass(a: Path, b: Path, chunk: int = 1 << 20) -> dict:
     """Max |a - b| over the blob files, read as float32 through np.memmap, chunk by chunk."""
     import numpy as np
@@ -137,7 +147,9 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
         hwm_reset = True
     except OSError:
         hwm_reset = False
-    with _AnonPeak() as anon:
+    # The RssAnon sampler is a thread; the finder forks its workers only from a process without other
+    # threads (parallel.fork_is_safe), as the CLI is: the worker-count runs go without it.
+    with (_AnonPeak() if ":" not in kind or kind.startswith("values") else _NoPeak()) as anon:
         c0, t0 = time.process_time(), time.perf_counter()
         if kind.startswith("finder"):
             workers = int(kind.split(":")[1]) if ":" in kind else 1
