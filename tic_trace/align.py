@@ -248,10 +248,7 @@ class CanonicalView:
                 nxt.append(t)
         if not keep:
             return ct
-        x = lg.values[keep].astype(np.float64)
-        x = x - x.max(axis=-1, keepdims=True)
-        lse = np.log(np.exp(x).sum(axis=-1))
-        ct.values = (x[np.arange(len(keep)), nxt] - lse)[:, None]
+        ct.values = _next_token_logprobs(lg.values, np.asarray(keep), np.asarray(nxt))
         ct.rows = [lg.rows[i] for i in keep]
         return ct
 
@@ -277,6 +274,20 @@ class CanonicalView:
 
 
 _MAX_ANONYMOUS_ROWS = 1 << 24
+_LOGPROB_BLOCK = 1 << 18     # float64 elements of logits widened at once
+
+
+def _next_token_logprobs(logits: np.ndarray, rows: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+    """[len(rows), 1]: log_softmax(logits[rows[i]])[nxt[i]] in float64, a block of rows at a time (each row's
+    numbers are computed alone, so the block size changes none of them; the heap holds one block)."""
+    out = np.empty((rows.size, 1))
+    step = max(1, _LOGPROB_BLOCK // max(int(np.prod(logits.shape[1:], dtype=np.int64)), 1))
+    for r in range(0, rows.size, step):
+        x = logits[rows[r:r + step]].astype(np.float64)
+        x -= x.max(axis=-1, keepdims=True)
+        lse = np.log(np.exp(x).sum(axis=-1))
+        out[r:r + step, 0] = x[np.arange(x.shape[0]), nxt[r:r + step]] - lse
+    return out
 
 
 def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:

@@ -26,12 +26,17 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.rint(x / sp) * sp
 
 
-def effective_dtype(y: np.ndarray, dtype: str) -> str:
+def effective_dtype(y: np.ndarray, dtype: str, block: int = 1 << 18) -> str:
     """bfloat16 when a wider record holds only bf16 values (an engine that computes in bf16 and upcasts its
-    output, e.g. logits, to fp32): its precision is that of bf16, and its ULPs must be bf16's."""
+    output, e.g. logits, to fp32): its precision is that of bf16, and its ULPs must be bf16's. Read `block`
+    elements at a time (widened to float64 one block at a time)."""
     if dtype not in ("float32", "float64"):
         return dtype
-    fin = y[np.isfinite(y)]
-    if fin.size and np.array_equal(fin, round_to(fin, "bfloat16")):
-        return "bfloat16"
-    return dtype
+    flat, any_finite = y.reshape(-1), False
+    for s in range(0, flat.size, block):
+        x = flat[s:s + block].astype(np.float64)
+        fin = x[np.isfinite(x)]
+        if fin.size and not np.array_equal(fin, round_to(fin, "bfloat16")):
+            return dtype
+        any_finite |= fin.size > 0
+    return "bfloat16" if any_finite else dtype
