@@ -118,7 +118,7 @@ def _row_norms(a: np.ndarray) -> np.ndarray:
     out = np.empty(a.shape[0])
     step = max(1, _NORM_BLOCK // max(a.shape[1], 1))
     for r in range(0, a.shape[0], step):
-        x = np.nan_to_num(a[r:r + step].astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        x = np.nan_to_num(a[r:r + step].astype(np.float64), copy=False, nan=0.0, posinf=0.0, neginf=0.0)
         out[r:r + step] = np.linalg.norm(x, axis=1)
     return out
 
