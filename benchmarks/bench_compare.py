@@ -70,6 +70,16 @@ class _AnonPeak:
         self.peak = max(self.peak, _rss_anon_kib())
 
 
+class _NoPeak:
+    peak = base = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 def bare_pass(a: Path, b: Path, chunk: int = 1 << 20) -> dict:
     """Max |a - b| over the blob files, read as float32 through np.memmap, chunk by chunk."""
     import numpy as np
@@ -115,10 +125,10 @@ def compare_item(item: tuple) -> tuple[int, float]:
 
 
 def values_pass(a: Path, b: Path, workers: int) -> dict:
-    from tic_trace.parallel import map_ordered
+    from tic_trace.parallel import fork_is_safe, map_ordered
     items = value_items(a, b)
     t0 = time.perf_counter()
-    out = map_ordered(compare_item, items, workers=workers)
+    out = map_ordered(compare_item, items, workers=workers, start_method="fork" if fork_is_safe() else "spawn")
     return {"bytes": sum(n for n, _ in out), "points": len(out), "map_seconds": time.perf_counter() - t0}
 
 
@@ -137,7 +147,9 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
         hwm_reset = True
     except OSError:
         hwm_reset = False
-    with _AnonPeak() as anon:
+    # The RssAnon sampler is a thread; the finder forks its workers only from a process without other
+    # threads (parallel.fork_is_safe), as the CLI is: the worker-count runs go without it.
+    with (_AnonPeak() if ":" not in kind or kind.endswith(":1") else _NoPeak()) as anon:
         c0, t0 = time.process_time(), time.perf_counter()
         if kind.startswith("finder"):
             workers = int(kind.split(":")[1]) if ":" in kind else 1
@@ -260,7 +272,7 @@ def main() -> None:
         print(f"| {size} | {fin['cpu_seconds']:.2f} | {both / mb / fin['cpu_seconds']:.0f} | {bare['cpu_seconds']:.3f} | "
               f"{both / mb / bare['cpu_seconds']:.0f} | {fin['cpu_seconds'] / bare['cpu_seconds']:.0f}× | {cells} |")
     print("\ncompare_values on every record stored on both sides, memory-mapped, through tic_trace.parallel "
-          "(wall time; includes starting the workers):\n")
+          "(forked workers where parallel.fork_is_safe(); wall time, includes starting the workers):\n")
     print("| layers×tokens | records | bytes (both sides) | " + " | ".join(
         f"{w} worker{'s' if w > 1 else ''}: s / MB/s / ÷ bare" for w in args.workers)
           + " | tracemalloc peak (1 worker) |")

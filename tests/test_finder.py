@@ -299,6 +299,44 @@ def test_workers_give_the_same_report(tmp_path, clean_moe):
     assert one["points"] and two["first_divergence"] is None
 
 
+_FORKED_FINDER = """
+import json, sys
+from tic_trace import measure_workers, parallel
+from tic_trace.diverge import find_divergence
+assert parallel.fork_is_safe(), "a process with only numpy and tic-trace loaded may fork"
+starts = []
+pool = measure_workers.imap_ordered
+def spy(fn, items, workers, backend, start):
+    starts.append([fn.__name__, start, type(items[0]).__name__])
+    return pool(fn, items, workers, backend, start)
+measure_workers.imap_ordered = spy
+reports = [find_divergence(sys.argv[1], sys.argv[2], workers=w).to_json() for w in (1, 2)]
+print(json.dumps({"reports": reports, "starts": starts, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_finder_needs_no_torch_and_forks_its_workers(tmp_path, clean_moe):
+    """What the CLI runs (a process that loads only numpy and tic-trace): the finder never imports torch, two
+    workers are forked with the indexed views (items carry only the point) and give the one-worker report,
+    which is the report this process (torch loaded: spawned workers) makes."""
+    import subprocess
+    import sys
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    plant(model, "hf", "qk_norm_weight", 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    r = subprocess.run([sys.executable, "-c", _FORKED_FINDER, str(clean_moe), str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False
+    assert got["starts"] == [["measure_inherited", "fork", "InheritedJob"]]
+    one, two = got["reports"]
+    assert one["verdict"] == "divergent" and one["first_divergence"]["key"] == "L1.attn.k_norm"
+    assert two == one
+    here = json.loads(json.dumps(find_divergence(str(clean_moe), str(tmp_path / "b"), workers=2).to_json()))
+    assert here == one
+
+
 def test_measurements_sent_back_by_workers_are_small(clean_moe):
     """What a worker returns per point is per-row numbers (errors, norms, the router's top values, row ids),
     never the point's tensor: about 100 bytes per row whatever the width; the logits' measurement is a small

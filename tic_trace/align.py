@@ -59,6 +59,7 @@ class CanonicalView:
         self.skipped = self.trace.skipped()   # incomplete passes: never compared, always reported
         self.include_recompute = include_recompute
         self._passes: dict[tuple[int, int], Pass] = {}
+        self._pass_rows: dict[tuple[int, int], tuple[list[RowId | None], bool]] = {}
         self.entries: dict[tuple[str, int | None], list[_Entry]] = defaultdict(list)
         self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
@@ -144,12 +145,15 @@ class CanonicalView:
         return max(layers) + 1 if layers else None
 
     def load(self, point: str, layer: int | None, *, values: bool = True) -> CanonicalTensor:
+        """One point of this side as [rows, ...]. A point recorded once with distinct row ids (the usual case)
+        is the adapter's layout of the record itself (a memory-mapped view where no layout changes it):
+        no row-by-row walk, no copy."""
         if point == "logprobs" and ("logprobs", None) not in self.entries:
             return self._derived_logprobs()
         out_rows: list[RowId] = []
         chunks: list[np.ndarray] = []
         ct = CanonicalTensor(point, layer, out_rows, None, dtype="float32")
-        seen: set[RowId] = set()
+        seen: set[RowId] | None = None      # built only when a second chunk of rows arrives
         for e in self.entries.get((point, layer), []):
             ranks = sorted(e.names)
             recs = [self._pass(r, e.pass_index).record(e.names[r]) for r in ranks]
@@ -162,7 +166,7 @@ class CanonicalView:
             if not values or not all(r.has_data for r in recs):
                 continue
             p = self._pass(ranks[0], e.pass_index)
-            rows = _rows_of(p, lead)
+            rows, distinct = self._rows(ranks[0], e.pass_index, p, lead)
             try:
                 arr, note = self._layout(e, recs, ranks, rows, point, layer)
             except (ValueError, IndexError, KeyError, TypeError) as x:
@@ -172,6 +176,12 @@ class CanonicalView:
             if note and note not in ct.notes:
                 ct.notes.append(note)
                 self.notes.setdefault(key_name(point, layer), note)
+            if distinct and not out_rows:
+                out_rows.extend(rows)
+                chunks.append(arr)
+                continue
+            if seen is None:
+                seen = set(out_rows)
             keep = []
             for i, rid in enumerate(rows):
                 if rid is None:
@@ -188,8 +198,21 @@ class CanonicalView:
             if len(shapes) > 1:
                 raise TraceFormatError(self.trace.path, f"{key_name(point, layer)}: passes disagree on its feature "
                                                         f"shape ({' vs '.join(str(list(s)) for s in shapes)})")
-            ct.values = np.concatenate(chunks, axis=0)
+            ct.values = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
         return ct
+
+    def _rows(self, rank: int, pass_index: int, p: Pass, rec: Record) -> tuple[list[RowId | None], bool]:
+        """`_rows_of(p, rec)` and whether its ids are all present and distinct; kept per pass for records that
+        hold every row of the pass (a list shared by every caller: never modified)."""
+        if rec.row_index is not None or p.rows is None:
+            rows = _rows_of(p, rec)
+            return rows, None not in rows and len(set(rows)) == len(rows)
+        key = (rank, pass_index)
+        got = self._pass_rows.get(key)
+        if got is None:
+            rows = _rows_of(p, rec)
+            got = self._pass_rows[key] = (rows, None not in rows and len(set(rows)) == len(rows))
+        return got
 
     def _layout(self, e: _Entry, recs: list[Record], ranks: list[int], rows: list, point: str,
                 layer: int | None) -> tuple[np.ndarray, str | None]:
@@ -225,10 +248,7 @@ class CanonicalView:
                 nxt.append(t)
         if not keep:
             return ct
-        x = lg.values[keep].astype(np.float64)
-        x = x - x.max(axis=-1, keepdims=True)
-        lse = np.log(np.exp(x).sum(axis=-1))
-        ct.values = (x[np.arange(len(keep)), nxt] - lse)[:, None]
+        ct.values = _next_token_logprobs(lg.values, np.asarray(keep), np.asarray(nxt))
         ct.rows = [lg.rows[i] for i in keep]
         return ct
 
@@ -254,6 +274,20 @@ class CanonicalView:
 
 
 _MAX_ANONYMOUS_ROWS = 1 << 24
+_LOGPROB_BLOCK = 1 << 18     # float64 elements of logits widened at once
+
+
+def _next_token_logprobs(logits: np.ndarray, rows: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+    """[len(rows), 1]: log_softmax(logits[rows[i]])[nxt[i]] in float64, a block of rows at a time (each row's
+    numbers are computed alone, so the block size changes none of them; the heap holds one block)."""
+    out = np.empty((rows.size, 1))
+    step = max(1, _LOGPROB_BLOCK // max(int(np.prod(logits.shape[1:], dtype=np.int64)), 1))
+    for r in range(0, rows.size, step):
+        x = logits[rows[r:r + step]].astype(np.float64)
+        x -= x.max(axis=-1, keepdims=True)
+        lse = np.log(np.exp(x).sum(axis=-1))
+        out[r:r + step, 0] = x[np.arange(x.shape[0]), nxt[r:r + step]] - lse
+    return out
 
 
 def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
@@ -321,9 +355,13 @@ class AlignedPair:
 
 
 def align_rows(ta: CanonicalTensor, tb: CanonicalTensor) -> AlignedPair:
-    """Rows present on both sides, in side A's order. Rows on one side only are counted, never compared."""
+    """Rows present on both sides, in side A's order. Rows on one side only are counted, never compared.
+    Sides holding the same rows in the same order (the usual case) are passed through as they are: no
+    gather, no copy (memory-mapped values stay memory-mapped)."""
     if ta.values is None or tb.values is None:
         return AlignedPair(None, None, [], len(ta.rows), len(tb.rows))
+    if ta.rows == tb.rows:
+        return AlignedPair(ta.values, tb.values, list(ta.rows), 0, 0)
     where_b = {r: i for i, r in enumerate(tb.rows)}
     ia, ib, rows = [], [], []
     for i, r in enumerate(ta.rows):
@@ -332,7 +370,13 @@ def align_rows(ta: CanonicalTensor, tb: CanonicalTensor) -> AlignedPair:
             ia.append(i)
             ib.append(j)
             rows.append(r)
-    return AlignedPair(ta.values[ia], tb.values[ib], rows, len(ta.rows) - len(rows), len(tb.rows) - len(rows))
+    return AlignedPair(_take(ta.values, ia), _take(tb.values, ib), rows, len(ta.rows) - len(rows),
+                       len(tb.rows) - len(rows))
+
+
+def _take(values: np.ndarray, idx: list[int]) -> np.ndarray:
+    """values[idx], without a copy where idx is every row in order."""
+    return values if len(idx) == values.shape[0] and idx == list(range(len(idx))) else values[idx]
 
 
 def common_points(va: CanonicalView, vb: CanonicalView) -> tuple[list, list, list]:

@@ -102,7 +102,7 @@ def _dtype_diffs(view_a: CanonicalView, view_b: CanonicalView) -> list[ContractD
 
 def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
                   reference: HFCheckpoint | None) -> list[ContractDiff]:
-    from .weights import weight_hashes_by_point
+    from .weight_map import weight_hashes_by_point
     wa, wb = weight_hashes_by_point(view_a), weight_hashes_by_point(view_b)
     out = []
     for k in sorted(set(wa) & set(wb), key=lambda k: (k[1] is None, k[1] or 0, k[0])):

@@ -214,18 +214,21 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
     want = set(rows)
     errs: dict[RowId, dict] = {r: {} for r in rows}
     flips: dict[RowId, dict] = {r: {} for r in rows}
+    where: dict[tuple, dict] = {}      # the wanted rows' positions, per distinct row list (most points share one)
     for m in measured:
         if not m.compared or not m.rows:
             continue
+        key = tuple(m.rows)
+        pos = where.get(key)
+        if pos is None:
+            pos = where[key] = {r: i for i, r in enumerate(m.rows) if r in want}
         if is_ids(m.point):
             fl = set(m.flipped)
-            for r in m.rows:
-                if r in want:
-                    errs[r][m.key] = 1.0 if r in fl else 0.0
+            for r in pos:
+                errs[r][m.key] = 1.0 if r in fl else 0.0
             continue
-        for r, e in zip(m.rows, m.per_row):
-            if r in want:
-                errs[r][m.key] = float(e)
+        for r, i in pos.items():
+            errs[r][m.key] = float(m.per_row[i])
     routers = {m.layer: m for m in measured if m.point == ROUTER_LOGITS}
     for m in measured:
         if is_ids(m.point) and m.flipped:

@@ -18,13 +18,10 @@ import torch
 from .align import CanonicalTensor, CanonicalView
 from .canonical import BY_NAME, key_name, order_key
 from .dtypes import dtype_info, known_dtype
+from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
 from .reference import ExactReference, NotReplayable
 
 RowId = tuple[str, int]
-
-# Smallest normal exponent per float dtype: below it the grid is uniform (subnormals).
-_MIN_EXP = {"float64": -1022, "float32": -126, "bfloat16": -126, "float16": -14,
-            "float8_e4m3fn": -6, "float8_e4m3fnuz": -7, "float8_e5m2": -14, "float8_e5m2fnuz": -15}
 
 
 @dataclass(frozen=True)
@@ -75,31 +72,6 @@ class NotReplayed:
     @property
     def key(self) -> str:
         return key_name(self.point, self.layer)
-
-
-def grid_spacing(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Spacing of `dtype`'s grid at x (ULP), exact via frexp: |x| in [2^(e-1), 2^e) -> 2^(e-1-mantissa)."""
-    mant = dtype_info(dtype).mantissa_bits
-    _, e = np.frexp(np.abs(x))
-    e = np.maximum(e - 1, _MIN_EXP.get(dtype, -126))
-    return np.ldexp(1.0, e - mant)
-
-
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x (float64) correctly rounded (to nearest, ties to even) onto `dtype`'s grid; no overflow handling."""
-    sp = grid_spacing(x, dtype)
-    return np.rint(x / sp) * sp
-
-
-def effective_dtype(y: np.ndarray, dtype: str) -> str:
-    """bfloat16 when a wider record holds only bf16 values (an engine that computes in bf16 and upcasts its
-    output, e.g. logits, to fp32): its precision is that of bf16, and its ULPs must be bf16's."""
-    if dtype not in ("float32", "float64"):
-        return dtype
-    fin = y[np.isfinite(y)]
-    if fin.size and np.array_equal(fin, round_to(fin, "bfloat16")):
-        return "bfloat16"
-    return dtype
 
 
 def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str) -> IntrinsicError:

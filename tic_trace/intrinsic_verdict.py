@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .align import CanonicalView, common_points
 from .canonical import key_name
-from .intrinsic import IntrinsicError, NotReplayed, SideReplayer
-from .reference import ExactReference
+
+if TYPE_CHECKING:   # the replay (and torch) load when a replay runs: the finder reads Margins with numpy only
+    from .intrinsic import IntrinsicError, NotReplayed
+    from .reference import ExactReference
 
 # Largest excess measured on clean bf16 implementations per point (HF eager and SDPA attention, split-K
 # o_proj, identical; 3 weight seeds x 16 tokens x 2 samples, 2 seeds x 64 tokens; docs/replay.md), rounded
@@ -104,6 +106,7 @@ def abnormal(e: IntrinsicError, margins: Margins = DEFAULT_MARGINS) -> bool:
 def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotReplayed,
                       margins: Margins = DEFAULT_MARGINS) -> IntrinsicVerdict:
     """Which side, if any, computes this point's op less exactly. The one judging rule of the replay."""
+    from .intrinsic import NotReplayed
     point, layer = a.point, a.layer
 
     def out(side, kind, reason):
@@ -169,6 +172,7 @@ def intrinsic_walk(view_a: CanonicalView, view_b: CanonicalView, reference: Exac
                    stop_at_first: bool = False) -> list[IntrinsicVerdict]:
     """The verdict at every point both sides recorded, in dataflow order (global points only without
     `layers`). Each side is replayed from its own inputs."""
+    from .intrinsic import SideReplayer
     keep = set(layers) if layers is not None else None
     ra, rb = SideReplayer(view_a, reference), SideReplayer(view_b, reference)
     both, _, _ = common_points(view_a, view_b)

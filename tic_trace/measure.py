@@ -99,8 +99,7 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     m.per_row_abs = np.asarray(met.per_row_max, dtype=np.float64)
     n = len(pair.rows)
     if BY_NAME[point].routed:
-        m.row_ref_norm = np.linalg.norm(
-            np.nan_to_num(pair.a.reshape(n, -1).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0), axis=1)
+        m.row_ref_norm = _row_norms(pair.a.reshape(n, -1))
     if BY_NAME[point].role == "router_logits":
         top = -np.sort(-pair.a.reshape(n, -1).astype(np.float64), axis=1)[:, :ROUTER_TOP]
         m.router_top = top.tolist()
@@ -110,12 +109,25 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     return m
 
 
+_NORM_BLOCK = 1 << 18     # float64 elements widened at once
+
+
+def _row_norms(a: np.ndarray) -> np.ndarray:
+    """||a_row|| in float64 with NaN/Inf read as 0, a block of rows at a time (each row's norm is computed
+    alone: the block size changes no number; the heap holds one block, not a float64 copy of the point)."""
+    out = np.empty(a.shape[0])
+    step = max(1, _NORM_BLOCK // max(a.shape[1], 1))
+    for r in range(0, a.shape[0], step):
+        x = np.nan_to_num(a[r:r + step].astype(np.float64), copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        out[r:r + step] = np.linalg.norm(x, axis=1)
+    return out
+
+
 def _effective_dtypes(da: str, a: np.ndarray, db: str, b: np.ndarray) -> dict | None:
     """The dtype each side computed in, where the records' dtypes differ: an fp32 record whose values all lie
     on the bf16 grid (an engine that upcasts its bf16 output) computed in bf16. None when they agree."""
-    from .intrinsic import effective_dtype
-    ea = effective_dtype(np.asarray(a, dtype=np.float64), da)
-    eb = effective_dtype(np.asarray(b, dtype=np.float64), db)
+    from .grid import effective_dtype
+    ea, eb = effective_dtype(a, da), effective_dtype(b, db)
     return {"a": ea, "b": eb} if ea != eb else None
 
 

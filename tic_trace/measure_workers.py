@@ -1,11 +1,15 @@
 """The finder's MEASURE step over every point: in this process, or split over worker processes / Ray tasks.
 
 Points are independent (each reads only its own records of the two traces), so the split is one work item
-per point. Nothing big crosses a process boundary: an item names the two traces (directory, adapter, the
-manifest's modification time) and the point; each worker opens the two views itself, once per process
-(`_VIEWS`), and sends back the point's `PointMeasurement` — per-row numbers (errors, norms, router top
-values, row ids), never a tensor. Results come back in point order, so the report is the same whatever the
-number of workers (`tests/test_finder.py::test_workers_give_the_same_report`).
+per point, handed out one at a time to whichever worker is free. Nothing big crosses a process boundary.
+Where the caller may fork (`parallel.fork_is_safe`: the CLI, any process without other threads or torch),
+workers are forked after the caller indexed both traces: they inherit the two views (`_INHERITED`) and an
+item is only the point. Otherwise (spawned processes, Ray tasks) an item names the two traces (directory,
+adapter, the manifest's modification time) and the point, and each worker opens the two views itself,
+once per process (`_VIEWS`). Either way a worker sends back the point's `PointMeasurement` — per-row
+numbers (errors, norms, router top values, row ids), never a tensor. Results come back in point order, so
+the report is the same whatever the number of workers or how they start
+(`tests/test_finder.py::test_workers_give_the_same_report`).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from .adapter import Adapter, UnknownAdapter, get_adapter
 from .align import CanonicalView
 from .canonical import key_name
 from .measure import PointMeasurement, measure_point
-from .parallel import BACKENDS, imap_ordered
+from .parallel import BACKENDS, fork_is_safe, imap_ordered
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,34 @@ def measure_job(job: PointJob) -> PointMeasurement:
     return measure_point(_view(job.a), _view(job.b), job.point, job.layer)
 
 
+@dataclass(frozen=True)
+class InheritedJob:
+    """A point of the two views a forked worker inherited from the caller (`_INHERITED`)."""
+    point: str
+    layer: int | None
+
+    def __repr__(self) -> str:
+        return f"point {key_name(self.point, self.layer)}"
+
+
+_INHERITED: tuple[CanonicalView, CanonicalView] | None = None   # set in the caller just before forking
+
+
+def measure_inherited(job: InheritedJob) -> PointMeasurement:
+    """One point, in a forked worker, with the caller's views."""
+    if _INHERITED is None:
+        raise RuntimeError("measure_inherited runs only in a worker forked by measure_all")
+    return measure_point(_INHERITED[0], _INHERITED[1], job.point, job.layer)
+
+
 def measure_all(va: CanonicalView, vb: CanonicalView, points: Iterable[tuple[str, int | None]], *,
                 workers: int = 1, backend: str = "processes",
-                progress: Callable[[str], None] | None = None) -> list[PointMeasurement]:
+                progress: Callable[[str], None] | None = None,
+                start_method: str | None = None) -> list[PointMeasurement]:
     """`measure_point` for every (point, layer), in order. One worker (the default, processes backend) measures
     here with the caller's views, before each point calling `progress(key)`; more run the points in
-    `workers` processes (or Ray tasks) and call `progress(key)` as each result arrives, in point order."""
+    `workers` processes (or Ray tasks) and call `progress(key)` as each result arrives, in point order.
+    `start_method` (processes): "fork" or "spawn"; None forks where `parallel.fork_is_safe()`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if not isinstance(workers, int) or workers < 1:
@@ -104,10 +130,19 @@ def measure_all(va: CanonicalView, vb: CanonicalView, points: Iterable[tuple[str
                 progress(key_name(point, layer))
             out.append(measure_point(va, vb, point, layer))
         return out
-    ra, rb = SideRef.of(va), SideRef.of(vb)
+    global _INHERITED
+    fork = backend == "processes" and fork_is_safe() if start_method is None else start_method == "fork"
+    if fork:
+        fn, items, _INHERITED = measure_inherited, [InheritedJob(p, l) for p, l in points], (va, vb)
+    else:
+        ra, rb = SideRef.of(va), SideRef.of(vb)
+        fn, items = measure_job, [PointJob(ra, rb, p, l) for p, l in points]
     out = []
-    for m in imap_ordered(measure_job, [PointJob(ra, rb, p, l) for p, l in points], workers, backend):
-        if progress:
-            progress(m.key)
-        out.append(m)
+    try:
+        for m in imap_ordered(fn, items, workers, backend, "fork" if fork else "spawn"):
+            if progress:
+                progress(m.key)
+            out.append(m)
+    finally:
+        _INHERITED = None
     return out

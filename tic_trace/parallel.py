@@ -4,8 +4,10 @@ The comparator's unit of work is one canonical point: its two sides' values are 
 compared independently of every other point, so points spread over processes with nothing shared but the
 file paths. `map_ordered(fn, items, workers)` is that split; the finder's measure step runs on top of it
 (`--workers N`). `workers <= 1` runs in this process (no pool, no pickling). Workers are started with
-`spawn`: the caller may hold threads (a tracer's writer, torch's pools), which `fork` would copy in an
-undefined state.
+`spawn` unless the caller asks for `fork` (`start_method`), which `fork_is_safe()` allows only in a process
+with no other Python thread and no torch loaded: a tracer's writer thread or torch's pools would be copied
+into the child in an undefined state. A forked worker starts in milliseconds and inherits what the caller
+already built (imported modules, indexed traces); a spawned one imports and rebuilds it.
 
 `backend="ray"` runs the same split as Ray tasks (slime's clusters already run Ray) on nodes that see the
 traces (a shared filesystem): one task per item, results taken from the object refs in item order; each
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -33,22 +37,34 @@ def default_workers() -> int:
 
 
 BACKENDS = ("processes", "ray")
+START_METHODS = ("spawn", "fork")
+
+
+def fork_is_safe() -> bool:
+    """Whether worker processes may be forked from this one: a platform with fork, no Python thread but this
+    one (a lock held by another thread would stay held in the child), and torch not loaded (its thread pools
+    and device state are not fork-safe)."""
+    return ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+            and "torch" not in sys.modules)
 
 
 def map_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers: int = 1,
-                backend: str = "processes") -> list[R]:
+                backend: str = "processes", start_method: str = "spawn") -> list[R]:
     """[fn(item) for item in items], computed by `workers` processes (or Ray tasks: `backend="ray"`, on the
     cluster `ray.init` connects to, or a local one of `workers` CPUs); `fn` and the items must pickle (a
     module-level function and plain data: paths, offsets, shapes)."""
-    return list(imap_ordered(fn, items, workers, backend))
+    return list(imap_ordered(fn, items, workers, backend, start_method))
 
 
 def imap_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers: int = 1,
-                 backend: str = "processes") -> Iterator[R]:
+                 backend: str = "processes", start_method: str = "spawn") -> Iterator[R]:
     """`map_ordered`, yielding each result as soon as it and every earlier one are done (for progress).
-    Closing the generator early (or an item failing) cancels the items not yet started."""
+    Closing the generator early (or an item failing) cancels the items not yet started. `start_method`
+    "fork" (processes only) must be asked for only where `fork_is_safe()`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     items = list(items)
     if backend == "ray":
         yield from _imap_ray(fn, items, workers)
@@ -57,7 +73,7 @@ def imap_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers
         for i, item in enumerate(items):
             yield _call(fn, i, item)
         return
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(start_method)
     pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx)
     try:
         futures = [pool.submit(_call, fn, i, item) for i, item in enumerate(items)]

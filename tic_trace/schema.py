@@ -371,8 +371,11 @@ def _checker(tp: Any) -> _Checker:
     if origin in (Union, types.UnionType):
         alts = [_checker(a) for a in args]
         real = [_checker(a) for a in args if a is not type(None)]
+        nullable = type(None) in args
 
         def check_union(v, f):
+            if v is None and nullable:      # the common case, before the others build their messages
+                return None
             if any(c(v, f) is None for c in alts):
                 return None
             # `X | None` given a wrong X: say what is wrong inside it, not only "X or null".

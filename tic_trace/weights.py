@@ -4,13 +4,12 @@ after a training step are not the trainer's).
 
 `ParameterHasher` hashes every parameter once (stats.device_hash, all hashes fetched in one host sync) and
 again only when the parameter's storage or in-place version counter changed, so hashing per pass costs
-almost nothing after the first. Read side: `weight_hashes_by_point` groups a trace's recorded hashes by the
-canonical point whose module owns them, through the adapter's table.
+almost nothing after the first. Read side (numpy only): `weight_map.weight_hashes_by_point` groups a trace's
+recorded hashes by the canonical point whose module owns them, through the adapter's table.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
 
@@ -106,35 +105,5 @@ class ParameterHasher:
         return {k: [self._seen[k][3], self._seen[k][2].removeprefix("torch."), list(params[k].shape)] for k in keys}
 
 
-def weight_hashes_by_point(view: Any) -> dict[tuple[str, int | None], dict[str, list]]:
-    """{(point, layer): {parameter name: [hash, dtype, shape]}} from the first pass of rank 0 that recorded
-    weights (the full map; later passes hold only parameters changed since). A parameter belongs to the
-    point whose record its module writes (`module:out`)."""
-    adapter, config = view.adapter, view.config
-    compiled = [(pm, pm.regex()) for pm in adapter.points if adapter.applies(pm, config)]
-    info = view.trace.rank_info(view.trace.ranks[0]) if view.trace.ranks else {}
-    out: dict[tuple[str, int | None], dict[str, list]] = {}
-    for rank in view.trace.ranks[:1]:
-        for pidx in view.trace.pass_indices(rank):
-            weights = view._pass(rank, pidx).meta.get("weights")
-            if not isinstance(weights, dict):
-                continue
-            for name, val in weights.items():
-                key = _point_of(name.rsplit(".", 1)[0], compiled, adapter, info, config)
-                if key is not None:
-                    out.setdefault(key, {})[name] = val
-            return out
-    return out
-
-
-def _point_of(module: str, compiled, adapter, info: dict, config: dict) -> tuple[str, int | None] | None:
-    for suffix in (":out", ":out[0]"):
-        for pm, rx in compiled:
-            m = rx.match(module + suffix)
-            if m is None:
-                continue
-            layer = None
-            if "layer" in rx.groupindex and m.group("layer") is not None:
-                layer = adapter.global_layer(int(m.group("layer")), info, config)
-            return pm.point, layer
-    return None
+# The read side lives in weight_map.py (numpy only: the finder reads weight hashes without loading torch).
+from .weight_map import weight_hashes_by_point  # noqa: E402,F401
