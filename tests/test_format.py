@@ -2,6 +2,7 @@
 import math
 import os
 import struct
+import time
 import zlib
 
 import msgpack
@@ -179,6 +180,10 @@ def test_a_closed_pass_is_readable_at_once_and_fsynced_before_or_after_close(tmp
         assert main not in synced
         fmt.wait_for_disk()
         assert synced == ["tic-trace-fsync"]
+        deadline = time.monotonic() + 10 * fmt._IDLE_EXIT_S      # idle, the thread ends (forking is safe again)
+        while any(th.name == "tic-trace-fsync" for th in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(th.name == "tic-trace-fsync" for th in threading.enumerate())
     assert t.failed is None
     (p,) = list(open_trace(tmp_path / "t").passes())
     assert p.meta["complete"] and any(r.has_data for r in p.records)

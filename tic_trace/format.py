@@ -345,6 +345,9 @@ def list_passes(rank_dir: Path) -> tuple[dict[int, bool], list[str]]:
     return passes, ignored
 
 
+_IDLE_EXIT_S = 0.5     # the fsync thread ends after this long with nothing to do
+
+
 class _BackgroundSync:
     """One daemon thread per process that fsyncs, then closes, the blobs of closed passes, so closing a pass
     does not wait for the disk (`durable=False`, the default). Readers see the bytes at once through the page
@@ -358,17 +361,26 @@ class _BackgroundSync:
 
     def fsync_and_close(self, f) -> None:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            self._queue.put(f)
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tic-trace-fsync", daemon=True)
                 self._thread.start()
-        self._queue.put(f)
 
     def wait(self) -> None:
         self._queue.join()
 
     def _run(self) -> None:
+        # The thread ends once idle: a process that traced and then compares may fork its workers again
+        # (parallel.fork_is_safe wants no other thread).
         while True:
-            f = self._queue.get()
+            try:
+                f = self._queue.get(timeout=_IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             try:
                 os.fsync(f.fileno())
             except OSError:
