@@ -145,6 +145,37 @@ class _Writes(torch.nn.Module):
         return y                                    # module output: y after both writes
 
 
+_LIB = torch.library.Library("tictest", "DEF")
+_LIB.define("scale_(Tensor x) -> ()")        # in place by name, no `(a!)`: like c10d's allreduce_
+
+
+def _scale_unannotated(x):
+    x.numpy()[...] *= 3                       # behind torch's back: no version bump either
+
+
+_LIB.impl("scale_", _scale_unannotated, "CPU")
+
+
+class _WritesUnannotated(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2                                   # op record of y
+        torch.ops.tictest.scale_(y)                 # written in place, unannotated, version unchanged
+        return y                                    # module output: 3 * y
+
+
+def test_an_unannotated_in_place_op_ends_alias_reuse(tmp_path):
+    """An op that writes its arguments without a schema annotation or a version bump (c10d's in-place
+    collectives: SGLang's MoE blocks all-reduce their own output) must not let a later record of that tensor
+    reuse the statistics or the stored bytes taken before the write."""
+    x, model = torch.randn(4, 8), _WritesUnannotated()
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="stats", points_mode="full") as t:
+        out = model(x)
+    assert t.failed is None
+    final = _records(tmp_path / "t")["<root>:out"]
+    assert torch.equal(out, x * 6)
+    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+
+
 def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
     x, model = torch.randn(4, 8), _Writes()
     with tic_trace.trace(model, tmp_path / "t", mode="full") as t:

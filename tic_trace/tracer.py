@@ -43,6 +43,7 @@ ROOT = "<root>"
 GLOBAL = "<global>"
 # Collectives: their outputs are filled asynchronously on another stream; reading them here would race.
 _SKIP_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler", "prims"}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 # Ops whose outputs are uninitialised memory or pure metadata, and reshapes that alias their input without
 # being flagged as views (their bits are the input's, already recorded where it was produced).
 _SKIP_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
@@ -97,8 +98,8 @@ class _DispatchRecorder(TorchDispatchMode):
 _OP_INFO_CACHE: dict[Any, tuple[str, bool, tuple[str, ...], bool]] = {}
 
 
-def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool]:
-    """(name 'aten.mm', skip?, names of written arguments, is_view)."""
+def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool, bool]:
+    """(name 'aten.mm', skip?, names of written arguments, is_view, may write any tensor argument?)."""
     info = _OP_INFO_CACHE.get(func)
     if info is None:
         schema = func._schema
@@ -107,7 +108,10 @@ def _op_info(func) -> tuple[str, bool, tuple[str, ...], bool]:
         is_view = bool(getattr(func, "is_view", False))
         skip = ns in _SKIP_NAMESPACES or name in _SKIP_OPS
         written = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-        info = (name, skip, written, is_view)
+        # Writes a schema does not annotate: c10d's in-place collectives (`allreduce_(Tensor[] tensors, ...)`,
+        # no `(a!)`, and no version bump either) and custom ops named in place without annotations.
+        unannotated = not written and (ns in _COLLECTIVE_NAMESPACES or name.endswith("_"))
+        info = (name, skip, written, is_view, unannotated)
         _OP_INFO_CACHE[func] = info
     return info
 
@@ -560,9 +564,12 @@ class Tracer:
         self._capture_tree(f"{name}:out", path, "tap", label, frame.call if frame else 0, out, self.points_mode)
 
     def _on_op(self, func, args, kwargs, out) -> None:
-        name, skip, written, is_view = _op_info(func)
-        if written and self._alias is not None:
-            self._alias.forget(_written_args(func, written, args, kwargs))
+        name, skip, written, is_view, unannotated = _op_info(func)
+        if self._alias is not None:
+            if written:
+                self._alias.forget(_written_args(func, written, args, kwargs))
+            elif unannotated:       # may have written any tensor it was given: no later reuse of those
+                self._alias.forget([*args, *kwargs.values()])
         if skip or (is_view and not self.record_views):
             return
         frame = self._stack[-1] if self._stack else None
