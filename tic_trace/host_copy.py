@@ -1,9 +1,10 @@
-"""Copies of recorded device tensors to host memory, bounded, written to disk by a writer thread.
+"""Copies of recorded tensors to host memory, bounded, written to disk by a writer thread.
 
 In `full` and `rows` modes every stored value of a device tensor is copied into pinned host memory with a
 non-blocking copy on the current stream (the value as produced: stream order puts the copy before any later
 in-place op), and an event is recorded after it. A writer thread waits on that event — the forward thread
-never waits on the device per op — then appends the bytes to the pass's blob and frees the memory.
+never waits on the device per op — then appends the bytes to the pass's blob and frees the memory. CPU
+tensors take the same ring with a plain memcpy (`STAGE_CPU`): cheaper for the forward than writing itself.
 
 All copies live in one ring buffer of at most `cap_bytes` (allocated lazily, grown only while empty), so
 the pinned memory the tracer holds is bounded whatever a pass records. When a copy does not fit:
