@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the record path: the hash in one pass over the bits, no temporaries.
+"""Fused CPU kernels for the record path: the hash (`hash_bits`), and for float32/float64 tensors the hash
+with every statistic (`float_stats_hash`), in one pass over the bits, no temporaries.
 
 On the CPU, `stats.device_hash` written as torch ops makes six passes over int64 buffers per block (widen, xor
 the index table, multiply, shift, xor, sum) and costs ~3.5 ns per element; the same arithmetic as one numba
