@@ -244,6 +244,20 @@ def test_cap_degrades_to_statistics_with_a_note_never_silently(tmp_path, staged)
     assert rep.verdict == "consistent"
 
 
+def test_cap_wait_keeps_cpu_values_larger_than_the_ring(tmp_path):
+    """`on_cap="wait"` (the default) with a cap below the model's larger values: on the CPU they need no host
+    copy, so they are written directly and kept bit for bit, never degraded to statistics."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    trace_hf(model, tmp_path / "free", IDS)
+    _, t = trace_hf(model, tmp_path / "capped", IDS, pinned_cap_bytes=4 << 10)
+    assert t._stager.peak_ring_bytes <= 4 << 10
+    free, capped = _values(tmp_path / "free"), _values(tmp_path / "capped")
+    assert any(len(v[1] or b"") > 4 << 10 for v in free.values())       # values larger than the cap exist
+    assert capped == free
+    notes = next(open_trace(tmp_path / "capped").passes()).meta["notes"]
+    assert not any("kept statistics" in n for n in notes), notes
+
+
 def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeypatch):
     """A failing blob write in the writer thread surfaces at pass end as a tracer failure: the forward's
     output is untouched and no half-written pass is left as complete."""

@@ -156,6 +156,11 @@ class HostStager:
         # Pinned whenever CUDA is there: a ring first made for a CPU tensor must not turn later device copies
         # into synchronous ones.
         off = self._reserve(nbytes, pinned=x.is_cuda or torch.cuda.is_available())
+        if off is None and self.on_cap == "wait" and x.device.type == "cpu":
+            # Larger than the whole ring: a CPU value needs no host copy to be kept, so it is written by this
+            # thread, as before CPU staging (only a device value must fit the cap to reach the disk).
+            self.write_now(pw, rec, as_storage(x.contiguous()))
+            return True
         if off is None:
             self.degraded.append(rec.name)
             return False
