@@ -359,6 +359,11 @@ class _BackgroundSync:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _after_fork_in_child(self) -> None:
+        # A forked child inherits `_thread` set but not the thread itself: its blobs would never be fsynced
+        # or closed and `wait()` would never return. The parent's queued files are the parent's to sync.
+        self.__init__()
+
     def fsync_and_close(self, f) -> None:
         with self._lock:
             self._queue.put(f)
@@ -391,6 +396,8 @@ class _BackgroundSync:
 
 
 _BACKGROUND_SYNC = _BackgroundSync()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_BACKGROUND_SYNC._after_fork_in_child)
 
 
 def wait_for_disk() -> None:
