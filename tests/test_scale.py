@@ -424,6 +424,10 @@ class _Odd(torch.nn.Module):
             return y.as_subclass(_Sub)
         if k == "nested":
             return torch.nested.nested_tensor([y[0], y[1, :2]])
+        if k == "negated-view":                   # float32 whose memory holds the imaginary parts un-negated
+            return torch.complex(y, x).conj().imag
+        if k == "conjugated":
+            return torch.complex(y, x).conj()
         raise AssertionError(k)
 
 
@@ -439,7 +443,8 @@ class _OddModel(torch.nn.Module):
 
 _ODD_NOTES = {"zero-size": None, "sparse": "sparse_coo tensors not recorded", "sparse_csr": "sparse_csr tensors",
               "complex": "complex64 tensors recorded as their real view", "quantized": "quantized tensors (quint8)",
-              "subclass": "tensor subclass _Sub recorded as the plain tensor", "nested": "nested tensors not recorded"}
+              "subclass": "tensor subclass _Sub recorded as the plain tensor", "nested": "nested tensors not recorded",
+              "negated-view": "complex64 tensors recorded", "conjugated": "complex64 tensors recorded as their real view"}
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -475,5 +480,11 @@ def test_odd_tensors_are_recorded_or_named_never_fatal(tmp_path, monkeypatch, ki
         assert np.array_equal(rec.raw(), q.int_repr().numpy())
     elif kind == "subclass":
         assert np.array_equal(rec.values(), y.numpy())
+    elif kind == "negated-view":
+        assert np.array_equal(rec.values(), (-x).numpy()) and rec.hash == numpy_hash((-x).numpy())
+        assert rec.stats == pytest.approx(numpy_stats((-x).numpy(), "float32"), rel=1e-12)
+    elif kind == "conjugated":
+        want = torch.view_as_real(torch.complex(y, -x)).numpy()
+        assert np.array_equal(rec.values(), want) and rec.hash == numpy_hash(want)
     else:
         assert rec is None
