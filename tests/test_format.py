@@ -222,3 +222,33 @@ def test_a_process_forked_while_the_fsync_thread_runs_syncs_and_closes_its_own_p
     assert os.waitstatus_to_exitcode(status) == 0
     fmt.wait_for_disk()
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == [f"{fmt.pass_stem(i)}.bin" for i in (0, 1)]
+
+
+def test_a_blob_whose_close_fails_neither_stops_the_fsync_thread_nor_blocks_wait_for_disk(tmp_path):
+    """A file system that reports a write error at close (NFS does): `wait_for_disk` still returns, and the
+    passes closed after it are fsynced and closed as usual."""
+    import threading
+
+    from tic_trace import format as fmt
+
+    class FailingClose:
+        def __init__(self, f):
+            self.f = f
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def close(self):
+            self.f.close()
+            raise OSError(5, "Input/output error")
+
+    fmt.wait_for_disk()
+    fmt._BACKGROUND_SYNC.fsync_and_close(FailingClose(open(tmp_path / "x", "wb")))
+    w = fmt.PassWriter(tmp_path, 0, {})
+    w.write_bytes(b"x" * 10)
+    w.close()
+    waiter = threading.Thread(target=fmt.wait_for_disk, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert w._blob.closed

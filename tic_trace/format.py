@@ -388,11 +388,21 @@ class _BackgroundSync:
                 continue
             try:
                 os.fsync(f.fileno())
-            except OSError:
-                pass          # durability is best effort here; the bytes are already written and readable
-            finally:
                 f.close()
+            except OSError:
+                # Durability is best effort here: the bytes are already written and readable, and a write the
+                # file system failed to keep shows as a CRC mismatch when read. A close that raises (NFS
+                # reports write errors there) must neither end this thread nor leave `wait()` blocked.
+                _close_quietly(f)
+            finally:
                 self._queue.task_done()
+
+
+def _close_quietly(f) -> None:
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 _BACKGROUND_SYNC = _BackgroundSync()
