@@ -176,6 +176,29 @@ def test_an_unannotated_in_place_op_ends_alias_reuse(tmp_path):
     assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
 
 
+class _WritesWhilePaused(torch.nn.Module):
+    tracer = None
+
+    def forward(self, x):
+        y = x * 2                                   # op record of y
+        with self.tracer.pausing():                 # a block run untraced: its ops are not seen
+            torch.ops.tictest.scale_(y)             # written in place, unannotated, version unchanged
+        return y                                    # module output: 3 * y
+
+
+def test_writes_in_a_paused_block_end_alias_reuse(tmp_path):
+    """Ops run inside `tracer.pausing()` in the middle of a pass are not seen, so an unannotated write there
+    could not end a reuse: a later record of that tensor must not reuse the statistics or bytes from before."""
+    x, model = torch.randn(4, 8), _WritesWhilePaused()
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="full") as t:
+        model.tracer = t
+        out = model(x)
+    assert t.failed is None
+    final = _records(tmp_path / "t")["<root>:out"]
+    assert torch.equal(out, x * 6)
+    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+
+
 def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
     x, model = torch.randn(4, 8), _Writes()
     with tic_trace.trace(model, tmp_path / "t", mode="full") as t:
