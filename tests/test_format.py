@@ -188,3 +188,67 @@ def test_a_closed_pass_is_readable_at_once_and_fsynced_before_or_after_close(tmp
     (p,) = list(open_trace(tmp_path / "t").passes())
     assert p.meta["complete"] and any(r.has_data for r in p.records)
     assert all(r.values().size == math.prod(r.shape) for r in p.records if r.has_data)
+
+
+def test_a_process_forked_while_the_fsync_thread_runs_syncs_and_closes_its_own_passes(tmp_path):
+    """A child forked right after a pass closed (the parent's fsync thread still alive) inherits no thread:
+    its own passes are fsynced and closed (no descriptor left open) and `wait_for_disk` returns."""
+    import threading
+
+    from tic_trace import format as fmt
+
+    def one_pass(index: int) -> None:
+        w = fmt.PassWriter(tmp_path, index, {})
+        w.write_bytes(b"x" * 100)
+        w.close()
+
+    fmt.wait_for_disk()
+    one_pass(0)                                   # starts the parent's fsync thread (idle exit after 0.5 s)
+    assert any(th.name == "tic-trace-fsync" for th in threading.enumerate())
+    pid = os.fork()
+    if pid == 0:                                  # the child: no torch op, only the format's own code
+        code = 1
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            one_pass(1)
+            waiter = threading.Thread(target=fmt.wait_for_disk, daemon=True)
+            waiter.start()
+            waiter.join(10)
+            closed = len(os.listdir("/proc/self/fd")) == before
+            code = 0 if not waiter.is_alive() and closed else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    fmt.wait_for_disk()
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == [f"{fmt.pass_stem(i)}.bin" for i in (0, 1)]
+
+
+def test_a_blob_whose_close_fails_neither_stops_the_fsync_thread_nor_blocks_wait_for_disk(tmp_path):
+    """A file system that reports a write error at close (NFS does): `wait_for_disk` still returns, and the
+    passes closed after it are fsynced and closed as usual."""
+    import threading
+
+    from tic_trace import format as fmt
+
+    class FailingClose:
+        def __init__(self, f):
+            self.f = f
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def close(self):
+            self.f.close()
+            raise OSError(5, "Input/output error")
+
+    fmt.wait_for_disk()
+    fmt._BACKGROUND_SYNC.fsync_and_close(FailingClose(open(tmp_path / "x", "wb")))
+    w = fmt.PassWriter(tmp_path, 0, {})
+    w.write_bytes(b"x" * 10)
+    w.close()
+    waiter = threading.Thread(target=fmt.wait_for_disk, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert w._blob.closed

@@ -128,6 +128,18 @@ def test_fused_stats_agree_with_the_torch_ops_and_numpy(monkeypatch, dtype, case
                     assert fused[k] == ops[k] == host[k], (k, case, chunk, v.stride(), fused[k], ops[k], host[k])
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "ops"])
+def test_lazily_negated_and_conjugated_views_are_read_as_their_values(monkeypatch, fused):
+    """`c.conj().imag` is a float tensor whose memory holds the imaginary parts un-negated (torch's negative
+    bit), `c.conj()` a complex one: statistics and hash are those of the values they read as."""
+    c = torch.complex(_planted(torch.float32, "finite"), _planted(torch.float32, "nan"))
+    for lazy in (c.conj().imag, c.conj().imag.t(), c.conj()):
+        assert lazy.is_neg() or lazy.is_conj()
+        got = _stats_and_hash(lazy, fused, monkeypatch)
+        want = _stats_and_hash(lazy.resolve_conj().resolve_neg(), fused, monkeypatch)
+        assert got == want
+
+
 def test_fused_sums_are_as_accurate_as_torch_on_long_tensors(monkeypatch):
     """A 4 Mi-element float32 tensor with a large mean: the kernel's sums (vectorised runs added in order) stay
     within float64 rounding of an exact sum (math.fsum), as torch's do."""

@@ -176,6 +176,29 @@ def test_an_unannotated_in_place_op_ends_alias_reuse(tmp_path):
     assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
 
 
+class _WritesWhilePaused(torch.nn.Module):
+    tracer = None
+
+    def forward(self, x):
+        y = x * 2                                   # op record of y
+        with self.tracer.pausing():                 # a block run untraced: its ops are not seen
+            torch.ops.tictest.scale_(y)             # written in place, unannotated, version unchanged
+        return y                                    # module output: 3 * y
+
+
+def test_writes_in_a_paused_block_end_alias_reuse(tmp_path):
+    """Ops run inside `tracer.pausing()` in the middle of a pass are not seen, so an unannotated write there
+    could not end a reuse: a later record of that tensor must not reuse the statistics or bytes from before."""
+    x, model = torch.randn(4, 8), _WritesWhilePaused()
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="full") as t:
+        model.tracer = t
+        out = model(x)
+    assert t.failed is None
+    final = _records(tmp_path / "t")["<root>:out"]
+    assert torch.equal(out, x * 6)
+    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+
+
 def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
     x, model = torch.randn(4, 8), _Writes()
     with tic_trace.trace(model, tmp_path / "t", mode="full") as t:
@@ -242,6 +265,20 @@ def test_cap_degrades_to_statistics_with_a_note_never_silently(tmp_path, staged)
     assert any(f"{len(degraded)} record(s) kept statistics" in n for n in notes), notes
     rep = find_divergence(tmp_path / "free", tmp_path / "capped")
     assert rep.verdict == "consistent"
+
+
+def test_cap_wait_keeps_cpu_values_larger_than_the_ring(tmp_path):
+    """`on_cap="wait"` (the default) with a cap below the model's larger values: on the CPU they need no host
+    copy, so they are written directly and kept bit for bit, never degraded to statistics."""
+    model = build_hf_model(tiny_qwen3_config(moe=True))
+    trace_hf(model, tmp_path / "free", IDS)
+    _, t = trace_hf(model, tmp_path / "capped", IDS, pinned_cap_bytes=4 << 10)
+    assert t._stager.peak_ring_bytes <= 4 << 10
+    free, capped = _values(tmp_path / "free"), _values(tmp_path / "capped")
+    assert any(len(v[1] or b"") > 4 << 10 for v in free.values())       # values larger than the cap exist
+    assert capped == free
+    notes = next(open_trace(tmp_path / "capped").passes()).meta["notes"]
+    assert not any("kept statistics" in n for n in notes), notes
 
 
 def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeypatch):
@@ -410,6 +447,10 @@ class _Odd(torch.nn.Module):
             return y.as_subclass(_Sub)
         if k == "nested":
             return torch.nested.nested_tensor([y[0], y[1, :2]])
+        if k == "negated-view":                   # float32 whose memory holds the imaginary parts un-negated
+            return torch.complex(y, x).conj().imag
+        if k == "conjugated":
+            return torch.complex(y, x).conj()
         raise AssertionError(k)
 
 
@@ -425,7 +466,8 @@ class _OddModel(torch.nn.Module):
 
 _ODD_NOTES = {"zero-size": None, "sparse": "sparse_coo tensors not recorded", "sparse_csr": "sparse_csr tensors",
               "complex": "complex64 tensors recorded as their real view", "quantized": "quantized tensors (quint8)",
-              "subclass": "tensor subclass _Sub recorded as the plain tensor", "nested": "nested tensors not recorded"}
+              "subclass": "tensor subclass _Sub recorded as the plain tensor", "nested": "nested tensors not recorded",
+              "negated-view": "complex64 tensors recorded", "conjugated": "complex64 tensors recorded as their real view"}
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -461,5 +503,11 @@ def test_odd_tensors_are_recorded_or_named_never_fatal(tmp_path, monkeypatch, ki
         assert np.array_equal(rec.raw(), q.int_repr().numpy())
     elif kind == "subclass":
         assert np.array_equal(rec.values(), y.numpy())
+    elif kind == "negated-view":
+        assert np.array_equal(rec.values(), (-x).numpy()) and rec.hash == numpy_hash((-x).numpy())
+        assert rec.stats == pytest.approx(numpy_stats((-x).numpy(), "float32"), rel=1e-12)
+    elif kind == "conjugated":
+        want = torch.view_as_real(torch.complex(y, -x)).numpy()
+        assert np.array_equal(rec.values(), want) and rec.hash == numpy_hash(want)
     else:
         assert rec is None

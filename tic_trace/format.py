@@ -359,6 +359,11 @@ class _BackgroundSync:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _after_fork_in_child(self) -> None:
+        # A forked child inherits `_thread` set but not the thread itself: its blobs would never be fsynced
+        # or closed and `wait()` would never return. The parent's queued files are the parent's to sync.
+        self.__init__()
+
     def fsync_and_close(self, f) -> None:
         with self._lock:
             self._queue.put(f)
@@ -383,14 +388,26 @@ class _BackgroundSync:
                 continue
             try:
                 os.fsync(f.fileno())
-            except OSError:
-                pass          # durability is best effort here; the bytes are already written and readable
-            finally:
                 f.close()
+            except OSError:
+                # Durability is best effort here: the bytes are already written and readable, and a write the
+                # file system failed to keep shows as a CRC mismatch when read. A close that raises (NFS
+                # reports write errors there) must neither end this thread nor leave `wait()` blocked.
+                _close_quietly(f)
+            finally:
                 self._queue.task_done()
 
 
+def _close_quietly(f) -> None:
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
 _BACKGROUND_SYNC = _BackgroundSync()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_BACKGROUND_SYNC._after_fork_in_child)
 
 
 def wait_for_disk() -> None:

@@ -9,9 +9,9 @@ tensors take the same ring with a plain memcpy (`STAGE_CPU`): cheaper for the fo
 All copies live in one ring buffer of at most `cap_bytes` (allocated lazily, grown only while empty), so
 the pinned memory the tracer holds is bounded whatever a pass records. When a copy does not fit:
 `on_cap="wait"` (default) blocks the forward until the writer has freed enough (the forward runs at disk
-speed for a while; counted and noted in the pass); `on_cap="stats"`, or a single value larger than the cap,
-keeps the record's statistics and hash only and names it in the pass notes. Never an out-of-memory, never a
-silent loss.
+speed for a while; counted and noted in the pass); `on_cap="stats"`, or a single device value larger than
+the cap, keeps the record's statistics and hash only and names it in the pass notes (a CPU value larger than
+the cap under "wait" is written by the forward thread). Never an out-of-memory, never a silent loss.
 """
 from __future__ import annotations
 
@@ -156,6 +156,11 @@ class HostStager:
         # Pinned whenever CUDA is there: a ring first made for a CPU tensor must not turn later device copies
         # into synchronous ones.
         off = self._reserve(nbytes, pinned=x.is_cuda or torch.cuda.is_available())
+        if off is None and self.on_cap == "wait" and x.device.type == "cpu":
+            # Larger than the whole ring: a CPU value needs no host copy to be kept, so it is written by this
+            # thread, as before CPU staging (only a device value must fit the cap to reach the disk).
+            self.write_now(pw, rec, as_storage(x.contiguous()))
+            return True
         if off is None:
             self.degraded.append(rec.name)
             return False

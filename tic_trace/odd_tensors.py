@@ -9,6 +9,7 @@ them. None of them may disable tracing for a pass or make a trace unreadable (is
 | subclass without its own `__torch_dispatch__` | the plain tensor it is (same storage) | yes |
 | wrapper subclass (DTensor, float8 wrappers, ...) | not recorded; the ops on its inner tensors are | yes |
 | sparse, sparse CSR/CSC/BSR, nested, meta | not recorded (no dense values to compare; densifying could exceed memory) | yes |
+| lazily negated or conjugated view (`c.conj().imag`, `c.conj()`) | a resolved copy: the values it reads as (its bits are not) | — |
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ _PER_TENSOR = (torch.per_tensor_affine, torch.per_tensor_symmetric)
 def recordable(t: torch.Tensor) -> tuple[torch.Tensor | None, str | None, dict]:
     """(tensor to record or None, note for the pass or None, extras for the record)."""
     if type(t) in _PLAIN_TYPES and t.layout == torch.strided and not t.is_nested and not t.is_quantized \
-            and not t.is_complex() and t.device.type != "meta":
-        return t, None, {}                     # the common case, in six attribute reads
+            and not t.is_complex() and t.device.type != "meta" and not t.is_neg():
+        return t, None, {}                     # the common case, in seven attribute reads
     kind = type(t).__name__
     if type(t) not in _PLAIN_TYPES:
         if getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
@@ -40,6 +41,11 @@ def recordable(t: torch.Tensor) -> tuple[torch.Tensor | None, str | None, dict]:
         return None, "meta tensors not recorded (they have no values)", {}
     if t.is_quantized:
         return _quantized(t)
+    if t.is_neg() or t.is_conj():
+        # Its memory holds the values before the lazy negation: neither a bit view nor numpy can read it.
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_complex():
+            return t, None, {}
     name = str(t.dtype).removeprefix("torch.")
     return torch.view_as_real(t), f"{name} tensors recorded as their real view [..., 2] (extra.complex)", \
         {"complex": name}

@@ -64,8 +64,11 @@ def _bits_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def _logical(t: torch.Tensor) -> torch.Tensor:
-    """t with complex values as (real, imag) pairs: the values statistics and hash see, in logical order."""
+    """t with complex values as (real, imag) pairs: the values statistics and hash see, in logical order (a
+    lazily negated or conjugated view resolved: its memory does not hold its values)."""
     t = t.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_conj().resolve_neg()
     return torch.view_as_real(t) if t.is_complex() else t
 
 

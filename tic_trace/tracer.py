@@ -255,6 +255,8 @@ class Tracer:
                 return
             self._paused = True
             self._live = False
+            if self._alias is not None:    # ops while paused are unseen: their writes could not end a reuse
+                self._alias.clear()
             if self._mode_entered:
                 self._mode_entered = False
                 self._mode.__exit__(None, None, None)
