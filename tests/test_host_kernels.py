@@ -151,3 +151,25 @@ def test_fused_sums_are_as_accurate_as_torch_on_long_tensors(monkeypatch):
     assert fused["sum"] == pytest.approx(exact, rel=1e-13)
     exact_sq = math.fsum((t.double() ** 2).tolist())
     assert fused["sumsq"] == pytest.approx(exact_sq, rel=1e-13)
+
+
+def test_a_thread_asking_while_another_loads_the_kernels_waits_for_them(monkeypatch):
+    """The weight-hash thread often loads numba first: the forward thread asking meanwhile must get the
+    kernels, not None (which would send its records down the torch path)."""
+    import threading
+    import time
+    real_build = host_kernels._build
+    started = threading.Event()
+
+    def slow_build():
+        started.set()
+        time.sleep(0.3)
+        return real_build()
+    monkeypatch.setattr(host_kernels, "_build", slow_build)
+    monkeypatch.setattr(host_kernels, "_TRIED", False)
+    monkeypatch.setattr(host_kernels, "_KERNELS", None)
+    loader = threading.Thread(target=host_kernels.kernels)
+    loader.start()
+    started.wait(5)
+    assert host_kernels.kernels() is not None        # waited for the loader instead of answering None
+    loader.join()

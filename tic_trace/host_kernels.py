@@ -14,6 +14,7 @@ loads it. Compiled code is cached on disk by numba (`cache=True`) where the pack
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 log = logging.getLogger("tic_trace")
@@ -25,6 +26,7 @@ K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 
 _KERNELS: "Kernels | None" = None
 _TRIED = False
+_LOCK = threading.Lock()
 
 
 class Kernels:
@@ -142,16 +144,19 @@ def _build() -> Kernels:
 
 
 def kernels() -> Kernels | None:
-    """The compiled kernels, or None without numba (the callers then take their torch-op paths)."""
+    """The compiled kernels, or None without numba (the callers then take their torch-op paths). Threads that
+    ask while another is loading them wait for it (the weight-hash thread often loads them first)."""
     global _KERNELS, _TRIED
     if not _TRIED:
-        _TRIED = True
-        try:
-            _KERNELS = _build()
-        except Exception as e:  # noqa: BLE001 - ImportError, or a numba that cannot compile here: torch path
-            log.info("tic-trace: numba not usable (%s: %s); CPU statistics and hashes use torch ops (slower, "
-                     "same values)", type(e).__name__, e)
-            _KERNELS = None
+        with _LOCK:
+            if not _TRIED:
+                try:
+                    _KERNELS = _build()
+                except Exception as e:  # noqa: BLE001 - ImportError, or a numba that cannot compile: torch path
+                    log.info("tic-trace: numba not usable (%s: %s); CPU statistics and hashes use torch ops "
+                             "(slower, same values)", type(e).__name__, e)
+                    _KERNELS = None
+                _TRIED = True
     return _KERNELS
 
 
