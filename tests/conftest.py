@@ -28,3 +28,17 @@ def trace_hf(model, out_dir, ids, **kw):
         logits = model(ids).logits
     assert t.failed is None, t.failed
     return logits, t
+
+
+def bf16_model(moe=True, seed=0, **cfg):
+    """The tiny Qwen3 in bf16, its weights a function of (config, seed) only: the contract and replay suites'
+    model, the same whether built directly or loaded back from its checkpoint."""
+    from tic_trace.testing.hf_models import build_hf_model_stable, tiny_qwen3_config
+    return build_hf_model_stable(tiny_qwen3_config(moe=moe, **cfg), seed=seed, dtype=torch.bfloat16)
+
+
+def checkpointed_trace(d, model, ids):
+    """`model` saved as an HF checkpoint in `d/ck` and traced into `d/a`: (checkpoint dir, trace dir)."""
+    model.save_pretrained(d / "ck")
+    trace_hf(model, d / "a", ids)
+    return d / "ck", d / "a"

@@ -8,26 +8,19 @@ import tic_trace
 from tic_trace.align import CanonicalView
 from tic_trace.checkpoint import HFCheckpoint
 from tic_trace.contract import diff_contract
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import PRECISION_FAULTS
 from tic_trace.weights import weight_hashes_by_point
 
-from conftest import trace_hf
+from conftest import bf16_model, checkpointed_trace, trace_hf
 
 IDS = sample_tokens(2, 8)
 
 
-def _bf16(**cfg):
-    return build_hf_model_stable(tiny_qwen3_config(moe=True, **cfg), dtype=torch.bfloat16)
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    d = tmp_path_factory.mktemp("contract")
-    model = _bf16()
-    model.save_pretrained(d / "ck")
-    trace_hf(model, d / "a", IDS)
-    return HFCheckpoint(d / "ck"), d / "a"
+    ck, a = checkpointed_trace(tmp_path_factory.mktemp("contract"), bf16_model(), IDS)
+    return HFCheckpoint(ck), a
 
 
 def _diff(a, b, ck=None):
@@ -36,13 +29,13 @@ def _diff(a, b, ck=None):
 
 def test_identical_pair_has_an_empty_contract_diff(tmp_path, clean):
     ck, a = clean
-    trace_hf(_bf16(), tmp_path / "b", IDS)
+    trace_hf(bf16_model(), tmp_path / "b", IDS)
     assert _diff(a, tmp_path / "b", ck) == []
 
 
 def test_fp32_router_is_a_precision_difference_at_its_point(tmp_path, clean):
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["router_fp32"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     d = _diff(a, tmp_path / "b")
@@ -52,7 +45,7 @@ def test_fp32_router_is_a_precision_difference_at_its_point(tmp_path, clean):
 
 def test_config_and_numerics_differences(tmp_path, clean):
     ck, a = clean
-    model = _bf16(rms_norm_eps=1e-5)
+    model = bf16_model(rms_norm_eps=1e-5)
     model.set_attn_implementation("sdpa")
     trace_hf(model, tmp_path / "b", IDS)
     d = {(x.section, x.key, x.against, x.side): x for x in _diff(a, tmp_path / "b", ck)}
@@ -64,7 +57,7 @@ def test_config_and_numerics_differences(tmp_path, clean):
 
 def test_weight_hashes_name_the_point_and_the_side_that_differs_from_the_checkpoint(tmp_path, clean):
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     with torch.no_grad():
         model.model.layers[1].self_attn.q_proj.weight[0, 0] += 0.5
     trace_hf(model, tmp_path / "b", IDS)
@@ -77,7 +70,7 @@ def test_weight_hashes_name_the_point_and_the_side_that_differs_from_the_checkpo
 
 def test_weights_rehashed_only_when_changed():
     from tic_trace.weights import ParameterHasher
-    model = _bf16()
+    model = bf16_model()
     h = ParameterHasher()
     first = h([model])
     assert "lm_head.weight" in first and len(first) == len(list(model.parameters()))
@@ -94,7 +87,7 @@ def test_weights_hashed_beside_the_forward_equal_the_pass_end_hashes_and_follow_
     again (its version moved), not reported with the value the thread read."""
     from tic_trace.stats import numpy_hash
     from tic_trace.weights import ParameterHasher
-    model = _bf16()
+    model = bf16_model()
     plain = ParameterHasher()([model])
     h = ParameterHasher()
     h.begin([model])
@@ -113,7 +106,7 @@ def test_weights_hashed_beside_the_forward_equal_the_pass_end_hashes_and_follow_
 def test_weights_traced_on_the_cpu_are_hashed_beside_the_forward(tmp_path):
     """Through the tracer: a CPU model's pass records every parameter's hash, equal to numpy's of its bits."""
     from tic_trace.stats import numpy_hash
-    model = _bf16()
+    model = bf16_model()
     with tic_trace.trace(model, tmp_path / "t", adapter="hf") as t, torch.no_grad():
         model(sample_tokens(1, 6))
     assert t.failed is None

@@ -21,9 +21,9 @@ import torch
 from tic_trace.canonical import key_name
 from tic_trace.diverge import find_divergence, rejudge
 from tic_trace.testing.faults import FAULTS, plant, redteam_faults
-from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 
-from conftest import trace_hf
+from conftest import bf16_model, checkpointed_trace, trace_hf
 
 IDS = sample_tokens(2, 10)
 
@@ -90,15 +90,12 @@ def _bf16_pair_with_reference(tmp_path, change_b):
     """The tiny bf16 MoE saved as an HF checkpoint and traced as side A; the same weights with `change_b`
     applied traced as side B; the report with the checkpoint as reference."""
     from tic_trace.reference import ExactReference
-    cfg = tiny_qwen3_config(moe=True)
     ids = sample_tokens(2, 16)
-    a = build_hf_model_stable(cfg, dtype=torch.bfloat16)
-    a.save_pretrained(tmp_path / "ck")
-    trace_hf(a, tmp_path / "a", ids)
-    b = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    ck, a = checkpointed_trace(tmp_path, bf16_model(), ids)
+    b = bf16_model()
     change_b(b)
     trace_hf(b, tmp_path / "b", ids)
-    return find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=ExactReference(str(tmp_path / "ck")))
+    return find_divergence(str(a), str(tmp_path / "b"), reference=ExactReference(str(ck)))
 
 
 def test_topk_width_bf16_with_reference_is_not_replayed_not_a_crash(tmp_path):

@@ -13,10 +13,10 @@ from tic_trace.checkpoint import CheckpointError, HFCheckpoint
 from tic_trace.intrinsic import IntrinsicError, NotReplayed, grid_spacing, replay_side, round_to
 from tic_trace.intrinsic_verdict import first_intrinsic_divergence, intrinsic_walk
 from tic_trace.reference import ExactReference
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS
 
-from conftest import trace_hf
+from conftest import bf16_model, checkpointed_trace, trace_hf
 
 IDS = sample_tokens(2, 16)
 # Found at their point, every seed and layer measured (docs/replay.md). softmax_bf16 and fused_silu_up are
@@ -25,18 +25,10 @@ RELIABLE = ["rmsnorm_no_upcast", "qk_norm_no_upcast", "rope_fp32_tables", "route
             "lm_head_fp32"]
 
 
-def _bf16(moe=True, seed=0, **cfg):
-    return build_hf_model_stable(tiny_qwen3_config(moe=moe, **cfg), seed=seed, dtype=torch.bfloat16)
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """(checkpoint dir, clean bf16 trace) of the tiny Qwen3-MoE."""
-    d = tmp_path_factory.mktemp("replay")
-    model = _bf16()
-    model.save_pretrained(d / "ck")
-    trace_hf(model, d / "a", IDS)
-    return d / "ck", d / "a"
+    return checkpointed_trace(tmp_path_factory.mktemp("replay"), bf16_model(), IDS)
 
 
 # ---------------------------------------------------------------- the reference itself
@@ -53,7 +45,7 @@ def _float64_trace(tmp_path, ck, moe=True, ids=IDS):
 def test_reference_equals_hf_float64_forward_at_every_point(tmp_path, moe):
     """HF's own forward in float64 from the same checkpoint: every replayed point agrees to float64
     precision (RoPE to ~1e-7: HF computes its inverse frequencies in fp32)."""
-    model = _bf16(moe=moe)
+    model = bf16_model(moe=moe)
     model.save_pretrained(tmp_path / "ck")
     res = _float64_trace(tmp_path, tmp_path / "ck", moe)
     done = [r for r in res if isinstance(r, IntrinsicError)]
@@ -75,7 +67,7 @@ def test_reference_equals_hf_float64_forward_at_every_point(tmp_path, moe):
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
                                   {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
 def test_reference_rope_scaling_kinds(tmp_path, rope):
-    model = _bf16(moe=False, rope_parameters={"rope_theta": 10000.0, **rope})
+    model = bf16_model(moe=False, rope_parameters={"rope_theta": 10000.0, **rope})
     model.save_pretrained(tmp_path / "ck")
     ids = sample_tokens(1, 40)
     res = {r.key: r for r in _float64_trace(tmp_path, tmp_path / "ck", False, ids)}
@@ -127,7 +119,7 @@ def test_checkpoint_errors_name_the_file(tmp_path):
 def test_precision_fault_found_at_its_point_with_the_less_exact_side(tmp_path, clean, name, layer):
     f = PRECISION_FAULTS[name]
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     f.plant(model, layer)
     trace_hf(model, tmp_path / "b", IDS)
     got = first_intrinsic_divergence(str(a), str(tmp_path / "b"), ExactReference(str(ck)))
@@ -139,7 +131,7 @@ def test_precision_fault_found_at_its_point_with_the_less_exact_side(tmp_path, c
 @pytest.mark.parametrize("name", sorted(CLEAN))
 def test_clean_bf16_pair_is_not_blamed(tmp_path, clean, name):
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     CLEAN[name](model)
     trace_hf(model, tmp_path / "b", IDS)
     walk = intrinsic_walk(CanonicalView(str(a)), CanonicalView(str(tmp_path / "b")), ExactReference(str(ck)))
@@ -150,7 +142,7 @@ def test_clean_pair_other_batching_is_not_blamed(tmp_path, clean):
     """Side B runs each sample alone: other GEMM shapes, same rows met by (sample, position)."""
     import tic_trace
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     t = tic_trace.trace(model, tmp_path / "b", adapter="hf", points_mode="full")
     t.start()
     with torch.no_grad():
@@ -165,7 +157,7 @@ def test_clean_pair_other_batching_is_not_blamed(tmp_path, clean):
 def test_weight_sync_bug_blames_the_side_whose_weights_differ(tmp_path, clean):
     """Side B's q_proj of layer 1 is not the checkpoint's (a stale weight push): B's q is far from exact."""
     ck, a = clean
-    model = _bf16()
+    model = bf16_model()
     with torch.no_grad():
         w = model.model.layers[1].self_attn.q_proj.weight
         w[:, :8] = w[:, :8] * 1.01
@@ -181,7 +173,7 @@ def test_cli_replay_exit_codes(tmp_path, clean, capsys):
     ck, a = clean
     assert cli(["replay", str(a), "--reference", str(ck), "--json", str(tmp_path / "r.json")]) == 0
     assert "L1.attn_norm" in capsys.readouterr().out
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     assert cli(["replay", str(tmp_path / "b"), "--reference", str(ck), "--layers", "1"]) == 1

@@ -12,11 +12,11 @@ import torch
 
 from tic_trace.diverge import find_divergence, rejudge
 from tic_trace.reference import ExactReference
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS
 from tic_trace.tools.cli import main as cli
 
-from conftest import trace_hf
+from conftest import bf16_model, checkpointed_trace, trace_hf
 
 IDS = sample_tokens(2, 16)
 RELIABLE = ["rmsnorm_no_upcast", "qk_norm_no_upcast", "rope_fp32_tables", "router_fp32", "fp32_residual",
@@ -24,17 +24,10 @@ RELIABLE = ["rmsnorm_no_upcast", "qk_norm_no_upcast", "rope_fp32_tables", "route
 NOT_CLEAN = ("operator", "intrinsic", "precision", "nonfinite", "weights")
 
 
-def _bf16():
-    return build_hf_model_stable(tiny_qwen3_config(moe=True), dtype=torch.bfloat16)
-
-
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    d = tmp_path_factory.mktemp("replay_finder")
-    model = _bf16()
-    model.save_pretrained(d / "ck")
-    trace_hf(model, d / "a", IDS)
-    return d / "ck", d / "a", ExactReference(str(d / "ck"))
+    ck, a = checkpointed_trace(tmp_path_factory.mktemp("replay_finder"), bf16_model(), IDS)
+    return ck, a, ExactReference(str(ck))
 
 
 def _round_trip(rep) -> dict:
@@ -48,7 +41,7 @@ def _round_trip(rep) -> dict:
 def test_precision_fault_is_the_first_divergence_with_the_side(tmp_path, clean, name, layer):
     f = PRECISION_FAULTS[name]
     ck, a, ref = clean
-    model = _bf16()
+    model = bf16_model()
     f.plant(model, layer)
     trace_hf(model, tmp_path / "b", IDS)
     rep = find_divergence(str(a), str(tmp_path / "b"), reference=ref)
@@ -76,7 +69,7 @@ def test_precision_fault_is_the_first_divergence_with_the_side(tmp_path, clean, 
 @pytest.mark.parametrize("name", sorted(CLEAN))
 def test_clean_bf16_pair_gets_no_operator_intrinsic_or_precision_divergence(tmp_path, clean, name):
     ck, a, ref = clean
-    model = _bf16()
+    model = bf16_model()
     CLEAN[name](model)
     trace_hf(model, tmp_path / "b", IDS)
     rep = find_divergence(str(a), str(tmp_path / "b"), reference=ref)
@@ -98,7 +91,7 @@ def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path,
     (tmp_path / "ck" / "config.json").write_text((ck / "config.json").read_text())
     sd = {k: v for k, v in load_file(str(ck / "model.safetensors")).items() if "layers.1.self_attn.o_proj" not in k}
     save_file(sd, str(tmp_path / "ck" / "model.safetensors"))
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     rep = find_divergence(str(a), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
@@ -113,7 +106,7 @@ def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path,
 def test_rejudge_with_other_margins_changes_only_the_replay_verdict(tmp_path, clean):
     from tic_trace.intrinsic_verdict import Margins
     ck, a, ref = clean
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))
@@ -126,7 +119,7 @@ def test_rejudge_with_other_margins_changes_only_the_replay_verdict(tmp_path, cl
 def test_without_reference_a_dtype_difference_is_a_precision_finding(tmp_path, clean):
     """No checkpoint: the contract's dtype difference still names the point, the coarser side blamed."""
     ck, a, _ = clean
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["router_fp32"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     rep = find_divergence(str(a), str(tmp_path / "b"))
@@ -140,7 +133,7 @@ def test_weight_sync_bug_is_a_weights_finding_and_an_intrinsic_one(tmp_path, cle
     """Side B's q_proj of layer 1 is not the checkpoint's: the contract names the parameter and the side, the
     replay blames B at L1.attn.q."""
     ck, a, ref = clean
-    model = _bf16()
+    model = bf16_model()
     with torch.no_grad():
         model.model.layers[1].self_attn.q_proj.weight[:, :8] *= 1.01
     trace_hf(model, tmp_path / "b", IDS)
@@ -157,7 +150,7 @@ def test_weight_sync_bug_is_a_weights_finding_and_an_intrinsic_one(tmp_path, cle
 
 def test_cli_reference_contract_first_and_the_side_in_every_rendering(tmp_path, clean, capsys):
     ck, a, _ = clean
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["router_fp32"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     js, html = tmp_path / "r.json", tmp_path / "r.html"
@@ -192,9 +185,9 @@ def test_slime_report_replays_against_the_recorded_hf_checkpoint(tmp_path, clean
     from tic_trace.integrations.slime.config import rollout_dir
     ck, _, _ = clean
     rdir = rollout_dir(tmp_path / "run", 0)
-    model = _bf16()
+    model = bf16_model()
     trace_hf(model, rdir / "megatron", IDS, manifest={"slime": {"rollout_id": 0, "hf_checkpoint": str(ck)}})
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
     trace_hf(model, rdir / "sglang", IDS)
     js = tmp_path / "r.json"
@@ -210,7 +203,7 @@ def test_slime_report_replays_against_the_recorded_hf_checkpoint(tmp_path, clean
 
 def test_rejudge_of_a_tampered_replay_record_does_not_crash(tmp_path, clean):
     ck, a, ref = clean
-    model = _bf16()
+    model = bf16_model()
     PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
     trace_hf(model, tmp_path / "b", IDS)
     doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))
