@@ -100,9 +100,10 @@ def _slabs(x: torch.Tensor, base: int, step: int) -> Iterator[tuple[int, torch.T
             yield from _slabs(x[r], base + r * inner, step)
 
 
-def _wrap64(v: int) -> int:
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= (1 << 63) else v
+def _wrap(v: int, width: int = 64) -> int:
+    """v modulo 2**width as a signed `width`-bit integer (two's complement)."""
+    v &= (1 << width) - 1
+    return v - (1 << width) if v >= (1 << (width - 1)) else v
 
 
 def _idx_k1(start: int, n: int, device: torch.device, out: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,7 @@ def _idx_k1(start: int, n: int, device: torch.device, out: torch.Tensor) -> torc
         _IDX_TABLE[device] = table
     if start + n <= table.numel():
         return table[start:start + n]        # within the table: a slice, no pass
-    return torch.add(table[:n], _wrap64(start * _K1), out=out)   # (start+j)*K1 == start*K1 + j*K1 mod 2**64
+    return torch.add(table[:n], _wrap(start * _K1), out=out)   # (start+j)*K1 == start*K1 + j*K1 mod 2**64
 
 
 def _scratch(n: int, which: int) -> torch.Tensor:
@@ -186,7 +187,7 @@ def _fused_host_hash(x: torch.Tensor, kernel) -> torch.Tensor:
     total = 0
     for start, blk in blocks(x, _step(x.device)):
         total += int(kernel(_bits_view(blk.contiguous()).view(-1).numpy(), start))
-    return torch.tensor(_wrap64(total), dtype=torch.int64)
+    return torch.tensor(_wrap(total), dtype=torch.int64)
 
 
 def device_stats(t: torch.Tensor) -> torch.Tensor:
@@ -243,11 +244,7 @@ class _FusedDtype:
         self.low = (1 << (width - 1)) - 1
         self.expo = self.low ^ ((1 << mantissa) - 1)     # +inf's bits
         self.key_pinf = self.expo
-        self.key_ninf = _wrap_signed(self.expo | (1 << (width - 1)), width) ^ self.low
-
-
-def _wrap_signed(v: int, width: int) -> int:
-    return v - (1 << width) if v >= 1 << (width - 1) else v
+        self.key_ninf = _wrap(self.expo | (1 << (width - 1)), width) ^ self.low
 
 
 _FUSED_FLOAT = {torch.float32: _FusedDtype(torch.int32, 32, 23), torch.float64: _FusedDtype(torch.int64, 64, 52)}
@@ -288,7 +285,7 @@ def _fused_host_stats_hash(x: torch.Tensor, kernel) -> tuple[torch.Tensor, torch
             row[[0, 1, 2, 6, 7]] += part[[0, 1, 2, 6, 7]]
             row[4], row[5] = _ordered_min(row[4], part[4]), -_ordered_min(-row[5], -part[5])
     row[3] = max(-row[4], row[5], 0.0)
-    return torch.from_numpy(row), torch.from_numpy(np.array(_wrap64(total), dtype=np.int64))
+    return torch.from_numpy(row), torch.from_numpy(np.array(_wrap(total), dtype=np.int64))
 
 
 def _native(b: torch.Tensor) -> torch.Tensor:

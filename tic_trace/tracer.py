@@ -380,6 +380,10 @@ class Tracer:
             except Exception:  # noqa: BLE001
                 pass
             self._pass = None
+        self._clear_pass_records()
+
+    def _clear_pass_records(self) -> None:
+        """Forget what the pass being closed or abandoned recorded: its records, statistics and stored bytes."""
         self._pending.clear()
         self._stat_rows.clear()
         self._hashes.clear()
@@ -822,10 +826,7 @@ class Tracer:
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
         self.passes_written.append(pw.close(incomplete=incomplete))
         self._pass = None
-        self._pending.clear()
-        self._stat_rows.clear()
-        self._hashes.clear()
-        self._stored_full.clear()
+        self._clear_pass_records()
         if self._alias is not None:
             self._alias.clear()
         self._blind.clear()
