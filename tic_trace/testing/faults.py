@@ -798,13 +798,20 @@ def _hf_v_bias(model, layer):
     v.register_forward_hook(lambda mod, i, o: o + b.to(o.dtype))
 
 
-@_rt("final_norm_eps", "final_norm", "final RMSNorm epsilon 1e-6 -> 1e-3 (only there)", layered=False).on("hf")
-def _hf_final_norm_eps(model, layer):
+# HF's and SGLang's models name these modules and attributes alike: one planter serves both.
+_FINAL_NORM_EPS = _rt("final_norm_eps", "final_norm", "final RMSNorm epsilon 1e-6 -> 1e-3 (only there)", layered=False)
+_LM_HEAD_ROW = _rt("lm_head_row", "logits", "one lm_head row (token 7) x1.05", layered=False)
+
+
+@_FINAL_NORM_EPS.on("sglang")
+@_FINAL_NORM_EPS.on("hf")
+def _final_norm_eps(model, layer):
     model.model.norm.variance_epsilon = 1e-3
 
 
-@_rt("lm_head_row", "logits", "one lm_head row (token 7) x1.05", layered=False).on("hf")
-def _hf_lm_head_row(model, layer):
+@_LM_HEAD_ROW.on("sglang")
+@_LM_HEAD_ROW.on("hf")
+def _lm_head_row(model, layer):
     with torch.no_grad():
         model.lm_head.weight[7] *= 1.05
 
@@ -902,17 +909,6 @@ def _sg_v_bias(model, layer):
         y[..., attn.q_size + attn.kv_size:] += b.to(y.dtype)             # the v slice of the fused qkv
         return y, out[1]
     attn.qkv_proj.register_forward_hook(hook)
-
-
-@_rt("final_norm_eps", "final_norm", "", layered=False).on("sglang")
-def _sg_final_norm_eps(model, layer):
-    model.model.norm.variance_epsilon = 1e-3
-
-
-@_rt("lm_head_row", "logits", "", layered=False).on("sglang")
-def _sg_lm_head_row(model, layer):
-    with torch.no_grad():
-        model.lm_head.weight[7] *= 1.05
 
 
 @_rt("no_norm_topk_prob", "moe.topk_weights", "", moe_only=True).on("sglang")
