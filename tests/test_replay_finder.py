@@ -82,6 +82,13 @@ def test_clean_bf16_pair_gets_no_operator_intrinsic_or_precision_divergence(tmp_
     _round_trip(rep)
 
 
+def _no_upcast_side(path):
+    """Side B: the clean model with layer 1's input RMSNorm computed in bf16 (no fp32 upcast), traced into `path`."""
+    model = bf16_model()
+    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
+    trace_hf(model, path, IDS)
+
+
 def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path, clean):
     """A checkpoint without layer 1's o_proj: that point is not replayed (said in a note and in the point)
     and the fp32-residual precision fault after it is still found."""
@@ -91,9 +98,7 @@ def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path,
     (tmp_path / "ck" / "config.json").write_text((ck / "config.json").read_text())
     sd = {k: v for k, v in load_file(str(ck / "model.safetensors")).items() if "layers.1.self_attn.o_proj" not in k}
     save_file(sd, str(tmp_path / "ck" / "model.safetensors"))
-    model = bf16_model()
-    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
-    trace_hf(model, tmp_path / "b", IDS)
+    _no_upcast_side(tmp_path / "b")
     rep = find_divergence(str(a), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
     p = next(p for p in rep.points if p.key == "L1.attn.out")
     assert "o_proj" in p.intrinsic["a"]["not_replayed"] and p.replay["side"] is None
@@ -106,9 +111,7 @@ def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path,
 def test_rejudge_with_other_margins_changes_only_the_replay_verdict(tmp_path, clean):
     from tic_trace.intrinsic_verdict import Margins
     ck, a, ref = clean
-    model = bf16_model()
-    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
-    trace_hf(model, tmp_path / "b", IDS)
+    _no_upcast_side(tmp_path / "b")
     doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))
     assert doc["first_divergence"]["key"] == "L1.attn_norm"
     loose = rejudge(doc, margins=Margins(over=2.0))              # limits doubled: no side is abnormal
@@ -187,9 +190,7 @@ def test_slime_report_replays_against_the_recorded_hf_checkpoint(tmp_path, clean
     rdir = rollout_dir(tmp_path / "run", 0)
     model = bf16_model()
     trace_hf(model, rdir / "megatron", IDS, manifest={"slime": {"rollout_id": 0, "hf_checkpoint": str(ck)}})
-    model = bf16_model()
-    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
-    trace_hf(model, rdir / "sglang", IDS)
+    _no_upcast_side(rdir / "sglang")
     js = tmp_path / "r.json"
     assert cli(["slime-report", str(tmp_path / "run"), "--rollout-id", "0", "--json", str(js)]) == 1
     out = capsys.readouterr().out
@@ -203,9 +204,7 @@ def test_slime_report_replays_against_the_recorded_hf_checkpoint(tmp_path, clean
 
 def test_rejudge_of_a_tampered_replay_record_does_not_crash(tmp_path, clean):
     ck, a, ref = clean
-    model = bf16_model()
-    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(model, 1)
-    trace_hf(model, tmp_path / "b", IDS)
+    _no_upcast_side(tmp_path / "b")
     doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))
     p = next(p for p in doc["points"] if p["key"] == "L1.attn_norm")
     p["intrinsic"]["b"]["rel_l2"] = "not a number"
