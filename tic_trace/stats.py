@@ -149,31 +149,35 @@ def device_hash(t: torch.Tensor) -> torch.Tensor:
     `numpy_hash`. Per block, in place in two int64 buffers: widen, xor the index table, multiply, shift, xor,
     sum (on an accelerator the widening is fused into the xor: type promotion into an int64 `out`)."""
     with torch._C._DisableTorchDispatch():   # our own kernels are not the model's: no dispatch-mode overhead
-        x = _logical(t)
-        if _host_path(x.device) and USE_HOST_KERNELS:
-            kernel = hash_kernel()
-            if kernel is not None:
-                return _fused_host_hash(x, kernel)
-        total = torch.zeros((), dtype=torch.int64, device=x.device)
-        for start, blk in blocks(x, min(_step(x.device), _TABLE_MAX)):
-            m = blk.numel()
-            v, tmp = _buffers(m, x.device)
-            v, tmp = v.view(blk.shape), tmp.view(blk.shape)
-            idx = _idx_k1(start, m, x.device, out=tmp.view(-1)).view(blk.shape)
-            if _host_path(x.device):
-                # CPU: widen, then xor in place (a mixed-dtype xor takes a slow casting loop, 2x the two
-                # passes); numpy's int64 multiply is vectorised where torch's is not (measured 0.27 vs 0.65 ns)
-                v.copy_(_bits_view(blk))
-                v.bitwise_xor_(idx)
-                np.multiply(v.numpy(), np.int64(_K2), out=v.numpy())
-            else:
-                torch.bitwise_xor(_bits_view(blk), idx, out=v)  # widening fused into the xor: one pass less
-                v.mul_(_K2)
-            torch.bitwise_right_shift(v, 31, out=tmp)
-            v.bitwise_xor_(tmp)
-            total += v.sum()
-            del v, tmp, idx     # before the next block's buffers exist: one block's worth at a time
-        return total
+        return _hash_logical(_logical(t))
+
+
+def _hash_logical(x: torch.Tensor) -> torch.Tensor:
+    """`device_hash` of x already in logical form (`_logical`)."""
+    if _host_path(x.device) and USE_HOST_KERNELS:
+        kernel = hash_kernel()
+        if kernel is not None:
+            return _fused_host_hash(x, kernel)
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for start, blk in blocks(x, min(_step(x.device), _TABLE_MAX)):
+        m = blk.numel()
+        v, tmp = _buffers(m, x.device)
+        v, tmp = v.view(blk.shape), tmp.view(blk.shape)
+        idx = _idx_k1(start, m, x.device, out=tmp.view(-1)).view(blk.shape)
+        if _host_path(x.device):
+            # CPU: widen, then xor in place (a mixed-dtype xor takes a slow casting loop, 2x the two
+            # passes); numpy's int64 multiply is vectorised where torch's is not (measured 0.27 vs 0.65 ns)
+            v.copy_(_bits_view(blk))
+            v.bitwise_xor_(idx)
+            np.multiply(v.numpy(), np.int64(_K2), out=v.numpy())
+        else:
+            torch.bitwise_xor(_bits_view(blk), idx, out=v)  # widening fused into the xor: one pass less
+            v.mul_(_K2)
+        torch.bitwise_right_shift(v, 31, out=tmp)
+        v.bitwise_xor_(tmp)
+        total += v.sum()
+        del v, tmp, idx     # before the next block's buffers exist: one block's worth at a time
+    return total
 
 
 def _fused_host_hash(x: torch.Tensor, kernel) -> torch.Tensor:
@@ -215,7 +219,7 @@ def stats_and_hash(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = _fused_kernel(x)
         if kernel is not None:
             return _fused_host_stats_hash(x, kernel)
-        return _stats_by_ops(x), device_hash(t)
+        return _stats_by_ops(x), _hash_logical(x)
 
 
 def _stats_by_ops(x: torch.Tensor) -> torch.Tensor:
