@@ -90,15 +90,15 @@ class ParameterHasher:
         """{parameter name: [hash, dtype, shape]} (first model's names unprefixed; further models' as
         `i:name`)."""
         params = self._params(models)
-        before = set(k for k, _ in self._todo(params))
+        changed = self._todo(params)      # since the last call: what this pass reports
         self._join(params)
-        todo = self._todo(params)
+        todo = self._todo(dict(changed))  # of those, what the background thread did not hash
         if todo:
             with torch.no_grad():
                 hs = torch.stack([device_hash(p.detach()).cpu() for _, p in todo]).tolist()
             for (k, p), h in zip(todo, hs):
                 self._seen[k] = (*_state(p), int(h))
-        keys = params if not self._emitted else [k for k in params if k in before]
+        keys = params if not self._emitted else [k for k, _ in changed]
         self._emitted = True
         if not keys:
             return None
