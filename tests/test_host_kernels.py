@@ -1,6 +1,7 @@
 """The fused CPU kernels (tic_trace/host_kernels.py) give the same bits as the torch-op path and numpy."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -173,3 +174,25 @@ def test_a_thread_asking_while_another_loads_the_kernels_waits_for_them(monkeypa
     started.wait(5)
     assert host_kernels.kernels() is not None        # waited for the loader instead of answering None
     loader.join()
+
+
+def test_stat_slots_match_stats_and_hash_across_paths_and_growth():
+    """A pass's slots: fused CPU rows written in place, other dtypes kept as tensors until `fetch`, the arrays
+    grown past their capacity; every slot equals `stats_and_hash` of its tensor, in slot order."""
+    from tic_trace.stat_slots import StatSlots
+    from tic_trace.stats import stats_and_hash
+    torch.manual_seed(0)
+    base = torch.randn(6, 5)
+    tensors = [torch.randn(7), torch.randn(3, 4).bfloat16(), torch.arange(9), torch.randn(4, dtype=torch.float64),
+               base.t(), torch.tensor([1.0, float("nan"), float("inf")]), torch.randn(2, 2).half()]
+    slots = StatSlots(capacity=2)
+    got = [slots.add(t) for t in tensors]
+    assert got == list(range(len(tensors))) and len(slots) == len(tensors)
+    rows, hashes = slots.fetch()
+    for i, t in enumerate(tensors):
+        want_row, want_hash = stats_and_hash(t)
+        np.testing.assert_allclose(rows[i], want_row.numpy(), rtol=1e-12, err_msg=str(i))
+        assert hashes[i] == int(want_hash), i
+    slots.clear()
+    assert len(slots) == 0 and slots.add(tensors[1]) == 0
+    assert slots.fetch()[1][0] == int(stats_and_hash(tensors[1])[1])

@@ -132,6 +132,36 @@ def test_alias_reuse_changes_no_value_and_skips_work(tmp_path):
     assert blob(tmp_path / "on") < blob(tmp_path / "off")
 
 
+class _Reshapes(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2                                            # op record of y (4 x 4, contiguous)
+        return y.view(-1), y.view(2, 8), y[:2], y.t(), y.view(torch.int32), y[1:].reshape(-1)
+
+
+def test_alias_reuse_spans_contiguous_reshapes_and_nothing_else(tmp_path):
+    """A contiguous reshape of a captured tensor (same bytes, same order) reuses its slot; a shorter slice, a
+    transpose of the same shape-class, another dtype or another offset does not; every record's hash and
+    statistics are those of its own values."""
+    x = torch.randn(4, 4)
+    tracers = {}
+    for d, reuse in (("on", True), ("off", False)):
+        model = _Reshapes()
+        with torch.no_grad(), tic_trace.trace(model, tmp_path / d, mode="full", reuse_aliases=reuse) as t:
+            model(x)
+        assert t.failed is None, t.failed
+        tracers[d] = t
+    t_on = tracers["on"]
+    on, off = _records(tmp_path / "on"), _records(tmp_path / "off")
+    assert t_on._alias.hits == 2           # out[0] and out[1]: reshapes of y
+    y = (x * 2).numpy()
+    want = {0: y.reshape(-1), 1: y.reshape(2, 8), 2: y[:2], 3: y.T, 4: y.view(np.int32), 5: y[1:].reshape(-1)}
+    for i, v in want.items():
+        name = f"<root>:out[{i}]"
+        assert on[name].hash == off[name].hash == numpy_hash(np.ascontiguousarray(v)), name
+        assert on[name].stats == off[name].stats, name
+        assert tuple(on[name].shape) == v.shape, name
+
+
 class _Writes(torch.nn.Module):
     """Records the same storage before and after in-place writes, through a view, a same-object return and
     an `_unsafe_view` (its own version counter)."""

@@ -178,15 +178,15 @@ def test_failure_mid_forward_disables_tracing_once(tmp_path, hf_moe_config, capl
     with torch.no_grad():
         ref = model(ids).logits
     calls = {"n": 0}
-    import tic_trace.tracer as tracer_mod
-    real = tracer_mod.stats_and_hash
+    from tic_trace.stat_slots import StatSlots
+    real = StatSlots.add
 
-    def flaky(x):
+    def flaky(self, x):
         calls["n"] += 1
         if calls["n"] == 40:
             raise RuntimeError("planted tracer failure")
-        return real(x)
-    monkeypatch.setattr(tracer_mod, "stats_and_hash", flaky)
+        return real(self, x)
+    monkeypatch.setattr(StatSlots, "add", flaky)
     with caplog.at_level(logging.WARNING, logger="tic_trace"):
         with tic_trace.trace(model, tmp_path / "t", adapter="hf") as t, torch.no_grad():
             out = model(ids).logits

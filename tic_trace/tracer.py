@@ -34,7 +34,8 @@ from .alias import AliasCache
 from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
 from .odd_tensors import recordable
-from .stats import stats_and_hash, stats_dict
+from .stat_slots import StatSlots
+from .stats import stats_dict
 from .weights import ParameterHasher
 
 log = logging.getLogger("tic_trace")
@@ -162,8 +163,7 @@ class Tracer:
         self._stack: list[_Frame] = []
         self._calls: dict[str, int] = {}
         self._pending: list[_Pending] = []
-        self._stat_rows: list[torch.Tensor] = []
-        self._hashes: list[torch.Tensor] = []
+        self._stats = StatSlots()
         self._alias = AliasCache() if reuse_aliases else None
         self._stored_full: dict[int, _Pending] = {}   # statistics slot -> the record that stored it in full
         self._stager = HostStager(pinned_cap_bytes, on_cap)
@@ -385,8 +385,7 @@ class Tracer:
     def _clear_pass_records(self) -> None:
         """Forget what the pass being closed or abandoned recorded: its records, statistics and stored bytes."""
         self._pending.clear()
-        self._stat_rows.clear()
-        self._hashes.clear()
+        self._stats.clear()
         self._stored_full.clear()
 
     # ------------------------------------------------------------ installation
@@ -704,10 +703,7 @@ class Tracer:
         new ones computed on x's device (bounded transient memory, no host sync)."""
         slot = self._alias.lookup(x) if self._alias is not None else None
         if slot is None:
-            slot = len(self._stat_rows)
-            stats, h = stats_and_hash(x)
-            self._stat_rows.append(stats)
-            self._hashes.append(h)
+            slot = self._stats.add(x)
             if self._alias is not None:
                 self._alias.add(x, slot)
         return slot
@@ -805,10 +801,8 @@ class Tracer:
                 self._pass_count += 1
             self._activity = False
             return
-        if self._stat_rows:
-            # The one host sync of the pass: all statistics and hashes come over together.
-            stats_np = torch.stack(self._stat_rows).cpu().numpy()
-            hashes_np = torch.stack(self._hashes).cpu().numpy()
+        # The one host sync of the pass: all statistics and hashes come over together.
+        stats_np, hashes_np = self._stats.fetch()
         self._stager.drain()    # every queued host copy is in the blob (the writer's error, if any, raised)
         for p in self._pending:
             if p.stat_slot is not None:
