@@ -33,12 +33,12 @@ class StatSlots:
         slot = self._n
         if slot == len(self._hashes):
             self._grow()
+        self._n = slot + 1        # taken before the kernel runs (it releases the GIL)
         h = host_stats_hash_into(x, self._rows[slot])
         if h is None:
             self._on_device[slot] = stats_and_hash(x)
         else:
             self._hashes[slot] = h
-        self._n = slot + 1
         return slot
 
     def _grow(self) -> None:
