@@ -267,6 +267,15 @@ def _ordered_min(a: float, b: float) -> float:
     return b if b < a or (b == a and math.copysign(1.0, b) < 0) else a
 
 
+def _contiguous_copy(b: torch.Tensor) -> torch.Tensor:
+    """A CPU block (at most `_HOST_CHUNK` elements) copied into this thread's scratch buffer, flat: a fresh
+    block per record would be allocated and freed by the C heap at every strided record (page faults)."""
+    n_words = -(-b.numel() * b.element_size() // 8)
+    flat = _scratch(n_words, 1).view(b.dtype)[:b.numel()]
+    flat.view(b.shape).copy_(b)
+    return flat
+
+
 def host_stats_hash_into(t: torch.Tensor, row: np.ndarray) -> int | None:
     """For a float32/float64 CPU tensor with numba: its statistics written into `row` (float64, 8 entries)
     and its hash returned, from one read and no allocation that outlives the call; otherwise None (the
@@ -301,7 +310,7 @@ def _fused_host_into(x: torch.Tensor, kernel, row: np.ndarray) -> int:
                                 fd.key_ninf, step, row)))
     total, part = 0, np.empty(8, dtype=np.float64)
     for i, (start, blk) in enumerate(blocks(x, step)):
-        flat = blk.contiguous().view(-1)
+        flat = _contiguous_copy(blk)
         total += int(kernel(flat.numpy(), flat.view(fd.ints).numpy(), start, fd.low, fd.expo, fd.key_pinf,
                             fd.key_ninf, step, row if i == 0 else part))
         if i:
