@@ -111,6 +111,27 @@ def test_head_scale_error_sees_a_scale_shared_by_one_heads_outputs():
     assert intrinsic_error("attn.core", 0, per_head, exact, "bfloat16").head_scale_excess == 0.0   # no head_dim
 
 
+def test_not_replayable_is_said(tmp_path, clean):
+    """A checkpoint without a layer's weights: those points are not replayed, with the reason."""
+    ck, a = clean
+    from safetensors.torch import load_file, save_file
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text((ck / "config.json").read_text())
+    sd = {k: v for k, v in load_file(str(ck / "model.safetensors")).items() if "layers.1.self_attn.o_proj" not in k}
+    save_file(sd, str(tmp_path / "ck" / "model.safetensors"))
+    res = {r.key: r for r in replay_side(CanonicalView(str(a)), ExactReference(str(tmp_path / "ck")))}
+    assert isinstance(res["L1.attn.out"], NotReplayed) and "o_proj" in res["L1.attn.out"].reason
+    assert isinstance(res["L1.attn.core"], IntrinsicError)
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="config.json"):
+        HFCheckpoint(tmp_path)
+
+
 # ---------------------------------------------------------------- the rule on bf16 pairs
 
 @pytest.mark.parametrize("name,layer", [(n, lay) for n in RELIABLE for lay in (0, 1)
