@@ -6,7 +6,8 @@ Tiny bf16 HF Qwen3-MoE (transformers' own modeling code), several weight seeds; 
 model, side B a clean variant (`tic_trace/testing/precision_faults.py: CLEAN`) or one precision fault planted
 at layer 0 or 1. Both sides are traced and replayed against the exact reference from the same checkpoint.
 Prints, per scenario, the point where the two sides' intrinsic errors differ most (by each statistic) and,
-for faults, the numbers at the fault's own point; writes every point's numbers as JSON.
+for faults, the numbers at the fault's own point, then at attn.core each implementation's per-head scale
+error (docs/replay.md, "The per-head scale error"); writes every point's numbers as JSON.
 """
 from __future__ import annotations
 
@@ -87,6 +88,40 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(tables(results))
+    print(head_scale_table(results))
+
+
+def head_scale_table(results: list[dict]) -> str:
+    """Markdown: at attn.core, per implementation and layer, the range over seeds of the excess and of the
+    per-(token, head) scale error in units of its floor (`IntrinsicError.head_scale_excess`). HF eager is
+    every scenario's side A; a fault's side B only at its own layer."""
+    got: dict[tuple[str, str], dict] = {}
+    for r in results:
+        for key, v in r["points"].items():
+            if not key.endswith(".attn.core"):
+                continue
+            layer = key.split(".")[0]
+            for s in ("a", "b"):
+                if s == "a":
+                    name = "HF eager"
+                elif r["clean"]:
+                    name = "HF eager" if r["scenario"] != "sdpa_vs_eager" else "SDPA"
+                elif f"{layer}.attn.core" == r["point"]:
+                    name = r["scenario"]
+                else:
+                    continue
+                e, a = IntrinsicError(**v[s]), IntrinsicError(**v["a"])
+                trace = (r["seed"], "A" if s == "a" else r["scenario"])     # side A: one trace per seed
+                got.setdefault((name, layer), {})[trace] = (e.excess, e.head_scale_excess,
+                                                            e.head_scale_excess / a.head_scale_excess)
+    out = ["| attn.core of | layer | n | excess | head-scale excess | head-scale / HF eager's (same seed) |",
+           "|---|---|---|---|---|---|"]
+    for (name, layer), per_trace in sorted(got.items()):
+        xs = list(per_trace.values())
+        ex, hs, q = ([x[i] for x in xs] for i in range(3))
+        out.append(f"| {name} | {layer} | {len(xs)} | {min(ex):.3f}–{max(ex):.3f} | {min(hs):.3f}–{max(hs):.3f} | "
+                   f"{min(q):.3f}–{max(q):.3f} |")
+    return "\n".join(out)
 
 
 def _excess(d: dict) -> float:

@@ -24,6 +24,7 @@ class PointSpec:
                                 # top-k set flipped in that layer (those ran other experts)
     curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
     head: int | None = None     # position among the global points after the layers (final norm, logits, ...)
+    per_head: bool = False      # a row is head-major (heads x head_dim): the replay measures per-head segments
 
 
 _L = True
@@ -31,15 +32,19 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding"),
     PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer"),
     PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True),
-    PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", meaning="q projection, before QK-norm and RoPE"),
-    PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", meaning="k projection, before QK-norm and RoPE"),
-    PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", meaning="v projection"),
-    PointSpec("attn.q_norm", _L, ("attn.q",), "heads x head_dim", meaning="q after QK-norm"),
-    PointSpec("attn.k_norm", _L, ("attn.k",), "kv_heads x head_dim", meaning="k after QK-norm"),
-    PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", meaning="q after rotary embedding"),
-    PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", meaning="k after rotary embedding"),
+    PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", per_head=True,
+              meaning="q projection, before QK-norm and RoPE"),
+    PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True,
+              meaning="k projection, before QK-norm and RoPE"),
+    PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True, meaning="v projection"),
+    PointSpec("attn.q_norm", _L, ("attn.q",), "heads x head_dim", per_head=True, meaning="q after QK-norm"),
+    PointSpec("attn.k_norm", _L, ("attn.k",), "kv_heads x head_dim", per_head=True, meaning="k after QK-norm"),
+    PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", per_head=True,
+              meaning="q after rotary embedding"),
+    PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
+              meaning="k after rotary embedding"),
     PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
-              meaning="attention output before the output projection", curve=True),
+              meaning="attention output before the output projection", per_head=True, curve=True),
     PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True),
     PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention", curve=True),
     PointSpec("mlp_norm", _L, ("mid",), "H", meaning="pre-MLP norm output"),

@@ -39,6 +39,8 @@ class IntrinsicError:
     rel_floor: float = 0.0     # rel L2 of the correctly rounded exact value: the error no output in `dtype` avoids
     scale_err: float = 0.0     # RMS over rows of the error's component along the exact row, (e.r)/(r.r)
     scale_floor: float = 0.0   # the same for the correctly rounded exact value
+    head_scale_err: float = 0.0    # the same over (row, head) segments of a per-head point (0: not per head)
+    head_scale_floor: float = 0.0  # the same for the correctly rounded exact value
     nonfinite: int = 0         # elements non-finite in y but not in the exact value
     kind: str = "float"        # canonical PointSpec.kind
     recorded_dtype: str = ""   # the dtype of the record, when wider than `dtype` (fp32 holding bf16 values)
@@ -51,6 +53,12 @@ class IntrinsicError:
         if self.rel_floor > 0:
             return self.rel_l2 / self.rel_floor
         return 1.0 if self.rel_l2 == 0 else math.inf
+
+    @property
+    def head_scale_excess(self) -> float:
+        """head_scale_err in units of the correctly rounded value's (0: no head segments). Diagnostic only:
+        it does not separate a bf16 softmax from clean eager attention (docs/replay.md)."""
+        return self.head_scale_err / self.head_scale_floor if self.head_scale_floor > 0 else 0.0
 
     @property
     def key(self) -> str:
@@ -74,8 +82,10 @@ class NotReplayed:
         return key_name(self.point, self.layer)
 
 
-def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str) -> IntrinsicError:
-    """Measure a side's recorded output `y` against the exact values (float64), in ULPs of `dtype`."""
+def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str,
+                    head_dim: int | None = None) -> IntrinsicError:
+    """Measure a side's recorded output `y` against the exact values (float64), in ULPs of `dtype`; with
+    `head_dim`, also the scale error per (row, head) segment of that length."""
     kind = BY_NAME[point].kind if point in BY_NAME else "float"
     n = y.shape[0] if y.ndim else 1
     y2 = y.reshape(n, -1).astype(np.float64)
@@ -95,16 +105,18 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
     ulps = np.abs(d) / grid_spacing(np.where(ok, r2, 1.0), dtype)
     rr = round_to(np.where(fin, r2, 0.0), dtype)
     rounded = (y2 == rr) & ok
-    nf = float(np.sqrt((np.where(ok, rr - r2, 0.0) ** 2).sum()))
+    r0, f0 = np.where(ok, r2, 0.0), np.where(ok, rr - r2, 0.0)     # the exact value; the rounding floor's error
+    nf = float(np.sqrt((f0 ** 2).sum()))
     m = int(ok.sum())
-    nr = float(np.sqrt((np.where(ok, r2, 0.0) ** 2).sum()))
+    nr = float(np.sqrt((r0 ** 2).sum()))
     nd = float(np.sqrt((d * d).sum()))
     return IntrinsicError(
         point, layer, dtype, n, m,
         mean_ulp=float(ulps[ok].mean()) if m else 0.0, max_ulp=float(ulps[ok].max()) if m else 0.0,
         share_rounded=float(rounded.sum() / m) if m else 1.0,
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
-        scale_err=_row_scale(d, np.where(ok, r2, 0.0)), scale_floor=_row_scale(np.where(ok, rr - r2, 0.0), np.where(ok, r2, 0.0)),
+        scale_err=_row_scale(d, r0), scale_floor=_row_scale(f0, r0),
+        head_scale_err=_head_scale(d, r0, head_dim), head_scale_floor=_head_scale(f0, r0, head_dim),
         nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "")
 
 
@@ -117,6 +129,14 @@ def _row_scale(d: np.ndarray, r: np.ndarray) -> float:
         return 0.0
     s = (d[ok] * r[ok]).sum(axis=1) / rr[ok]
     return float(np.sqrt((s * s).mean()))
+
+
+def _head_scale(d: np.ndarray, r: np.ndarray, head_dim: int | None) -> float:
+    """`_row_scale` over (row, head) segments of head-major rows [n, heads*head_dim]: a scale error shared
+    by one head's outputs (a softmax normaliser rounded, e.g.) shows at full size; 0 without head segments."""
+    if not head_dim or d.shape[1] % head_dim:
+        return 0.0
+    return _row_scale(d.reshape(-1, head_dim), r.reshape(-1, head_dim))
 
 
 # ---------------------------------------------------------------- replaying one side
@@ -193,7 +213,8 @@ class SideReplayer:
             raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
                                 f"config gives {list(exact.shape[1:])}: the side computes another op (another "
                                 "top-k, head count or size)")
-        return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype)
+        return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype,
+                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None)
 
     def replay_all(self, layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
         keep = set(layers) if layers is not None else None
