@@ -282,6 +282,8 @@ def host_stats_hash_into(t: torch.Tensor, row: np.ndarray) -> int | None:
     caller takes `stats_and_hash`). The tracer keeps a pass's rows in one preallocated array: small
     long-lived allocations per record split the freed blocks of the model's large tensors in the C heap,
     which then grows and is trimmed back at every layer (measured: ~30 000 page faults per pass, +45 ms)."""
+    if not _host_path(t.device):
+        return None
     with torch._C._DisableTorchDispatch():
         x = _logical(t)
         kernel = _fused_kernel(x)
