@@ -229,6 +229,41 @@ def test_writes_in_a_paused_block_end_alias_reuse(tmp_path):
     assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
 
 
+class _Probe(torch.nn.Module):
+    def forward(self, t):
+        return t
+
+
+class _WritesThroughAnInferenceAlias(torch.nn.Module):
+    """A normal tensor written through an inference tensor over its memory (DLPack interop in an inference
+    block): the write is seen by the dispatcher, but neither tensor's version counter moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.before, self.after = _Probe(), _Probe()
+
+    def forward(self, x):
+        y = x * 2
+        self.before(y.view(-1))
+        with torch.inference_mode():
+            torch.from_dlpack(y).add_(7)
+        return self.after(y.view(-1)), self.after(y.view(2, 16))
+
+
+def test_a_write_through_an_inference_alias_ends_alias_reuse(tmp_path):
+    x, model = torch.randn(4, 8), _WritesThroughAnInferenceAlias()
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="full") as t:
+        out = model(x)
+    assert t.failed is None
+    assert torch.equal(out[0], (x * 2 + 7).view(-1))
+    recs = _records(tmp_path / "t")
+    assert recs["before:out"].hash == numpy_hash((x * 2).numpy())
+    for name in ("after:out", "after#1:out"):
+        assert recs[name].hash == numpy_hash(out[0].numpy()), name
+        assert recs[name].stats["sum"] == pytest.approx(float(out[0].double().sum()), rel=1e-12), name
+        assert np.array_equal(recs[name].values().reshape(-1), out[0].numpy()), name
+
+
 def test_alias_reuse_sees_writes_through_views_and_unsafe_views(tmp_path):
     x, model = torch.randn(4, 8), _Writes()
     with tic_trace.trace(model, tmp_path / "t", mode="full") as t:

@@ -36,6 +36,10 @@ class AliasCache:
     def _storage_id(t: torch.Tensor) -> tuple | None:
         if t.is_inference():     # no version counter to prove the bits unchanged: never reused
             return None
+        return AliasCache._storage_of(t)
+
+    @staticmethod
+    def _storage_of(t: torch.Tensor) -> tuple | None:
         try:
             st = t.untyped_storage()
         except Exception:  # noqa: BLE001 - sparse, nested, functional wrappers: no plain storage, no reuse
@@ -73,7 +77,9 @@ class AliasCache:
             if isinstance(t, (list, tuple)):
                 self.forget(t)
             elif isinstance(t, torch.Tensor):
-                sid = self._storage_id(t)
+                # An inference tensor may be written over a normal tensor's memory (`torch.from_dlpack`,
+                # `set_` in inference mode): its write ends the reuse of that memory like any other.
+                sid = self._storage_of(t)
                 if sid is not None:
                     self._by_storage.pop(sid[0], None)
 
