@@ -38,8 +38,8 @@ def side(path: Path, ref: ExactReference) -> dict[str, IntrinsicError]:
     return {r.key: r for r in replay_side(CanonicalView(str(path)), ref) if isinstance(r, IntrinsicError)}
 
 
-def scenario(work: Path, seed: int, ids, variant, layer: int | None) -> dict:
-    cfg = tiny_qwen3_config(moe=True)
+def scenario(work: Path, seed: int, ids, variant, layer: int | None, moe: bool = True) -> dict:
+    cfg = tiny_qwen3_config(moe=moe)
     a = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
     ck = work / f"ck{seed}"
     if not ck.exists():
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
+    ap.add_argument("--dense", action="store_true", help="a dense model (gated MLP) instead of the MoE one")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
@@ -75,7 +76,7 @@ def main() -> None:
                 if args.only and name not in args.only.split(","):
                     continue
                 results.append({"scenario": name, "clean": True, "seed": seed, "layer": None,
-                                "points": scenario(work, seed, ids, fn, None)})
+                                "points": scenario(work, seed, ids, fn, None, not args.dense)})
             for name, f in PRECISION_FAULTS.items():
                 if args.only and name not in args.only.split(","):
                     continue
@@ -84,7 +85,7 @@ def main() -> None:
                         continue
                     results.append({"scenario": name, "clean": False, "seed": seed, "layer": layer,
                                     "point": f.point if not f.layered else f"L{layer}.{f.point}",
-                                    "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer)})
+                                    "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer, not args.dense)})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(tables(results))

@@ -248,3 +248,34 @@ def test_not_replayed_side_gets_no_verdict():
     from tic_trace.intrinsic_verdict import intrinsic_verdict
     v = intrinsic_verdict(NotReplayed("attn.q", 1, "checkpoint has no q_proj"), _err("attn.q", excess=9.0))
     assert v.side is None and "q_proj" in v.reason
+
+
+def _fused_gated_mlp(model):
+    """Every dense MLP computed with fp32 intermediates and rounded once at its output (a fused MLP kernel)."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        xf = x.float()
+        h = F.silu(F.linear(xf, self.gate_proj.weight.float())) * F.linear(xf, self.up_proj.weight.float())
+        return F.linear(h, self.down_proj.weight.float()).to(x.dtype)
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+
+
+def test_dense_mlp_is_judged_against_the_gated_mlp_envelope(tmp_path):
+    """A dense model's `mlp.out` is a gated MLP (gate, up, act, product, down: five roundings in bf16), not a
+    single-rounding op. Clean HF against a side that keeps the MLP's intermediates in fp32 (one rounding):
+    neither is blamed — HF is within the gated MLP's envelope. Judged against the single-rounding limit
+    (1.08), HF's MLP (excess ~2.4, twice the other side's) was blamed."""
+    ck, a = checkpointed_trace(tmp_path, bf16_model(moe=False), IDS)
+    model = bf16_model(moe=False)
+    _fused_gated_mlp(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    walk = intrinsic_walk(CanonicalView(str(a)), CanonicalView(str(tmp_path / "b")), ExactReference(str(ck)))
+    mlp = [v for v in walk if v.point == "mlp.out"]
+    assert len(mlp) == 2 and all(v.a.op == v.b.op == "gated_mlp" for v in mlp)
+    # the case is real: HF's excess is far over one rounding and well over the fused side's
+    assert all(v.a.excess > 1.5 and v.a.excess >= 1.15 * v.b.excess for v in mlp), [(v.a.excess, v.b.excess) for v in mlp]
+    assert all(v.side is None for v in walk), [(v.key, v.side, v.reason) for v in walk if v.side]

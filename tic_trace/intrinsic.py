@@ -44,6 +44,7 @@ class IntrinsicError:
     nonfinite: int = 0         # elements non-finite in y but not in the exact value
     kind: str = "float"        # canonical PointSpec.kind
     recorded_dtype: str = ""   # the dtype of the record, when wider than `dtype` (fp32 holding bf16 values)
+    op: str = ""               # the op replayed where the point's op depends on the model (reference.op_of)
 
     @property
     def excess(self) -> float:
@@ -53,6 +54,11 @@ class IntrinsicError:
         if self.rel_floor > 0:
             return self.rel_l2 / self.rel_floor
         return 1.0 if self.rel_l2 == 0 else math.inf
+
+    @property
+    def envelope_key(self) -> str:
+        """The key of the clean envelope that applies (intrinsic_verdict.ENVELOPE): the op, else the point."""
+        return self.op or self.point
 
     @property
     def head_scale_excess(self) -> float:
@@ -83,7 +89,7 @@ class NotReplayed:
 
 
 def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str,
-                    head_dim: int | None = None) -> IntrinsicError:
+                    head_dim: int | None = None, op: str = "") -> IntrinsicError:
     """Measure a side's recorded output `y` against the exact values (float64), in ULPs of `dtype`; with
     `head_dim`, also the scale error per (row, head) segment of that length."""
     kind = BY_NAME[point].kind if point in BY_NAME else "float"
@@ -117,7 +123,7 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
         scale_err=_row_scale(d, r0), scale_floor=_row_scale(f0, r0),
         head_scale_err=_head_scale(d, r0, head_dim), head_scale_floor=_head_scale(f0, r0, head_dim),
-        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "")
+        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "", op=op)
 
 
 def _row_scale(d: np.ndarray, r: np.ndarray) -> float:
@@ -214,7 +220,8 @@ class SideReplayer:
                                 f"config gives {list(exact.shape[1:])}: the side computes another op (another "
                                 "top-k, head count or size)")
         return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype,
-                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None)
+                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
+                               op=self.ref.op_of(point))
 
     def replay_all(self, layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
         keep = set(layers) if layers is not None else None

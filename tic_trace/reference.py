@@ -157,6 +157,15 @@ class _LayerWeights:
 
 # ---------------------------------------------------------------- the reference
 
+def op_of(point: str, spec: ModelSpec) -> str:
+    """The op replayed at `point` where it depends on the model ('' = the point's own op): a dense model's
+    `mlp.out` and a shared expert are a gated MLP (gate, up, act, product, down: five roundings in bf16),
+    where a MoE model's `mlp.out` only adds the experts' and the shared expert's outputs."""
+    if point == "moe.shared_out" or (point == "mlp.out" and not spec.num_experts):
+        return "gated_mlp"
+    return ""
+
+
 def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]:
     """Canonical points whose recorded values the op producing `point` reads (canonical.SCHEMA's feeds, with
     the model's own shape: RoPE reads the projection itself when the model has no QK-norm, a dense MLP only
@@ -199,6 +208,9 @@ class ExactReference:
 
     def inputs_of(self, point: str) -> tuple[str, ...]:
         return inputs_of(point, self.spec, self.has_qk_norm)
+
+    def op_of(self, point: str) -> str:
+        return op_of(point, self.spec)
 
     def compute(self, point: str, layer: int | None, feeds: dict[str, torch.Tensor], rows: list[RowId],
                 tokens: dict[RowId, int] | None = None) -> torch.Tensor:
