@@ -319,3 +319,73 @@ def test_hf_adapter_finds_every_promised_point(tmp_path, hf_moe_config, hf_dense
         q = v.load("attn.q", 1)
         assert q.values.shape == (10, 4, 16)
         assert q.rows[:2] == [("s0", 0), ("s0", 1)]
+
+
+class _Side(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _TwoThreads(torch.nn.Module):
+    """`side` runs on a worker thread while the main thread's `main` is being recorded."""
+
+    def __init__(self, entered, released):
+        super().__init__()
+        self.main, self.side = torch.nn.Linear(4, 4), _Side()
+        self.entered, self.released = entered, released
+
+    def forward(self, x):
+        import threading
+        got = {}
+
+        def work():
+            self.entered.wait(10)        # the main thread is inside the tracer now
+            got["side"] = self.side(x)
+            self.released.set()
+        th = threading.Thread(target=work)
+        th.start()
+        y = self.main(x)
+        th.join()
+        return y + got["side"]
+
+
+def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_path):
+    """One tracer records one thread at a time: a module the worker thread runs while the main thread is
+    inside the tracer is not recorded, and the pass says so (before: lost without a word)."""
+    import threading
+
+    from tic_trace.filters import Filters
+    from tic_trace.tracer import CONCURRENT_THREADS_NOTE
+    entered, released = threading.Event(), threading.Event()
+
+    class HoldInsideTheTracer(Filters):
+        def want_module(self, path):
+            if path == "main" and not released.is_set():   # asked by the tracer while it records `main`
+                entered.set()
+                released.wait(10)
+            return super().want_module(path)
+
+    x = torch.randn(3, 4)
+    model = _TwoThreads(entered, released)
+    with torch.no_grad():
+        ref = model.main(x) + model.side(x)
+        with tic_trace.trace(model, tmp_path / "t", filters=HoldInsideTheTracer()) as t:
+            out = model(x)
+    assert t.failed is None and torch.equal(out, ref)
+    p = next(tic_trace.open_trace(tmp_path / "t").passes())
+    assert CONCURRENT_THREADS_NOTE in p.meta["notes"]
+    names = {r.name for r in p.records}
+    assert any(n.startswith("main") for n in names) and not any(n.startswith("side") for n in names)
+
+
+def test_a_single_threaded_forward_has_no_concurrency_note(tmp_path):
+    from tic_trace.tracer import CONCURRENT_THREADS_NOTE
+    model = _Side()
+    with torch.no_grad(), tic_trace.trace(model, tmp_path / "t") as t:
+        model(torch.randn(3, 4))
+    assert t.failed is None
+    assert CONCURRENT_THREADS_NOTE not in next(tic_trace.open_trace(tmp_path / "t").passes()).meta["notes"]

@@ -75,6 +75,13 @@ class _Pending:
 _INTERNAL = threading.local()
 
 
+# One tracer records one thread at a time (its frames and pass state are not per thread). Module calls and
+# ops of a thread that arrive while another thread is inside the tracer are skipped, and said.
+CONCURRENT_THREADS_NOTE = ("module calls or ops of one thread ran while the tracer was recording another "
+                           "thread's: those were not recorded (the model runs modules on several threads at "
+                           "once); trace it with its modules on one thread")
+
+
 class _DispatchRecorder(TorchDispatchMode):
     def __init__(self, tracer: "Tracer"):
         super().__init__()
@@ -83,7 +90,10 @@ class _DispatchRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tr = self.tracer
-        if tr._live and not tr._busy and not getattr(_INTERNAL, "depth", 0):
+        if tr._live and not getattr(_INTERNAL, "depth", 0):
+            if tr._busy:                      # another thread is inside the tracer: this op goes unrecorded
+                tr._notes.add(CONCURRENT_THREADS_NOTE)
+                return out
             tr._busy = True
             _INTERNAL.depth = 1
             try:
@@ -481,7 +491,11 @@ class Tracer:
 
     # ------------------------------------------------------------ hooks
     def _guarded(self, fn, *args) -> None:
-        if not self._live or self._busy:
+        if not self._live:
+            return
+        if self._busy:
+            if not getattr(_INTERNAL, "depth", 0):     # busy on another thread: this call goes unrecorded
+                self._notes.add(CONCURRENT_THREADS_NOTE)
             return
         self._busy = True
         depth = getattr(_INTERNAL, "depth", 0)
