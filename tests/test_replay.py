@@ -279,3 +279,40 @@ def test_dense_mlp_is_judged_against_the_gated_mlp_envelope(tmp_path):
     # the case is real: HF's excess is far over one rounding and well over the fused side's
     assert all(v.a.excess > 1.5 and v.a.excess >= 1.15 * v.b.excess for v in mlp), [(v.a.excess, v.b.excess) for v in mlp]
     assert all(v.side is None for v in walk), [(v.key, v.side, v.reason) for v in walk if v.side]
+
+
+def _fp32_shared_combine(model):
+    """Every Qwen2-MoE block adds the gated shared expert to the experts' output in fp32, rounding once."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        shared = self.shared_expert(x)
+        _, weights, selected = self.gate(x)
+        experts = self.experts(x, selected, weights)
+        gate = F.linear(x.float(), self.shared_expert_gate.weight.float())
+        return (experts.float() + torch.sigmoid(gate) * shared.float()).to(x.dtype).reshape(b, s, h)
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+
+
+def test_gated_shared_expert_sum_is_judged_against_its_envelope(tmp_path):
+    """A Qwen2-MoE `mlp.out` is experts + sigmoid(gate x) * shared (four roundings in bf16), not one addition:
+    clean HF against a side that combines in fp32 (one rounding) blames neither. Judged as one rounding,
+    HF's combine (excess ~1.7, well over the fp32 side's) was blamed."""
+    from tic_trace.testing.hf_models import build_hf_model_stable, tiny_qwen2_moe_config
+    cfg = tiny_qwen2_moe_config()
+    ck, a = checkpointed_trace(tmp_path, build_hf_model_stable(cfg, seed=0, dtype=torch.bfloat16), IDS)
+    model = build_hf_model_stable(cfg, seed=0, dtype=torch.bfloat16)
+    _fp32_shared_combine(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    walk = intrinsic_walk(CanonicalView(str(a)), CanonicalView(str(tmp_path / "b")), ExactReference(str(ck)))
+    mlp = [v for v in walk if v.point == "mlp.out"]
+    shared = [v for v in walk if v.point == "moe.shared_out"]
+    assert len(mlp) == 2 and all(v.a.op == v.b.op == "gated_shared_sum" for v in mlp)
+    assert len(shared) == 2 and all(v.a.op == "gated_mlp" for v in shared)
+    assert all(v.a.excess > 1.3 and v.a.excess >= 1.15 * v.b.excess for v in mlp), [(v.a.excess, v.b.excess) for v in mlp]
+    assert all(v.side is None for v in walk), [(v.key, v.side, v.reason) for v in walk if v.side]

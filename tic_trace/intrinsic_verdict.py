@@ -33,6 +33,7 @@ ENVELOPE: dict[str, float] = {
     "attn.core": 2.00,                                            # eager: scores and probabilities rounded
     "moe.experts_out": 3.09,                                      # gate, up, act, product, down, weight, sum
     "gated_mlp": 2.66,                                            # gate, up, act, product, down
+    "gated_shared_sum": 1.80,     # Qwen2-MoE mlp.out: gate GEMM, sigmoid, x shared, + experts (26 models)
 }
 SINGLE_ROUNDING = 1.0
 # The envelopes hold where the op's internal precision (fp32 accumulation, fp32 norm statistics) is far

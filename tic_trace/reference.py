@@ -159,10 +159,14 @@ class _LayerWeights:
 
 def op_of(point: str, spec: ModelSpec) -> str:
     """The op replayed at `point` where it depends on the model ('' = the point's own op): a dense model's
-    `mlp.out` and a shared expert are a gated MLP (gate, up, act, product, down: five roundings in bf16),
-    where a MoE model's `mlp.out` only adds the experts' and the shared expert's outputs."""
+    `mlp.out` and a shared expert are a gated MLP (gate, up, act, product, down: five roundings in bf16); a
+    MoE model's `mlp.out` adds the experts' output and, Qwen2-MoE style, the shared expert's scaled by a
+    sigmoid gate (gate GEMM, sigmoid, product, sum: four roundings); without shared experts, or with
+    DeepSeek-style ungated ones, it is one addition."""
     if point == "moe.shared_out" or (point == "mlp.out" and not spec.num_experts):
         return "gated_mlp"
+    if point == "mlp.out" and spec.shared_expert_intermediate_size:
+        return "gated_shared_sum"
     return ""
 
 

@@ -23,6 +23,20 @@ def tiny_qwen3_config(moe: bool = True, **overrides):
     return cfg
 
 
+def tiny_qwen2_moe_config(**overrides):
+    """A small Qwen2-MoE config: routed experts plus one shared expert scaled by a sigmoid gate, q/k/v bias,
+    no QK-norm; fp32, eager attention."""
+    from transformers import Qwen2MoeConfig
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                  mlp_only_layers=[], max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common.update(overrides)
+    cfg = Qwen2MoeConfig(**common)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def build_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     """The causal-LM for `config` with deterministic random weights (std 0.05; norms near 1)."""
     from transformers import AutoModelForCausalLM
