@@ -24,7 +24,8 @@ import tic_trace  # noqa: E402
 from tic_trace.align import CanonicalView  # noqa: E402
 from tic_trace.intrinsic import IntrinsicError, replay_side  # noqa: E402
 from tic_trace.reference import ExactReference  # noqa: E402
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config  # noqa: E402
+from tic_trace.testing.hf_models import (build_hf_model_stable, sample_tokens, tiny_qwen2_moe_config,  # noqa: E402
+                                         tiny_qwen3_config)
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS  # noqa: E402
 
 
@@ -38,8 +39,11 @@ def side(path: Path, ref: ExactReference) -> dict[str, IntrinsicError]:
     return {r.key: r for r in replay_side(CanonicalView(str(path)), ref) if isinstance(r, IntrinsicError)}
 
 
-def scenario(work: Path, seed: int, ids, variant, layer: int | None, moe: bool = True) -> dict:
-    cfg = tiny_qwen3_config(moe=moe)
+def _config(args: argparse.Namespace):
+    return tiny_qwen2_moe_config() if args.qwen2_moe else tiny_qwen3_config(moe=not args.dense)
+
+
+def scenario(work: Path, seed: int, ids, variant, layer: int | None, cfg) -> dict:
     a = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
     ck = work / f"ck{seed}"
     if not ck.exists():
@@ -65,6 +69,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
     ap.add_argument("--dense", action="store_true", help="a dense model (gated MLP) instead of the MoE one")
+    ap.add_argument("--qwen2-moe", action="store_true",
+                    help="a Qwen2-MoE (sigmoid-gated shared expert, no QK-norm) instead of the Qwen3-MoE")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
@@ -76,7 +82,7 @@ def main() -> None:
                 if args.only and name not in args.only.split(","):
                     continue
                 results.append({"scenario": name, "clean": True, "seed": seed, "layer": None,
-                                "points": scenario(work, seed, ids, fn, None, not args.dense)})
+                                "points": scenario(work, seed, ids, fn, None, _config(args))})
             for name, f in PRECISION_FAULTS.items():
                 if args.only and name not in args.only.split(","):
                     continue
@@ -85,7 +91,7 @@ def main() -> None:
                         continue
                     results.append({"scenario": name, "clean": False, "seed": seed, "layer": layer,
                                     "point": f.point if not f.layered else f"L{layer}.{f.point}",
-                                    "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer, not args.dense)})
+                                    "worse": f.worse, "points": scenario(work, seed, ids, f.plant, layer, _config(args))})
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(tables(results))
@@ -137,7 +143,7 @@ def tables(results: list[dict]) -> str:
     ratio: dict[str, float] = {}
     for r in results:
         for key, v in r["points"].items():
-            point = key.split(".", 1)[1] if key.startswith("L") else key
+            point = IntrinsicError(**v["a"]).envelope_key      # the op replayed, where it depends on the model
             sides = [v["a"], v["b"]] if r["clean"] else [v["a"]]
             for d in sides:
                 if d["kind"] != "ids" and d["dtype"] == "bfloat16":
@@ -145,7 +151,7 @@ def tables(results: list[dict]) -> str:
             if r["clean"] and v["a"]["dtype"] == v["b"]["dtype"] == "bfloat16" and v["a"]["kind"] != "ids":
                 ea, eb = _excess(v["a"]), _excess(v["b"])
                 ratio[point] = max(ratio.get(point, 1.0), max(ea, eb) / min(ea, eb))
-    out = ["| point | largest clean excess | largest clean A/B ratio | limit (rule) |", "|---|---|---|---|"]
+    out = ["| point (or op) | largest clean excess | largest clean A/B ratio | limit (rule) |", "|---|---|---|---|"]
     for point in env:
         out.append(f"| {point} | {env[point]:.3f} | {ratio.get(point, 1.0):.3f} | "
                    f"{DEFAULT_MARGINS.limit(point, 'bfloat16'):.2f} |")
