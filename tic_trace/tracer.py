@@ -43,8 +43,8 @@ log = logging.getLogger("tic_trace")
 ROOT = "<root>"
 GLOBAL = "<global>"
 # Collectives: their outputs are filled asynchronously on another stream; reading them here would race.
-_SKIP_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler", "prims"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+_SKIP_NAMESPACES = _COLLECTIVE_NAMESPACES | {"_dtensor", "profiler", "prims"}
 # Ops whose outputs are uninitialised memory or pure metadata, and reshapes that alias their input without
 # being flagged as views (their bits are the input's, already recorded where it was produced).
 _SKIP_OPS = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
@@ -89,20 +89,8 @@ class _DispatchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tr = self.tracer
-        if tr._live and not getattr(_INTERNAL, "depth", 0):
-            if tr._busy:                      # another thread is inside the tracer: this op goes unrecorded
-                tr._notes.add(CONCURRENT_THREADS_NOTE)
-                return out
-            tr._busy = True
-            _INTERNAL.depth = 1
-            try:
-                tr._on_op(func, args, kwargs or {}, out)
-            except Exception as e:  # noqa: BLE001 - the model's forward must never see tracer errors
-                tr._fail(e)
-            finally:
-                tr._busy = False
-                _INTERNAL.depth = 0
+        if not getattr(_INTERNAL, "depth", 0):     # not an op some tracer runs itself
+            self.tracer._guarded(self.tracer._on_op, func, args, kwargs or {}, out)
         return out
 
 
