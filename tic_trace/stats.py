@@ -308,8 +308,8 @@ def _fused_host_into(x: torch.Tensor, kernel, row: np.ndarray) -> int:
     step = _step(x.device)
     if x.is_contiguous():
         flat = x.reshape(-1)
-        return _wrap(int(kernel(flat.numpy(), flat.view(fd.ints).numpy(), 0, fd.low, fd.expo, fd.key_pinf,
-                                fd.key_ninf, step, row)))
+        return int(kernel(flat.numpy(), flat.view(fd.ints).numpy(), 0, fd.low, fd.expo, fd.key_pinf,
+                          fd.key_ninf, step, row))     # an int64: already wrapped
     total, part = 0, np.empty(8, dtype=np.float64)
     for i, (start, blk) in enumerate(blocks(x, step)):
         flat = _contiguous_copy(blk)
