@@ -175,6 +175,12 @@ class _Writes(torch.nn.Module):
         return y                                    # module output: y after both writes
 
 
+def _assert_root_output_is(d, out: torch.Tensor) -> None:
+    """The trace's root-output record holds `out` as it is now (after every write): hash and stored value."""
+    final = _records(d)["<root>:out"]
+    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+
+
 _LIB = torch.library.Library("tictest", "DEF")
 _LIB.define("scale_(Tensor x) -> ()")        # in place by name, no `(a!)`: like c10d's allreduce_
 
@@ -200,10 +206,8 @@ def test_an_unannotated_in_place_op_ends_alias_reuse(tmp_path):
     x, model = torch.randn(4, 8), _WritesUnannotated()
     with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="stats", points_mode="full") as t:
         out = model(x)
-    assert t.failed is None
-    final = _records(tmp_path / "t")["<root>:out"]
-    assert torch.equal(out, x * 6)
-    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+    assert t.failed is None and torch.equal(out, x * 6)
+    _assert_root_output_is(tmp_path / "t", out)
 
 
 class _WritesWhilePaused(torch.nn.Module):
@@ -223,10 +227,8 @@ def test_writes_in_a_paused_block_end_alias_reuse(tmp_path):
     with torch.no_grad(), tic_trace.trace(model, tmp_path / "t", mode="full") as t:
         model.tracer = t
         out = model(x)
-    assert t.failed is None
-    final = _records(tmp_path / "t")["<root>:out"]
-    assert torch.equal(out, x * 6)
-    assert final.hash == numpy_hash(out.numpy()) and np.array_equal(final.values(), out.numpy())
+    assert t.failed is None and torch.equal(out, x * 6)
+    _assert_root_output_is(tmp_path / "t", out)
 
 
 class _Probe(torch.nn.Module):
