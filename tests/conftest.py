@@ -8,6 +8,27 @@ torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def in_ci() -> bool:
+    """CI runs with every vendored source present: there a missing source is a failure, never a skip."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_report_header(config):
+    from tic_trace.testing import slime_vendor
+    return f"vendored sources (slime tests): {slime_vendor.describe()}"
+
+
+def require_vendored_sources() -> None:
+    """Skip (outside CI) or fail (with CI=true) a test that runs slime's own code when its sources are absent."""
+    from tic_trace.testing import slime_vendor
+    reason = slime_vendor.missing_reason()
+    if reason is None:
+        return
+    if in_ci():
+        pytest.fail(f"CI=true and {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def hf_moe_config():
     from tic_trace.testing.hf_models import tiny_qwen3_config

@@ -310,7 +310,9 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, mg_trace, new_mode
 @pytest.mark.parametrize("fault", ["routing_near_tie", "routing_near_tie_decode"])
 def test_near_tie_routing_megatron_vs_sglang(tmp_path, mg_tied_trace, hf_tied, sglang_env, fault):
     """Both models with two nearly tied experts; SGLang's gate rounds their difference the other way (in
-    every forward, or in decode steps only): a routing finding at FAULT_LAYER, never an operator divergence."""
+    every forward, or in decode steps only): a routing finding at FAULT_LAYER, never an operator divergence.
+    (Which prefill rows also flip depends on how each machine's kernels round a ~1e-6 gap: every flip is a
+    near tie, wherever it is; test_decode_only_routing_change_megatron_vs_sglang pins the decode rows.)"""
     model = sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied))
     rollout(model, tmp_path / "sg", fault=fault)
     rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
@@ -320,21 +322,37 @@ def test_near_tie_routing_megatron_vs_sglang(tmp_path, mg_tied_trace, hf_tied, s
     assert f.layer == FAULT_LAYER and not f.computational
     assert f.detail["flipped"] > 0 and f.detail["near_tie"] == f.detail["flipped"]
     assert not [p.key for p in rep.points if p.status == "divergent" and p.cause != "routing"]
-    if fault == "routing_near_tie_decode":
-        decode_rows = {f"{rid}@{len(p) + j}" for rid, p in PROMPTS.items() for j in range(DECODE)}
-        assert {x["row"] for x in f.detail["flips"]} <= decode_rows
     doc = json.loads(json.dumps(rep.to_json()))
     assert rejudge(doc) == doc
     accepted = rejudge(doc, accept_near_tie=True)
     assert accepted["verdict"] == "consistent" and accepted["findings"][0]["cause"] == "routing"
 
 
+def test_decode_only_routing_change_megatron_vs_sglang(tmp_path, mg_trace, new_model, sglang_env):
+    """SGLang's router adds a selection bias in decode steps only, on margins no rounding reaches: the flips
+    are exactly decode rows, computational (not near ties), at FAULT_LAYER."""
+    rollout(new_model(), tmp_path / "sg", fault="expert_bias_decode")
+    rep = find_divergence(str(mg_trace), str(tmp_path / "sg"))
+    assert rep.verdict == "divergent"
+    assert rep.first["key"] == key_name("moe.topk_ids", FAULT_LAYER) and rep.first["cause"] == "routing"
+    f = next(x for x in rep.findings if x.cause == "routing")
+    assert f.layer == FAULT_LAYER and f.computational and f.detail["flipped"] > 0
+    decode_rows = {f"{rid}@{len(p) + j}" for rid, p in PROMPTS.items() for j in range(DECODE)}
+    assert {x["row"] for x in f.detail["flips"]} <= decode_rows
+    assert all(x["margin"] > 2 * x["logit_error"] for x in f.detail["flips"])
+
+
 def test_clean_tied_pair_is_consistent(mg_tied_trace, hf_tied, sglang_env, tmp_path):
-    """The near-tie setup alone (no fault): the tie is resolved the same way on both sides."""
+    """The near-tie setup alone (no fault): nothing computes differently. A row whose ~1e-6 gap is within the
+    two frameworks' router rounding may resolve the other way on some machine: then it is a near-tie flip,
+    never a computational one nor an operator divergence, and accepting near ties makes the pair consistent."""
     rollout(sc.build_sglang_model(moe_cfg(), sc.hf_checkpoint_weights(hf_tied)), tmp_path / "sg")
     rep = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"))
-    assert rep.verdict == "consistent", _detail(rep)
-    assert rep.findings == []
+    assert not [p.key for p in rep.points if p.status == "divergent" and p.cause != "routing"], _detail(rep)
+    assert all(f.cause == "routing" and not f.computational and f.detail["near_tie"] == f.detail["flipped"]
+               for f in rep.findings), _detail(rep)
+    accepted = find_divergence(str(mg_tied_trace), str(tmp_path / "sg"), accept_near_tie=True)
+    assert accepted.verdict == "consistent", _detail(accepted)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Each scenario of tests/slime_real_scenarios.py runs in its own process with the vendored Megatron-LM first on
 the path (it must not meet the megatron-core wheel the rest of the suite imports); the reports are made here,
 by the `tic-trace slime-report` command, on the traces the scenario wrote. The vendor folder is
-``../shared/vendor`` next to the repository, or ``$TIC_TRACE_VENDOR_DIR``; it is test data the project ships
-with CI, so its absence is an error, not a skip.
+``../shared/vendor`` next to the repository, or ``$TIC_TRACE_VENDOR_DIR`` (each tree can also be named by
+``$TIC_TRACE_SLIME_DIR`` / ``$TIC_TRACE_MEGATRON_LM_DIR``). A public checkout has no snapshots: there these tests
+skip with one line naming what is missing; CI ships them, so with ``CI=true`` their absence is a failure.
 """
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ from pathlib import Path
 
 import pytest
 
-from tic_trace.testing.slime_vendor import VENDOR_ENV, vendor_dir, vendored_paths
+from tic_trace.testing.slime_vendor import MEGATRON_ENV, SLIME_ENV, sources
+
+from conftest import require_vendored_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "slime_real_scenarios.py"
 
 
 def run_scenario(name: str, out: Path) -> dict:
-    vendored_paths()                      # a clear error when the snapshots are not where they should be
+    require_vendored_sources()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault(VENDOR_ENV, str(vendor_dir()))
+    for s in sources():                   # the scenario process uses exactly the trees this session found
+        env[MEGATRON_ENV if s.name == "Megatron-LM" else SLIME_ENV] = str(s.path)
     r = subprocess.run([sys.executable, str(SCRIPT), name, str(out)], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, f"scenario {name} failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-8000:]}"

@@ -27,7 +27,8 @@ class Fault:
     setup: dict = field(default_factory=dict)   # framework -> fn(model, layer): a property of the *model*
                                                 # both sides need before the fault means anything (e.g. two
                                                 # experts' router rows nearly tied); applied with `prepare`
-    suite: str = "core"          # "core": the adapters' suites run it; "redteam": tests/test_finder_redteam.py
+    suite: str = "core"          # "core": the adapters' suites run it; "redteam": tests/test_finder_redteam.py;
+                                 # "decode": acts in decode steps only, so only tests that drive decode run it
 
 
 FAULTS: dict[str, Fault] = {}
@@ -687,6 +688,43 @@ def _sg_expert_bias(model, layer):
     def forward(hidden_states, router_logits, *args, **kwargs):
         return orig(hidden_states, _bias_expert(router_logits), *args, **kwargs)
     topk.forward = forward
+
+
+# Decode-only routing change with a margin no rounding reaches: the prefill rows of a decode trace are computed
+# by other GEMM shapes than the one-forward side's rows, so they agree only to rounding, and any fault that
+# needs a near tie could flip them too on some machine's kernels. A +0.2 selection bias flips only where the
+# decode step's router says so, on margins ~1e5x the router-logit error.
+@fault("expert_bias_decode", "moe.topk_ids", "as expert_bias, in decode steps only (a decode router kernel "
+       "with a selection bias the prefill kernel lacks)", moe_only=True, cause="routing", suite="decode").on("hf")
+def _hf_expert_bias_decode(model, layer):
+    lay = _hf_layer(model, layer)
+    state = {"decode": False}
+    _hf_gate_with(lay.mlp.gate, lambda x: _bias_expert(x) if state["decode"] else x, selection_only=True)
+    orig = lay.mlp.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        state["decode"] = hidden_states.dim() == 3 and hidden_states.shape[1] == 1   # one new token per sample
+        return orig(hidden_states, *args, **kwargs)
+    lay.mlp.forward = forward
+
+
+@fault("expert_bias_decode", "moe.topk_ids", "", moe_only=True, cause="routing", suite="decode").on("sglang")
+def _sg_expert_bias_decode(model, layer):
+    lay = _sg_layer(model, layer)
+    if lay is None or not hasattr(lay.mlp, "topk"):
+        return
+    state = {"decode": False}
+    topk = lay.mlp.topk
+    orig_topk, orig_layer = topk.forward, lay.forward
+
+    def topk_forward(hidden_states, router_logits, *args, **kwargs):
+        logits = _bias_expert(router_logits) if state["decode"] else router_logits
+        return orig_topk(hidden_states, logits, *args, **kwargs)
+
+    def layer_forward(positions, hidden_states, forward_batch, *args, **kwargs):
+        state["decode"] = forward_batch.forward_mode.is_decode()
+        return orig_layer(positions, hidden_states, forward_batch, *args, **kwargs)
+    topk.forward, lay.forward = topk_forward, layer_forward
 
 
 def _nan_final_norm_weight(model, framework: str, layer: int) -> None:

@@ -14,14 +14,21 @@ paths under test reach, and says which slime line needs it.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Environment variable naming the vendor directory (default: ``../shared/vendor`` next to the repository).
 VENDOR_ENV = "TIC_TRACE_VENDOR_DIR"
+#: Variables naming one snapshot each (e.g. a newer slime checkout), overriding its folder in the vendor directory.
+SLIME_ENV = "TIC_TRACE_SLIME_DIR"
+MEGATRON_ENV = "TIC_TRACE_MEGATRON_LM_DIR"
 SLIME_SNAPSHOT = "slime-624b824a8"
 MEGATRON_SNAPSHOT = "megatron-lm-1dcf0daf"
+UPSTREAM = {"slime": "THUDM/slime", "Megatron-LM": "NVIDIA/Megatron-LM"}
 
 
 def vendor_dir() -> Path:
@@ -39,15 +46,69 @@ def vendor_dir() -> Path:
     return repo.parent / "shared" / "vendor"
 
 
-def vendored_paths() -> list[str]:
-    """``[megatron-lm, slime]`` snapshot folders, Megatron-LM first (it must shadow the wheel)."""
+@dataclass(frozen=True)
+class Source:
+    """One upstream source tree the slime tests run: where it is and which commit it holds."""
+    name: str             # "Megatron-LM" or "slime"
+    path: Path
+    variable: str         # the variable that names this folder directly
+    pinned: str           # the snapshot's folder name in the vendor directory (its commit after the dash)
+
+    @property
+    def present(self) -> bool:
+        return self.path.is_dir()
+
+    @property
+    def commit(self) -> str:
+        """The tree's commit: ``git rev-parse HEAD`` of a checkout, else the hex suffix of a snapshot's folder
+        name (``slime-624b824a8``), else "unknown"."""
+        if (self.path / ".git").exists():
+            try:
+                r = subprocess.run(["git", "-C", str(self.path), "rev-parse", "--short=12", "HEAD"],
+                                   capture_output=True, text=True, timeout=10)
+                if r.returncode == 0 and r.stdout.strip():
+                    return r.stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                pass
+        m = re.search(r"-([0-9a-f]{7,40})$", self.path.name)
+        return m.group(1) if m else "unknown"
+
+
+def sources() -> list[Source]:
+    """``[Megatron-LM, slime]``, Megatron-LM first (it must shadow the wheel on ``sys.path``)."""
     v = vendor_dir()
-    paths = [v / MEGATRON_SNAPSHOT, v / SLIME_SNAPSHOT]
-    missing = [str(p) for p in paths if not p.is_dir()]
-    if missing:
-        raise FileNotFoundError(f"vendored sources missing: {', '.join(missing)}; set {VENDOR_ENV} to the folder "
-                                "holding them (../shared/vendor in CI)")
-    return [str(p) for p in paths]
+    out = []
+    for name, var, snap in (("Megatron-LM", MEGATRON_ENV, MEGATRON_SNAPSHOT), ("slime", SLIME_ENV, SLIME_SNAPSHOT)):
+        own = os.environ.get(var)
+        out.append(Source(name, Path(own) if own else v / snap, var, snap))
+    return out
+
+
+def missing_reason() -> str | None:
+    """One line saying which vendored source is absent, its pinned commit and how to provide it; None when
+    every source is there."""
+    missing = [s for s in sources() if not s.present]
+    if not missing:
+        return None
+    what = "; ".join(f"{s.name} (github.com/{UPSTREAM[s.name]} at {s.pinned.rsplit('-', 1)[1]}) not at {s.path}"
+                     for s in missing)
+    return (f"vendored sources missing: {what}. Check out those commits and name each tree with "
+            f"{MEGATRON_ENV} / {SLIME_ENV}, or put them as {MEGATRON_SNAPSHOT}/ and {SLIME_SNAPSHOT}/ in one "
+            f"folder named by {VENDOR_ENV}")
+
+
+def describe() -> str:
+    """Which trees the slime tests run against, for the test session's header."""
+    return "; ".join(f"{s.name} {s.commit} at {s.path}" if s.present else f"{s.name}: absent ({s.path})"
+                     for s in sources())
+
+
+def vendored_paths() -> list[str]:
+    """``[megatron-lm, slime]`` source folders, Megatron-LM first (it must shadow the wheel)."""
+    reason = missing_reason()
+    if reason:
+        raise FileNotFoundError(reason)
+    return [str(s.path) for s in sources()]
 
 
 def activate() -> None:
