@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# Determinism across the suite: single-threaded intra-op by default; tests that vary threads do so explicitly.
-torch.set_num_threads(1)
+# Single-threaded intra-op by default (2 cores are shared by multi-process tests); tests that vary threads do so
+# explicitly. TIC_TRACE_TEST_THREADS=2 runs the suite on another reduction split: every assertion must hold there
+# too (docs/testing.md).
+torch.set_num_threads(int(os.environ.get("TIC_TRACE_TEST_THREADS", "1")))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -15,7 +17,10 @@ def in_ci() -> bool:
 
 def pytest_report_header(config):
     from tic_trace.testing import slime_vendor
-    return f"vendored sources (slime tests): {slime_vendor.describe()}"
+    paths = ", ".join(f"{k}={os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in os.environ)
+    return [f"cpu kernels: ATen {torch.backends.cpu.get_cpu_capability()}{', ' + paths if paths else ''}; "
+            f"{torch.get_num_threads()} intra-op thread(s)",
+            f"vendored sources (slime tests): {slime_vendor.describe()}"]
 
 
 def require_vendored_sources() -> None:
