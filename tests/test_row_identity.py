@@ -105,7 +105,8 @@ def test_left_padding_without_the_mask(tmp_path):
     line = headline(rep.to_json())
     assert not any(f.key == "embed" for f in rep.findings), line
     assert rep.rows["excluded"] == 4 and rep.rows["matched"] == PROMPT, rep.rows
-    assert rep.rows["different_tokens"][0] == {"sample": "s0", "position": 0, "token_a": int(s0[0]), "token_b": pad}
+    assert rep.identity["different_tokens"][0] == {"sample": "s0", "position": 0, "token_a": int(s0[0]),
+                                                   "token_b": pad}
     # the other rows agree: a verdict on them, with the rows left out said on the verdict line
     assert rep.verdict == "consistent", line
     assert "4 rows left out: different tokens at s0@0" in line, line
@@ -130,8 +131,8 @@ def test_duplicate_row_keys_are_an_error(tmp_path):
     assert rep.verdict == "not_comparable" and rep.exit_code == 3, line
     assert "side B holds 12 (sample, position) rows more than once" in line, line
     assert "s0@0 (2 times)" in line, line
-    assert rep.rows["duplicates"]["b"][0] == {"sample": "s0", "position": 0, "times": 2}
-    assert rep.rows["duplicates_count"] == {"a": 0, "b": 12}
+    assert rep.identity["duplicates"]["b"][0] == {"sample": "s0", "position": 0, "times": 2}
+    assert (rep.rows["duplicates_a"], rep.rows["duplicates_b"]) == (0, 12)
     same_rows_both_ways(rep)
 
 

@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from .adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
-from .canonical import BY_NAME, key_name, order_key
+from .canonical import BY_NAME, LOGPROBS, key_name, order_key
 from .format import Pass, Record, Trace, TraceFormatError, open_trace
 
 RowId = tuple[str, int]
@@ -64,7 +64,10 @@ class CanonicalView:
         self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
+        self.row_ids: set[RowId] = set()    # every named row of the compared passes
+        self.duplicate_rows: dict[RowId, int] = {}   # rows named more than once where one point reads them
         self.rows_total = 0
+        self._identity: tuple | None = None  # (other view, RowIdentity), see row_identity()
         self._index()
 
     # ------------------------------------------------------------ indexing
@@ -80,6 +83,10 @@ class CanonicalView:
         groups = self.adapter.rank_groups(ranks, infos)
         compiled = [(pm, pm.regex()) for pm in self.adapter.points if self.adapter.applies(pm, self.config)]
         seen_rows: set[RowId] = set()
+        # How often each row is named, per rank group (all its passes), and which points each group feeds:
+        # for the duplicate check at the end.
+        group_rows: dict[int, dict[RowId, int]] = defaultdict(lambda: defaultdict(int))
+        group_points: dict[int, set] = defaultdict(set)
         for gi, group in enumerate(groups):
             lead = group[0]
             for pidx in self.trace.pass_indices(lead):
@@ -88,11 +95,12 @@ class CanonicalView:
                 rows = lead_pass.rows
                 if rows is not None:
                     toks = rows.get("tokens")
+                    counts = group_rows[gi]
                     for i, (k, p) in enumerate(zip(rows["keys"], rows["positions"])):
                         if k is None:
                             continue
-                        if (k, p) not in seen_rows:
-                            seen_rows.add((k, p))
+                        seen_rows.add((k, p))
+                        counts[(k, p)] += 1
                         if toks is not None:
                             self.tokens.setdefault((k, p), toks[i])
                 claimed: set[str] = set()
@@ -123,11 +131,14 @@ class CanonicalView:
                             continue
                         names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}
                         self.entries[(pm.point, layer)].append(_Entry(gi, pidx, layer, pm, names))
+                        group_points[gi].add((pm.point, layer))
                         claimed.add(rec.name)
                         got.add(pm.point)
                 self.unmapped.extend(r.name for r in lead_pass.records
                                      if r.kind == "out" and r.name not in claimed)
         self.rows_total = len(seen_rows)
+        self.row_ids = seen_rows
+        self.duplicate_rows = _duplicates(group_rows, group_points)
 
     # ------------------------------------------------------------ queries
     def points(self) -> list[tuple[str, int | None]]:
@@ -167,6 +178,8 @@ class CanonicalView:
                 continue
             p = self._pass(ranks[0], e.pass_index)
             rows, distinct = self._rows(ranks[0], e.pass_index, p, lead)
+            if not rows:         # a record that holds none of the pass's rows (all left out when traced)
+                continue
             try:
                 arr, note = self._layout(e, recs, ranks, rows, point, layer)
             except (ValueError, IndexError, KeyError, TypeError) as x:
@@ -204,6 +217,15 @@ class CanonicalView:
     def _rows(self, rank: int, pass_index: int, p: Pass, rec: Record) -> tuple[list[RowId | None], bool]:
         """`_rows_of(p, rec)` and whether its ids are all present and distinct; kept per pass for records that
         hold every row of the pass (a list shared by every caller: never modified)."""
+        if rec.row_index is None and p.rows is not None:
+            kept = self.adapter.kept_rows(rec.name, tuple(rec.stored_shape), len(p.rows["keys"]))
+            if kept is not None:    # a record of some rows only (e.g. logits_to_keep): the adapter says which
+                keys, pos = p.rows["keys"], p.rows["positions"]
+                if any(not 0 <= i < len(keys) for i in kept):
+                    raise TraceFormatError(p.path, f"record {rec.name!r:.100}: the adapter maps it beyond the "
+                                                   f"{len(keys)} rows of the pass")
+                rows = [None if keys[i] is None else (keys[i], int(pos[i])) for i in kept]
+                return rows, None not in rows and len(set(rows)) == len(rows)
         if rec.row_index is not None or p.rows is None:
             rows = _rows_of(p, rec)
             return rows, None not in rows and len(set(rows)) == len(rows)
@@ -305,6 +327,41 @@ def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
     return [None if keys[i] is None else (keys[i], int(pos[i])) for i in idx]
 
 
+def _duplicates(group_rows: dict[int, dict[RowId, int]], group_points: dict[int, set]) -> dict[RowId, int]:
+    """Rows named more than once where one point reads them: twice in one rank group's passes (one pass, or
+    two), or in two groups that feed the same point (two data-parallel ranks given the same sample keys).
+    Groups feeding different points (pipeline stages) name the same rows legitimately. Row -> times named."""
+    parent = {g: g for g in group_rows}
+
+    def root(g):
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+    owner: dict = {}
+    for g in group_rows:
+        for key in group_points.get(g, ()):
+            if key in owner:
+                parent[root(g)] = root(owner[key])
+            else:
+                owner[key] = g
+    merged: dict[int, dict[RowId, int]] = {}
+    for g, counts in group_rows.items():
+        r = root(g)
+        if r not in merged:
+            merged[r] = dict(counts)
+            continue
+        into = merged[r]
+        for row, n in counts.items():
+            into[row] = into.get(row, 0) + n
+    out: dict[RowId, int] = {}
+    for counts in merged.values():
+        for row, n in counts.items():
+            if n > 1:
+                out[row] = max(out.get(row, 0), n)
+    return out
+
+
 def _adapter_of(trace: Trace) -> Adapter:
     name = trace.manifest.get("framework", "hf")
     try:
@@ -345,6 +402,126 @@ def _name_fields(name: str, pm: PointMap) -> dict[str, str]:
     return fields
 
 
+# ------------------------------------------------------------------------------------------------ row identity
+
+ROWS_NAMED = 8          # rows listed by name in the report (the counts cover all of them)
+
+
+def _sample_order(key: str) -> tuple:
+    """Sample keys in a natural order (s2 before s10)."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(key)) if t)
+
+
+def _row_order(row: RowId) -> tuple:
+    return (_sample_order(row[0]), row[1])
+
+
+@dataclass
+class RowIdentity:
+    """What the two sides' row tables say about each other, before any tensor: which rows are the same
+    rows (same sample key, position and token), which are not, and why.
+
+    A row is compared only if both sides name it once and it holds the same token on both, and so does every
+    earlier position of its sample that both sides have: a causal model's row at position p is computed from
+    the tokens at 0..p, so after a differing token the sample's later rows are other rows too."""
+    excluded: frozenset = frozenset()      # rows both sides have that are not compared (tokens, duplicates)
+    different: list = field(default_factory=list)   # [(row, token A, token B)] where the tokens differ, in order
+    n_different: int = 0                   # rows both have whose own token differs
+    duplicates: dict = field(default_factory=dict)  # "a"/"b" -> {row: times named}
+    unmatched: dict = field(default_factory=dict)   # "a"/"b" -> {"count", "other_samples", "outside", "inside", "first"}
+
+    def exclude_for(self, point: str) -> frozenset:
+        """The rows not to compare at `point`. A log-prob row p scores the token at p+1: left out too when
+        that row is."""
+        if point != LOGPROBS or not self.excluded:
+            return self.excluded
+        return self.excluded | {(k, p - 1) for k, p in self.excluded}
+
+    def counts(self) -> dict:
+        """The counts the report's `rows` holds next to a, b and matched (docs/report.md)."""
+        um = self.unmatched
+        return {"unmatched_a": int((um.get("a") or {}).get("count", 0)),
+                "unmatched_b": int((um.get("b") or {}).get("count", 0)),
+                "excluded": len(self.excluded), "different_tokens": self.n_different,
+                "duplicates_a": len(self.duplicates.get("a") or {}), "duplicates_b": len(self.duplicates.get("b") or {})}
+
+    def to_json(self) -> dict:
+        """The report's `identity`: the rows behind the counts, the first few by name (docs/report.md)."""
+        def named(rows: dict) -> list[dict]:
+            return [{"sample": k, "position": p, "times": n}
+                    for (k, p), n in sorted(rows.items(), key=lambda kv: _row_order(kv[0]))[:ROWS_NAMED]]
+        empty = {"count": 0, "other_samples": 0, "outside": 0, "inside": 0, "first": []}
+        return {"unmatched": {s: dict(self.unmatched.get(s) or empty) for s in ("a", "b")},
+                "different_tokens": [{"sample": r[0], "position": r[1], "token_a": ta, "token_b": tb}
+                                     for r, ta, tb in self.different[:ROWS_NAMED]],
+                "duplicates": {s: named(self.duplicates.get(s) or {}) for s in ("a", "b")}}
+
+
+def row_identity(va: "CanonicalView", vb: "CanonicalView") -> RowIdentity:
+    """The RowIdentity of side A `va` against side B `vb`: computed once per pair of views, from the row
+    tables the views indexed (no tensor), so that every point (in this process or a worker that reopened
+    the views) leaves out the same rows."""
+    got = va._identity
+    if got is not None and got[0] is vb:
+        return got[1]
+    ident = _row_identity(va, vb)
+    va._identity = (vb, ident)
+    return ident
+
+
+def _row_identity(va: "CanonicalView", vb: "CanonicalView") -> RowIdentity:
+    ra, rb = va.row_ids, vb.row_ids
+    common = ra & rb
+    dup = {"a": dict(va.duplicate_rows), "b": dict(vb.duplicate_rows)}
+    excluded = {r for r in common if r in dup["a"] or r in dup["b"]}
+    by_sample: dict[str, list[int]] = defaultdict(list)
+    for k, p in common:
+        by_sample[k].append(p)
+    different = []
+    for k, positions in by_sample.items():
+        first = None
+        for p in sorted(positions):
+            ta, tb = va.tokens.get((k, p)), vb.tokens.get((k, p))
+            if ta is not None and tb is not None and ta != tb:
+                different.append(((k, p), int(ta), int(tb)))
+                if first is None:
+                    first = p
+        if first is not None:
+            excluded.update((k, p) for p in positions if p >= first)
+    different.sort(key=lambda d: _row_order(d[0]))
+    return RowIdentity(frozenset(excluded), different, len(different), dup,
+                       {"a": _unmatched(ra, rb, common), "b": _unmatched(rb, ra, common)})
+
+
+def _unmatched(mine: set, theirs: set, common: set) -> dict:
+    """Rows of one side no row of the other side has, by what that says: a sample the other side did not
+    trace (`other_samples`); a position before or after every position the other side traced for the sample
+    (`outside`: a cached prefix, a last token never fed back); a position inside that span (`inside`: the
+    sides number this sample's rows differently)."""
+    span: dict[str, tuple[int, int]] = {}
+    for k, p in theirs:
+        lo, hi = span.get(k, (p, p))
+        span[k] = (min(lo, p), max(hi, p))
+    out = {"count": 0, "other_samples": 0, "outside": 0, "inside": 0, "first": []}
+    inside, outside = [], []
+    for row in mine:
+        if row in common:
+            continue
+        out["count"] += 1
+        s = span.get(row[0])
+        if s is None:
+            out["other_samples"] += 1
+        elif s[0] <= row[1] <= s[1]:
+            out["inside"] += 1
+            inside.append(row)
+        else:
+            out["outside"] += 1
+            outside.append(row)
+    shown = sorted(inside, key=_row_order)[:ROWS_NAMED] or sorted(outside, key=_row_order)[:ROWS_NAMED]
+    out["first"] = [f"{k}@{p}" for k, p in shown]
+    return out
+
+
 @dataclass
 class AlignedPair:
     a: np.ndarray | None
@@ -354,19 +531,20 @@ class AlignedPair:
     only_b: int
 
 
-def align_rows(ta: CanonicalTensor, tb: CanonicalTensor) -> AlignedPair:
-    """Rows present on both sides, in side A's order. Rows on one side only are counted, never compared.
-    Sides holding the same rows in the same order (the usual case) are passed through as they are: no
-    gather, no copy (memory-mapped values stay memory-mapped)."""
+def align_rows(ta: CanonicalTensor, tb: CanonicalTensor, exclude: frozenset | set = frozenset()) -> AlignedPair:
+    """Rows present on both sides, in side A's order, less the rows in `exclude` (not the same rows on both
+    sides: RowIdentity). Rows on one side only (or excluded) are counted, never compared. Sides holding the
+    same rows in the same order (the usual case) are passed through as they are: no gather, no copy
+    (memory-mapped values stay memory-mapped)."""
     if ta.values is None or tb.values is None:
         return AlignedPair(None, None, [], len(ta.rows), len(tb.rows))
-    if ta.rows == tb.rows:
+    if ta.rows == tb.rows and not exclude:
         return AlignedPair(ta.values, tb.values, list(ta.rows), 0, 0)
     where_b = {r: i for i, r in enumerate(tb.rows)}
     ia, ib, rows = [], [], []
     for i, r in enumerate(ta.rows):
         j = where_b.get(r)
-        if j is not None:
+        if j is not None and r not in exclude:
             ia.append(i)
             ib.append(j)
             rows.append(r)

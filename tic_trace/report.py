@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
-from .report_schema import num
+from .report_schema import IDENTITY_NOTES, num
 from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -39,7 +39,27 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def headline(report: dict) -> str:
-    """One line for logs and CI."""
+    """One line for logs and CI: the verdict, then what the rows and the models' structure say (rows that match
+    no row of the other side, rows left out, ...), on every verdict."""
+    notes = [n for n in report.get("notes") or [] if isinstance(n, dict) and n.get("kind") in IDENTITY_NOTES]
+    fd = report.get("first_divergence")
+    if report.get("verdict") == "not_comparable":
+        blocking = [n for n in notes if (n.get("detail") or {}).get("blocks")]
+        if blocking:
+            line = "NOT COMPARABLE: " + "; ".join(_short(n) for n in blocking)
+            if isinstance(fd, dict) and fd.get("key"):
+                line += (f"; among what could be compared, the first divergence is at {fd['key']} "
+                         f"[{fd.get('cause') or 'operator'}]")
+            return line + "".join("; " + _short(n) for n in notes if n not in blocking)
+    return _verdict_line(report) + "".join("; " + _short(n) for n in notes)
+
+
+def _short(note: dict) -> str:
+    d = note.get("detail") if isinstance(note.get("detail"), dict) else {}
+    return str(d.get("short") or note.get("summary") or "")
+
+
+def _verdict_line(report: dict) -> str:
     fd = report.get("first_divergence")
     verdict = report.get("verdict")
     if verdict == "divergent" and fd:
@@ -73,6 +93,10 @@ def headline(report: dict) -> str:
         return (f"NOT COMPARABLE: {len(pts) - n} of {len(pts)} canonical points both sides record could not be "
                 "compared (reasons below); no divergence among the others")
     return "NOT COMPARABLE: no canonical point could be compared (see the reasons below)"
+
+
+_ROW_COUNTS = (("unmatched_a", "A-only"), ("unmatched_b", "B-only"), ("excluded", "left out"),
+               ("duplicates_a", "A named twice"), ("duplicates_b", "B named twice"))
 
 
 def _replay_headline(fd: dict, cause: str) -> str:
@@ -130,7 +154,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
                     f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {_f(m.get('max_ulp'), 1)}  "
                     f"bit-equal {100 * (num(m.get('bitwise_equal')) or 0):.1f}%  rows {fd.get('rows')}")
     rows = report.get("rows", {})
-    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"))
+    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"
+                 + "".join(f"  {label} {rows[k]}" for k, label in _ROW_COUNTS if rows.get(k))))
     _skipped(c, report)
     c.print()
     _curve(c, report)
