@@ -19,6 +19,7 @@ from .canonical import BY_NAME, LOGPROBS, key_name, order_key
 from .format import Pass, Record, Trace, TraceFormatError, open_trace
 
 RowId = tuple[str, int]
+_CALL_SUFFIX = re.compile(r"#\d+")   # the tracer's scope of a module's second, third, ... call in one pass
 
 
 @dataclass
@@ -67,6 +68,7 @@ class CanonicalView:
         self.row_ids: set[RowId] = set()    # every named row of the compared passes
         self.duplicate_rows: dict[RowId, int] = {}   # rows named more than once where one point reads them
         self.rows_total = 0
+        self.repeated_calls = 0            # point records of further calls of the model within one pass
         self._identity: tuple | None = None  # (other view, RowIdentity), see row_identity()
         self._index()
 
@@ -134,8 +136,13 @@ class CanonicalView:
                         group_points[gi].add((pm.point, layer))
                         claimed.add(rec.name)
                         got.add(pm.point)
-                self.unmapped.extend(r.name for r in lead_pass.records
-                                     if r.kind == "out" and r.name not in claimed)
+                unclaimed = [r.name for r in lead_pass.records if r.kind == "out" and r.name not in claimed]
+                self.unmapped.extend(unclaimed)
+                # A point's module called again in the same pass (`name#1`): a further forward of the model
+                # (generate() without auto_step, or forwards without tracer.step()). Its rows are not in the
+                # pass's row table, so it cannot be compared: counted, so that the report says so.
+                self.repeated_calls += sum(1 for n in unclaimed if "#" in n
+                                           and any(rx.match(_CALL_SUFFIX.sub("", n)) for _, rx in compiled))
         self.rows_total = len(seen_rows)
         self.row_ids = seen_rows
         self.duplicate_rows = _duplicates(group_rows, group_points)

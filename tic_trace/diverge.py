@@ -323,7 +323,8 @@ def _side(v: CanonicalView) -> dict:
     m = v.trace.manifest
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
-            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes)}
+            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
+            "repeated_calls": v.repeated_calls}
 
 
 # ------------------------------------------------------------------------------------------------ rejudge

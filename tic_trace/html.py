@@ -468,6 +468,11 @@ def _answer(c: _Ctx) -> str:
         msg = "The report says the sides diverge, but names no first point."
     else:
         msg = "Nothing could be compared: see the list of points that are not comparable below."
+    if verdict == "not_comparable" or _identity_line(r):
+        # the rows and the models' structure (report.headline's sentences): on the banner, whatever the verdict
+        from .report import headline
+        line = headline(r) if verdict == "not_comparable" else _identity_line(r)
+        msg += f' <span class="note">{_e(line)}</span>' if line else ""
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')
@@ -521,9 +526,18 @@ def _summary_facts(c: _Ctx, counts: Counter) -> str:
 
 def _rows_text(r: dict) -> str:
     rows = _d(r.get("rows"))
+    extra = "".join(f', {label} <span class="num">{_gen(rows.get(k))}</span>' for k, label in
+                    (("unmatched_a", "A-only"), ("unmatched_b", "B-only"), ("excluded", "left out")) if rows.get(k))
     return (f'<span class="num">{_gen(rows.get("matched"))}</span> tokens matched '
             f'(A has <span class="num">{_gen(rows.get("a"))}</span>, '
-            f'B has <span class="num">{_gen(rows.get("b"))}</span>)')
+            f'B has <span class="num">{_gen(rows.get("b"))}</span>{extra})')
+
+
+def _identity_line(r: dict) -> str:
+    """The verdict line's sentences on rows and structure (report.headline's), for a banner that has its own."""
+    from .report import _short
+    from .report_schema import IDENTITY_NOTES
+    return "; ".join(_short(n) for n in _l(r.get("notes")) if isinstance(n, dict) and n.get("kind") in IDENTITY_NOTES)
 
 
 def _facts(rows) -> str:

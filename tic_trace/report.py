@@ -389,6 +389,12 @@ def _skipped(c: Console, report: dict) -> None:
             if isinstance(items, list) and items:
                 shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
                 c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
+        calls = d.get("repeated_calls")
+        if isinstance(calls, int) and calls > 0:
+            c.print(text(f"side {side.upper()}: {calls} record(s) of points from further calls of the model within "
+                         "one pass, not compared (their rows are not in the pass's row table): trace generate() "
+                         "with auto_step=True, or call tracer.step() between forwards", style="yellow"),
+                    soft_wrap=True)
         notes = d.get("merge_notes")
         if isinstance(notes, dict) and notes:
             shown = "; ".join(f"{visible(k, 40)}: {visible(v, 160)}" for k, v in list(notes.items())[:3])
