@@ -468,11 +468,14 @@ def _answer(c: _Ctx) -> str:
         msg = "The report says the sides diverge, but names no first point."
     else:
         msg = "Nothing could be compared: see the list of points that are not comparable below."
-    if verdict == "not_comparable" or _identity_line(r):
-        # the rows and the models' structure (report.headline's sentences): on the banner, whatever the verdict
+    # the rows and the models' structure (report.headline's sentences): on the banner, whatever the verdict; when
+    # they make the pair not comparable, they are the answer
+    ident = _identity_line(r)
+    if ident and verdict == "not_comparable" and not first:
         from .report import headline
-        line = headline(r) if verdict == "not_comparable" else _identity_line(r)
-        msg += f' <span class="note">{_e(line)}</span>' if line else ""
+        msg = _e(headline(r))
+    elif ident:
+        msg += f' <span class="note">{_e(ident)}</span>'
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')

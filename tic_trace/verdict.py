@@ -139,6 +139,7 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
                         "batch in another order, positions shifted, padding without its attention mask look like "
                         "this)", {"short": short, "blocks": ALWAYS if none_left else None, "rows": diff}))
     um = identity.get("unmatched") if isinstance(identity.get("unmatched"), dict) else {}
+    inside_of = {s: _count(um.get(s) if isinstance(um.get(s), dict) else {}, "inside") for s in ("a", "b")}
     for side, other in (("b", "a"), ("a", "b")):
         n = _count(rows, f"unmatched_{side}")
         if not n:
@@ -152,6 +153,9 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
                       f"{_listed(first, str, inside)}: the sides number these rows differently)")
             why = (" — check the positions each side's model ran these rows at (HF: position_ids, cache_position; "
                    "a decode step at the wrong position looks like this)")
+        elif inside_of[other]:
+            why = (f" — not compared; with side {other.upper()}'s rows inside this side's span, likely the same "
+                   "rows numbered differently")
         else:
             parts = [f"{_count(u, 'other_samples')} of samples side {other.upper()} did not trace"
                      if _count(u, "other_samples") else "",
