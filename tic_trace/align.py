@@ -432,10 +432,12 @@ class RowIdentity:
     earlier position of its sample that both sides have: a causal model's row at position p is computed from
     the tokens at 0..p, so after a differing token the sample's later rows are other rows too."""
     excluded: frozenset = frozenset()      # rows both sides have that are not compared (tokens, duplicates)
-    different: list = field(default_factory=list)   # [(row, token A, token B)] where the tokens differ, in order
+    # [(row, token A, token B)] where the tokens differ: each sample's first, then the rest
+    different: list = field(default_factory=list)
     n_different: int = 0                   # rows both have whose own token differs
     duplicates: dict = field(default_factory=dict)  # "a"/"b" -> {row: times named}
-    unmatched: dict = field(default_factory=dict)   # "a"/"b" -> {"count", "other_samples", "outside", "inside", "first"}
+    # "a"/"b" -> {"count", "other_samples", "outside", "inside", "first"} (see _unmatched)
+    unmatched: dict = field(default_factory=dict)
 
     def exclude_for(self, point: str) -> frozenset:
         """The rows not to compare at `point`. A log-prob row p scores the token at p+1: left out too when
@@ -450,7 +452,8 @@ class RowIdentity:
         return {"unmatched_a": int((um.get("a") or {}).get("count", 0)),
                 "unmatched_b": int((um.get("b") or {}).get("count", 0)),
                 "excluded": len(self.excluded), "different_tokens": self.n_different,
-                "duplicates_a": len(self.duplicates.get("a") or {}), "duplicates_b": len(self.duplicates.get("b") or {})}
+                "duplicates_a": len(self.duplicates.get("a") or {}),
+                "duplicates_b": len(self.duplicates.get("b") or {})}
 
     def to_json(self) -> dict:
         """The report's `identity`: the rows behind the counts, the first few by name (docs/report.md)."""
@@ -495,7 +498,13 @@ def _row_identity(va: "CanonicalView", vb: "CanonicalView") -> RowIdentity:
                     first = p
         if first is not None:
             excluded.update((k, p) for p in positions if p >= first)
-    different.sort(key=lambda d: _row_order(d[0]))
+    # each sample's first differing row leads (where its rows stop being the same rows), then the others
+    firsts = {}
+    for d in different:
+        k, pos = d[0]
+        if k not in firsts or pos < firsts[k]:
+            firsts[k] = pos
+    different.sort(key=lambda d: (firsts[d[0][0]] != d[0][1], _row_order(d[0])))
     return RowIdentity(frozenset(excluded), different, len(different), dup,
                        {"a": _unmatched(ra, rb, common), "b": _unmatched(rb, ra, common)})
 

@@ -17,8 +17,8 @@ import math
 from typing import Callable
 
 from .align import CanonicalView, RowId, common_points, row_identity
-from .canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key,
-                        parse_key)
+from .canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name,
+                        order_key, parse_key)
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
