@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tic_trace.adapter import Adapter, PointMap, plain_settings, register_adapter
+from tic_trace.graph.adapter import Adapter, PointMap, plain_settings, register_adapter
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"

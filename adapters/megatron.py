@@ -62,10 +62,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
+from tic_trace.graph.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
                                register_transform)
-from tic_trace.adapter import as_ints as _ints
-from tic_trace.adapter import plain_settings
+from tic_trace.graph.adapter import as_ints as _ints
+from tic_trace.graph.adapter import plain_settings
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
 NUMERICS_FIELDS = (

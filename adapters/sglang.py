@@ -13,7 +13,7 @@ mapping rests on (SGLang 0.5.23, checked on real model code in ``tests/test_sgla
   residual)`` returns ``(normed, mid)``; ``model.norm(mlp_out_last, residual)`` returns ``(final_normed,
   stream leaving the last layer)``. So ``L{N}.input`` and ``L{N-1}.output`` are the same record
   (``opts={"layer_offset": -1}``), ``L0.input`` is the embedding and the last layer's ``output`` is
-  ``model.norm:out[1]`` (``opts={"layer": -1}``; both opts are read by ``tic_trace.align``).
+  ``model.norm:out[1]`` (``opts={"layer": -1}``; both opts are read by ``tic_trace.view.align``).
 * **Attention.** ``qkv_proj`` returns ``(qkv, None)``; per TP rank ``qkv`` is ``[q_local | k_local |
   v_local]`` (``sgl_qkv`` merge rebuilds the global ``[q | k | v]``, de-duplicating KV heads replicated when
   ``num_kv_heads < tp``; the ``sgl_qkv`` transform splits it). QK-norm is the function ``apply_qk_norm``
@@ -67,7 +67,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from tic_trace.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
+from tic_trace.graph.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
 from tic_trace.adapters.sglang_names import ARCH_OF_CLASS, MHA_POINTS, PARTIAL_POINTS, POINTS, tp_copies_equal
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows

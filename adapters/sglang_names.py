@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from tic_trace.adapter import PointMap, TransformContext, register_merge, register_transform
+from tic_trace.graph.adapter import PointMap, TransformContext, register_merge, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"

@@ -5,7 +5,7 @@ import zlib
 
 import numpy as np
 
-from tic_trace import format as fmt
+from tic_trace.store import format as fmt
 
 
 def test_format_crc_is_zlibs_crc32_on_every_buffer_kind_it_is_given(tmp_path):

@@ -1,8 +1,8 @@
 """tic-trace: find the first operator where two frameworks stop computing the same thing."""
-__version__ = "0.1.0"
 
-from .filters import Filters  # noqa: E402
-from .format import Trace, TraceDirectoryInUse, TraceFormatError, open_trace  # noqa: E402
+from .record.version import __version__  # noqa: E402
+from .record.filters import Filters  # noqa: E402
+from .store.format import Trace, TraceDirectoryInUse, TraceFormatError, open_trace  # noqa: E402
 
 __all__ = ["Filters", "Trace", "TraceDirectoryInUse", "TraceFormatError", "Tracer", "open_trace", "trace", "__version__"]
 
@@ -11,6 +11,6 @@ def __getattr__(name: str):
     # The tracer (and torch) load on first use: reading and comparing traces need numpy only, so the
     # comparator's worker processes start in a fraction of a second.
     if name in ("Tracer", "trace"):
-        from . import tracer
+        from .record import tracer
         return getattr(tracer, name)
     raise AttributeError(f"module 'tic_trace' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from tic_trace.text import visible
+from tic_trace.report.text import visible
 from tic_trace.tools.options import Parser as _Parser
 from tic_trace.tools.options import checkpoint_dir as _checkpoint_dir
 from tic_trace.tools.options import count as _count
@@ -35,8 +35,8 @@ _MAX_REPORT_BYTES = 256 << 20
 
 def _load_report(path: str) -> dict:
     """A saved JSON report, checked against the report schema before anything renders it."""
-    from tic_trace.format import TraceFormatError, read_bounded
-    from tic_trace.schema import ReportDoc, validate
+    from tic_trace.store.format import TraceFormatError, read_bounded
+    from tic_trace.store.schema import ReportDoc, validate
     p = Path(path)
     try:
         raw = read_bounded(p, p.parent, _MAX_REPORT_BYTES, "JSON report")
@@ -49,7 +49,7 @@ def _load_report(path: str) -> dict:
 
 
 def _views(args, console):
-    from tic_trace.align import CanonicalView
+    from tic_trace.view.align import CanonicalView
     va = CanonicalView(args.a, args.adapter_a)
     vb = CanonicalView(args.b, args.adapter_b)
     return va, vb
@@ -58,11 +58,11 @@ def _views(args, console):
 def _run_compare(args, console: Console) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tic_trace.diverge import find_divergence
+    from tic_trace.compare.diverge import find_divergence
     va, vb = _views(args, console)
     reference = None
     if getattr(args, "reference", None):
-        from tic_trace.reference import ExactReference
+        from tic_trace.replay.reference import ExactReference
         reference = ExactReference(args.reference, device=args.reference_device)
     total = len(set(va.points()) & set(vb.points())) * (2 if reference is not None else 1)
     with Progress(TextColumn("comparing {task.fields[key]:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -78,8 +78,8 @@ def _run_compare(args, console: Console) -> dict:
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
     """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
-    from tic_trace.report import render_terminal, write_reports
-    from tic_trace.report_schema import EXIT_ERROR, VERDICT_EXIT
+    from tic_trace.report.terminal import render_terminal, write_reports
+    from tic_trace.report.schema import EXIT_ERROR, VERDICT_EXIT
     with open(os.devnull, "w") as devnull:
         try:
             write_reports(report, Console(file=devnull), getattr(args, "json", None), getattr(args, "html", None))
@@ -102,7 +102,7 @@ def cmd_first(args, console):
 
 def cmd_report(args, console):
     if args.from_json:
-        from tic_trace.diverge import rejudge
+        from tic_trace.compare.diverge import rejudge
         report = _load_report(args.from_json)
         if args.tol or args.growth is not None or args.accept_near_tie_routing:
             report = rejudge(report, _tolerance(args) if args.tol or args.growth is not None else None,
@@ -115,7 +115,7 @@ def cmd_report(args, console):
 
 
 def cmd_inspect(args, console):
-    from tic_trace.inspect import inspect_trace
+    from tic_trace.report.inspect import inspect_trace
     inspect_trace(args.trace, console, rank=args.rank, pass_index=args.pass_index, pattern=args.filter,
                   records=args.records, points=args.points, limit=args.limit)
     return 0
@@ -201,7 +201,7 @@ def _fail(console: Console, what: str, debug: bool) -> int:
     """One line naming what failed (plus the traceback under --debug); the no-answer exit code."""
     from rich.text import Text
 
-    from tic_trace.report_schema import EXIT_ERROR
+    from tic_trace.report.schema import EXIT_ERROR
     line = Text("error: ", style="bold red") + Text(visible(what))
     if not debug:
         line += Text("  (--debug prints the traceback)", style="dim")
@@ -213,10 +213,10 @@ def _fail(console: Console, what: str, debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tic_trace.format import TraceFormatError
-    from tic_trace.judge import SettingsError
-    from tic_trace.parallel import ItemFailed
-    from tic_trace.report_schema import EXIT_DIVERGENT, EXIT_ERROR
+    from tic_trace.store.format import TraceFormatError
+    from tic_trace.compare.judge import SettingsError
+    from tic_trace.compare.parallel import ItemFailed
+    from tic_trace.report.schema import EXIT_DIVERGENT, EXIT_ERROR
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]

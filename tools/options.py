@@ -10,7 +10,7 @@ import stat
 import sys
 from pathlib import Path
 
-from tic_trace.text import visible
+from tic_trace.report.text import visible
 
 
 
@@ -48,8 +48,8 @@ def positive(s: str) -> float:
 
 def tol_item(item: str) -> tuple[str, float]:
     """NAME=VALUE, NAME a dtype (bfloat16) or a canonical point (attn.core, L3.mid)."""
-    from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import SettingsError, check_point_key
+    from tic_trace.store.dtypes import known_dtype
+    from tic_trace.compare.judge import SettingsError, check_point_key
     name, eq, value = item.partition("=")
     if not eq or not name or not value:
         raise argparse.ArgumentTypeError(
@@ -158,8 +158,8 @@ def input_file(s: str) -> str:
 
 def tolerance(args):
     """The Tolerance of --tol/--growth (parsed by tol_item/positive); Tolerance refuses what it cannot judge with."""
-    from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import DEFAULT_GROWTH, Tolerance
+    from tic_trace.store.dtypes import known_dtype
+    from tic_trace.compare.judge import DEFAULT_GROWTH, Tolerance
     per_dtype, per_point = {}, {}
     for name, value in args.tol or []:
         (per_dtype if known_dtype(name) else per_point)[name] = value

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tic_trace.text import text
+from tic_trace.report.text import text
 from tic_trace.tools.options import checkpoint_dir, layer_list, output_file, torch_device
 
 _ABNORMAL = ("ABNORMAL", "bold red")
@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
 
 
 def _row(r) -> list:
-    from tic_trace.intrinsic import NotReplayed
-    from tic_trace.intrinsic_verdict import DEFAULT_MARGINS, abnormal
+    from tic_trace.replay.intrinsic import NotReplayed
+    from tic_trace.replay.intrinsic_verdict import DEFAULT_MARGINS, abnormal
     if isinstance(r, NotReplayed):
         return [text(r.key), "", "", "", "", "", "", "", text(f"not replayed: {r.reason}", style="dim")]
     if r.kind == "ids":
@@ -50,10 +50,10 @@ def _row(r) -> list:
 
 
 def run(args, console: Console) -> int:
-    from tic_trace.align import CanonicalView
-    from tic_trace.intrinsic import IntrinsicError, replay_side
-    from tic_trace.intrinsic_verdict import abnormal
-    from tic_trace.reference import ExactReference
+    from tic_trace.view.align import CanonicalView
+    from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+    from tic_trace.replay.intrinsic_verdict import abnormal
+    from tic_trace.replay.reference import ExactReference
     ref = ExactReference(args.reference, device=args.device)
     results = replay_side(CanonicalView(args.trace, args.adapter), ref, args.layers)
     table = Table(title=text(f"intrinsic error of {args.trace} against the exact ops of {args.reference}"))
@@ -66,9 +66,9 @@ def run(args, console: Console) -> int:
     bad = [r for r in results if isinstance(r, IntrinsicError) and abnormal(r)]
     done = sum(isinstance(r, IntrinsicError) for r in results)
     if args.json:
-        from tic_trace.judge import encode_intrinsic
-        from tic_trace.report import write_json
-        from tic_trace.report_schema import encode
+        from tic_trace.compare.judge import encode_intrinsic
+        from tic_trace.report.terminal import write_json
+        from tic_trace.report.schema import encode
         write_json(encode([{"key": r.key, **encode_intrinsic(r)} for r in results]), args.json)
     if not done:
         console.print(Text.assemble(("error:", "bold red"), " no point could be replayed (see the reasons above)"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from tic_trace.text import error_line, text
+from tic_trace.report.text import error_line, text
 from tic_trace.tools.options import (WORKERS_HELP, checkpoint_dir, count, output_file, positive, tol_item,
                                      torch_device, workers)
 
@@ -39,10 +39,10 @@ def slime_report(args, console) -> int:
     Prints the tokens with the largest |Δ logprob| and where each one's divergence starts, then the first
     divergence and the rest. Exit codes as the CLI's: 0 consistent, 1 divergent, 2 error (a side is
     missing), 3 not comparable (no row in common)."""
-    from tic_trace.align import CanonicalView
-    from tic_trace.diverge import find_divergence
-    from tic_trace.report import render_terminal, write_reports
-    from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
+    from tic_trace.view.align import CanonicalView
+    from tic_trace.compare.diverge import find_divergence
+    from tic_trace.report.terminal import render_terminal, write_reports
+    from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
     from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance
 
@@ -79,7 +79,7 @@ def slime_report(args, console) -> int:
     ref_dir, ref_note = _reference_dir(args, va)
     reference = None
     if ref_dir is not None:
-        from tic_trace.reference import ExactReference
+        from tic_trace.replay.reference import ExactReference
         reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
     backend, n = getattr(args, "workers", ("processes", 1))
     rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
@@ -113,7 +113,7 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
     if not isinstance(recorded, str) or not recorded:
         return None, ("exact replay: off (the run recorded no --hf-checkpoint; pass --reference HF_DIR to name "
                       "the side whose op is less exact)")
-    from tic_trace.checkpoint import CheckpointError, HFCheckpoint
+    from tic_trace.replay.checkpoint import CheckpointError, HFCheckpoint
     try:
         HFCheckpoint(recorded)
     except (CheckpointError, OSError) as e:
@@ -123,7 +123,7 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
 
 
 def _print_worst(console, report: dict) -> None:
-    from tic_trace.report import render_worst_tokens
+    from tic_trace.report.terminal import render_worst_tokens
     if not render_worst_tokens(console, report, "tokens with the largest |Δ logprob| (A Megatron, B SGLang; logprob "
                                                 "of the next token, before temperature) and where each one's "
                                                 "divergence starts"):

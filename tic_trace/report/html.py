@@ -8,7 +8,7 @@ Order of the page: the answer (verdict, first divergence), the error-growth plot
 point in dataflow order, the per-token heatmap of the worst tokens, routing, the dispatcher ops of both sides
 in the first-divergence region, what could not be compared, and the two sides' metadata.
 
-    from tic_trace.html import render_html
+    from tic_trace.report.html import render_html
     open("report.html", "w").write(render_html(report.to_json()))
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from .canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, is_ids, order_key, parse_key
+from ..graph.canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, is_ids, order_key, parse_key
+from .schema import OpsRegion, op_differs
+from .schema import num as _decode
 from .text import visible
-from .report_schema import OpsRegion, op_differs
-from .report_schema import num as _decode
 
 __all__ = ["render_html", "write_html"]
 
@@ -435,7 +435,7 @@ class _Ctx:
 
 def _contract_section(c: _Ctx) -> str:
     """The contract (versions, config, numerics settings, point dtypes, weights), diffed before any tensor."""
-    from .report import contract_line
+    from .terminal import contract_line
     diffs = [d for d in _l(c.r.get("contract")) if isinstance(d, dict)]
     if "contract" not in c.r:
         return ""

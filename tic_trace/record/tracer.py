@@ -27,15 +27,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from . import __version__
-from .dtypes import torch_dtype_name
-from .filters import MODES, Filters
+from ..store.dtypes import torch_dtype_name
+from ..store.format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .alias import AliasCache
-from .format import PassWriter, Record, TraceDirectoryInUse, TraceWriter, claim_run_directory
+from .filters import MODES, Filters
 from .host_copy import DEFAULT_CAP_BYTES, HostStager, as_storage
 from .odd_tensors import recordable
 from .stat_slots import StatSlots
 from .stats import stats_dict
+from .version import __version__
 from .weights import ParameterHasher
 
 log = logging.getLogger("tic_trace")
@@ -861,7 +861,7 @@ def new_run_id() -> str:
 def _resolve_adapter(adapter: Any):
     if adapter is None or not isinstance(adapter, str):
         return adapter
-    from .adapter import load_adapter
+    from ..graph.adapter import load_adapter
     return load_adapter(adapter)
 
 
@@ -886,6 +886,6 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `reuse_aliases=False` recomputes statistics for records that alias an earlier one of the same pass.
     A closed pass is readable at once; its blob reaches the disk through a background fsync (a machine crash
     can cost the last passes, and their CRCs then say so); `durable=True` waits for the fsync of each pass
-    (`tic_trace.format.wait_for_disk()` waits for all of them).
+    (`tic_trace.store.format.wait_for_disk()` waits for all of them).
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)

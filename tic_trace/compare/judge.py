@@ -16,8 +16,8 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
-from .canonical import BY_NAME, SCHEMA, known_key
-from .dtypes import dtype_info, known_dtype
+from ..graph.canonical import BY_NAME, SCHEMA, known_key
+from ..store.dtypes import dtype_info, known_dtype
 
 # Relative-L2 tolerance by dtype. One rounding to a dtype gives a relative-L2 error of about 0.3 eps, and a
 # different reduction order a few times that, so one eps flags real errors while leaving ~3x headroom over
@@ -186,7 +186,7 @@ def judge_replay(intrinsic: dict | None, dtypes: dict | None, margins=None) -> R
     op (`intrinsic_verdict.intrinsic_verdict`, the replay's one rule), or, where the point was not replayed
     on both sides, the effective dtypes each side computed it in (the less precise dtype is blamed, kind
     `precision`). The finder and `rejudge` both call this, on the same saved numbers."""
-    from .intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
+    from ..replay.intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
     sides = [decode_intrinsic((intrinsic or {}).get(s)) for s in ("a", "b")]
     if all(x is not None for x in sides):
         v = intrinsic_verdict(sides[0], sides[1], margins or DEFAULT_MARGINS)
@@ -205,11 +205,11 @@ def decode_intrinsic(d: dict | None):
     """A saved side's intrinsic error (`IntrinsicError` / `NotReplayed`) from its report dict; None if absent."""
     if not isinstance(d, dict):
         return None
-    from .intrinsic import IntrinsicError, NotReplayed
+    from ..replay.intrinsic import IntrinsicError, NotReplayed
     if "not_replayed" in d:
         return NotReplayed(str(d.get("point")), d.get("layer"), str(d["not_replayed"]))
     from dataclasses import fields as _fields
-    from .report_schema import num
+    from ..report.schema import num
     kw = {}
     for f in _fields(IntrinsicError):       # a saved report is untrusted input: wrong types read as absent
         if f.name not in d:
@@ -236,10 +236,10 @@ def encode_intrinsic(e, margins=None) -> dict:
     """A side's intrinsic error as a report dict: every field (so the rule can be re-run on it), plus the
     derived excess and the point's limit for readers."""
     from dataclasses import asdict
-    from .intrinsic import NotReplayed
+    from ..replay.intrinsic import NotReplayed
     if isinstance(e, NotReplayed):
         return {"point": e.point, "layer": e.layer, "not_replayed": e.reason}
-    from .intrinsic_verdict import DEFAULT_MARGINS
+    from ..replay.intrinsic_verdict import DEFAULT_MARGINS
     m = margins or DEFAULT_MARGINS
     limit = None if e.kind == "ids" else m.limit(e.envelope_key, e.dtype)
     return {**asdict(e), "excess": e.excess, "limit": limit}

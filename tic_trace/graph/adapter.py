@@ -298,7 +298,7 @@ def get_adapter(name: str | Adapter) -> Adapter:
     if entry is None:
         raise UnknownAdapter(
             f"no adapter is registered as {name!r:.80} (registered: {', '.join(registered_adapters())}); import the "
-            "module that registers it (tic_trace.adapter.register_adapter), or name it explicitly as "
+            "module that registers it (tic_trace.graph.adapter.register_adapter), or name it explicitly as "
             "'package.module:Class' (--adapter-a/--adapter-b on the command line)")
     inst = entry() if isinstance(entry, type) else entry
     _INSTANCES[name] = inst
@@ -318,5 +318,5 @@ def load_adapter(spec: str | Adapter) -> Adapter:
         raise UnknownAdapter(f"cannot load adapter {spec!r}: {e}") from None
     inst = obj() if isinstance(obj, type) else obj
     if not isinstance(inst, Adapter):
-        raise UnknownAdapter(f"{spec!r} is not a tic_trace.adapter.Adapter (got {type(inst).__name__})")
+        raise UnknownAdapter(f"{spec!r} is not a tic_trace.graph.adapter.Adapter (got {type(inst).__name__})")
     return inst

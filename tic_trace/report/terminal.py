@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
-from .report_schema import num
+from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .schema import num
 from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -349,7 +349,7 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
     """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
-    from .format import atomic_write
+    from ..store.format import atomic_write
     atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
 
 

@@ -15,9 +15,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .align import CanonicalTensor, CanonicalView
-from .canonical import BY_NAME, key_name, order_key
-from .dtypes import dtype_info, known_dtype
+from ..graph.canonical import BY_NAME, key_name, order_key
+from ..store.dtypes import dtype_info, known_dtype
+from ..view.align import CanonicalTensor, CanonicalView
 from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
 from .reference import ExactReference, NotReplayable
 

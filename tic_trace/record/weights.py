@@ -4,7 +4,7 @@ after a training step are not the trainer's).
 
 `ParameterHasher` hashes every parameter once (stats.device_hash, all hashes fetched in one host sync) and
 again only when the parameter's storage or in-place version counter changed, so hashing per pass costs
-almost nothing after the first. Read side (numpy only): `weight_map.weight_hashes_by_point` groups a trace's
+almost nothing after the first. Read side (numpy only): `view.weight_map.weight_hashes_by_point` groups a trace's
 recorded hashes by the canonical point whose module owns them, through the adapter's table.
 """
 from __future__ import annotations
@@ -104,6 +104,3 @@ class ParameterHasher:
             return None
         return {k: [self._seen[k][3], self._seen[k][2].removeprefix("torch."), list(params[k].shape)] for k in keys}
 
-
-# The read side lives in weight_map.py (numpy only: the finder reads weight hashes without loading torch).
-from .weight_map import weight_hashes_by_point  # noqa: E402,F401

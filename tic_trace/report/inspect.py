@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .format import open_trace
+from ..store.format import open_trace
 from .text import text, visible
 
 
@@ -89,8 +89,8 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
                 rt.caption = f"{len(recs) - limit} more (use --limit or --filter)"
             console.print(rt)
     if points:
-        from .align import CanonicalView
-        from .canonical import key_name
+        from ..view.align import CanonicalView
+        from ..graph.canonical import key_name
         v = CanonicalView(tr)
         pt = Table(title=f"canonical points ({v.adapter.name} adapter)", title_justify="left", show_edge=False)
         pt.add_column("point")

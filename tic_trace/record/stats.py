@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .dtypes import to_float
+from ..store.dtypes import to_float
 from .host_kernels import hash_kernel, kernels
 
 # Hash mixing constants (odd 64-bit multipliers from splitmix64), as signed int64.

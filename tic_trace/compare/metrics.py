@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .dtypes import dtype_info, known_dtype
+from ..store.dtypes import dtype_info, known_dtype
 
 _TINY = 1e-30
 # float64 elements per block: 512 KiB per buffer, the three in a 2 MiB L2, so the ~15 passes over a block hit
@@ -80,7 +80,7 @@ class RoutingMetrics:
 
 
 def _finite(v):
-    from .report_schema import encode   # the report's one codec for NaN/Inf
+    from ..report.schema import encode   # the report's one codec for NaN/Inf
     return encode(v)
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
-from .canonical import order_key, parse_key
+from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
+from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, growth_of, judge, judge_replay, point_kind)
-from .report_schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
+from ..report.schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
                    "and reduction order), or routing replay (training reuses the rollout's expert choice) "

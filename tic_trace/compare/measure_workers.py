@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .adapter import Adapter, UnknownAdapter, get_adapter
-from .align import CanonicalView
-from .canonical import key_name
+from ..graph.adapter import Adapter, UnknownAdapter, get_adapter
+from ..graph.canonical import key_name
+from ..view.align import CanonicalView
 from .measure import PointMeasurement, measure_point
 from .parallel import BACKENDS, fork_is_safe, imap_ordered
 
@@ -69,7 +69,7 @@ def adapter_spec(adapter: Adapter) -> str:
         return f"{cls.__module__}:{cls.__qualname__}"
     raise ValueError(f"workers reopen each trace with its adapter, and adapter {adapter.name!r} "
                      f"({cls.__module__}.{cls.__qualname__}) is neither registered nor importable by name: register "
-                     "it (tic_trace.adapter.register_adapter), define it at module level, or use one worker")
+                     "it (tic_trace.graph.adapter.register_adapter), define it at module level, or use one worker")
 
 
 _VIEWS: dict[SideRef, CanonicalView] = {}   # per worker process

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .canonical import BY_NAME
+from ..graph.canonical import BY_NAME
 from .checkpoint import HFCheckpoint, ModelSpec, yarn_inv_freq_and_scale
 
 RowId = tuple[str, int]

@@ -14,9 +14,9 @@ from typing import Iterable
 
 import numpy as np
 
-from .adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
-from .canonical import BY_NAME, key_name, order_key
-from .format import Pass, Record, Trace, TraceFormatError, open_trace
+from ..graph.adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
+from ..graph.canonical import BY_NAME, key_name, order_key
+from ..store.format import Pass, Record, Trace, TraceFormatError, open_trace
 
 RowId = tuple[str, int]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .align import CanonicalView, RowId, align_rows
-from .canonical import BY_NAME, LOGPROBS, key_name
-from .compare import compare_routing, compare_stats, compare_values
+from ..graph.canonical import BY_NAME, LOGPROBS, key_name
+from ..view.align import CanonicalView, RowId, align_rows
 from .judge import coarser
+from .metrics import compare_routing, compare_stats, compare_values
 
 # Reference router-logit values kept per row: enough for the margin between the k-th and (k+1)-th expert
 # for any k below this.
@@ -126,7 +126,7 @@ def _row_norms(a: np.ndarray) -> np.ndarray:
 def _effective_dtypes(da: str, a: np.ndarray, db: str, b: np.ndarray) -> dict | None:
     """The dtype each side computed in, where the records' dtypes differ: an fp32 record whose values all lie
     on the bf16 grid (an engine that upcasts its bf16 output) computed in bf16. None when they agree."""
-    from .grid import effective_dtype
+    from ..replay.grid import effective_dtype
     ea, eb = effective_dtype(a, da), effective_dtype(b, db)
     return {"a": ea, "b": eb} if ea != eb else None
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
-from .align import CanonicalView, common_points
-from .canonical import key_name
+from ..graph.canonical import key_name
+from ..view.align import CanonicalView, common_points
 
 if TYPE_CHECKING:   # the replay (and torch) load when a replay runs: the finder reads Margins with numpy only
     from .intrinsic import IntrinsicError, NotReplayed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import dtype_info
+from ..store.dtypes import dtype_info
 
 # Smallest normal exponent per float dtype: below it the grid is uniform (subnormals).
 _MIN_EXP = {"float64": -1022, "float32": -126, "bfloat16": -126, "float16": -14,

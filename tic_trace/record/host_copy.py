@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .format import PassWriter, Record
+from ..store.format import PassWriter, Record
 from .stats import blocks
 
 DEFAULT_CAP_BYTES = 4 << 30

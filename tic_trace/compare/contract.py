@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .align import CanonicalView, common_points
-from .canonical import BY_NAME, key_name
-from .checkpoint import HFCheckpoint
-from .dtypes import dtype_info, known_dtype
+from ..graph.canonical import BY_NAME, key_name
+from ..replay.checkpoint import HFCheckpoint
+from ..store.dtypes import dtype_info, known_dtype
+from ..view.align import CanonicalView, common_points
 
 # Model-description keys every adapter's `describe` writes under the same name (compared where both have one).
 CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -102,7 +102,7 @@ def _dtype_diffs(view_a: CanonicalView, view_b: CanonicalView) -> list[ContractD
 
 def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
                   reference: HFCheckpoint | None) -> list[ContractDiff]:
-    from .weight_map import weight_hashes_by_point
+    from ..view.weight_map import weight_hashes_by_point
     wa, wb = weight_hashes_by_point(view_a), weight_hashes_by_point(view_b)
     out = []
     for k in sorted(set(wa) & set(wb), key=lambda k: (k[1] is None, k[1] or 0, k[0])):
@@ -130,7 +130,7 @@ def _checkpoint_hash(ckpt: HFCheckpoint, name: str, dtype: str) -> int | None:
         return None
     import torch
 
-    from .stats import device_hash
+    from ..record.stats import device_hash
     t = ckpt.raw(name)
     want = getattr(torch, dtype, None)
     if want is not None and t.dtype != want:

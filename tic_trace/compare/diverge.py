@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from .align import CanonicalView, RowId, common_points
-from .canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
+from ..graph.canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
+from ..report.schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
+from ..view.align import CanonicalView, RowId, common_points
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
-from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
 from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
@@ -71,7 +71,7 @@ def _reference(reference):
     """An ExactReference from a checkpoint directory (or None / an ExactReference as given)."""
     if reference is None:
         return None
-    from .reference import ExactReference
+    from ..replay.reference import ExactReference
     return reference if isinstance(reference, ExactReference) else ExactReference(str(reference))
 
 
@@ -87,7 +87,7 @@ def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, 
                      progress: Callable[[str], None] | None = None) -> None:
     """Each point's intrinsic error on each side (the side's output against the exact op on its own
     inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`."""
-    from .intrinsic import SideReplayer
+    from ..replay.intrinsic import SideReplayer
     from .judge import encode_intrinsic
     ra, rb = SideReplayer(va, ref), SideReplayer(vb, ref)
     for p in points:
@@ -286,7 +286,7 @@ def _not_comparable(va, vb, only_a, only_b, measured: list[PointMeasurement]) ->
 
 
 def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> dict:
-    from .intrinsic_verdict import DEFAULT_MARGINS
+    from ..replay.intrinsic_verdict import DEFAULT_MARGINS
     out = {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie),
            "margins": (margins or DEFAULT_MARGINS).to_json()}
     if ref is not None:
@@ -307,7 +307,7 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
             margins=None) -> dict:
     """Re-judge a saved JSON report with new settings, without reading any tensor. With the settings it was
     made with (the default for each one not given), the result equals the report."""
-    from .intrinsic_verdict import Margins
+    from ..replay.intrinsic_verdict import Margins
     rep = Report.from_json(report)
     saved = rep.settings or {}
     tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
