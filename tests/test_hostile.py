@@ -26,7 +26,7 @@ from tic_trace.view.align import CanonicalView
 from tic_trace.graph.canonical import feeds_of
 from tic_trace.compare.diverge import Tolerance, find_divergence, rejudge
 from tic_trace.report.html import render_html
-from tic_trace.report.terminal import write_json
+from tic_trace.report.files import write_json
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.report.text import visible
 from tic_trace.tools.cli import main as cli

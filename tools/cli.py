@@ -78,7 +78,8 @@ def _run_compare(args, console: Console) -> dict:
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
     """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
-    from tic_trace.report.terminal import render_terminal, write_reports
+    from tic_trace.report.files import write_reports
+    from tic_trace.report.terminal import render_terminal
     from tic_trace.report.schema import EXIT_ERROR, VERDICT_EXIT
     with open(os.devnull, "w") as devnull:
         try:

@@ -84,7 +84,8 @@ def run_demo(args, console: Console) -> int:
     from tic_trace.compare.diverge import find_divergence
     from tic_trace.report.html import render_html
     from tic_trace.report.inspect import inspect_trace
-    from tic_trace.report.terminal import render_terminal, write_json
+    from tic_trace.report.files import write_json
+    from tic_trace.report.terminal import render_terminal
     from tic_trace.report.text import text
     from tic_trace.tools import demo_precision
     if demo_precision.wanted(args):           # bf16 with the exact reference (docs/replay.md)

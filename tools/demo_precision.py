@@ -58,7 +58,8 @@ def run(args, console: Console) -> int:
     nothing), 2 when it does not."""
     from tic_trace.compare.diverge import find_divergence
     from tic_trace.report.html import render_html
-    from tic_trace.report.terminal import render_terminal, write_json
+    from tic_trace.report.files import write_json
+    from tic_trace.report.terminal import render_terminal
     from tic_trace.report.schema import EXIT_ERROR
     from tic_trace.testing.precision_faults import PRECISION_FAULTS
     from tic_trace.report.text import text

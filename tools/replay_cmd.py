@@ -67,7 +67,7 @@ def run(args, console: Console) -> int:
     done = sum(isinstance(r, IntrinsicError) for r in results)
     if args.json:
         from tic_trace.compare.judge import encode_intrinsic
-        from tic_trace.report.terminal import write_json
+        from tic_trace.report.files import write_json
         from tic_trace.report.schema import encode
         write_json(encode([{"key": r.key, **encode_intrinsic(r)} for r in results]), args.json)
     if not done:

@@ -41,7 +41,8 @@ def slime_report(args, console) -> int:
     missing), 3 not comparable (no row in common)."""
     from tic_trace.view.align import CanonicalView
     from tic_trace.compare.diverge import find_divergence
-    from tic_trace.report.terminal import render_terminal, write_reports
+    from tic_trace.report.files import write_reports
+    from tic_trace.report.terminal import render_terminal
     from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
     from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance

@@ -5,10 +5,7 @@ traces are printed as rich `Text`, never as markup.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -16,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .lines import contract_line
 from .schema import num
 from .text import text, visible
 
@@ -151,23 +149,6 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             seen.add((x["key"], x["reason"]))
             t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
-
-
-def contract_line(d: dict) -> str:
-    """One contract difference as plain text (renderers print it as text, never markup)."""
-    sec, key, a, b = d.get("section"), d.get("key"), d.get("a"), d.get("b")
-    if d.get("against") == "checkpoint":
-        who = d.get("side") or "?"
-        if sec == "weights":
-            body = f"side {who}'s parameters differ from the checkpoint: {', '.join(map(str, a or []))}"
-        else:
-            body = f"side {who} {a!r}, checkpoint {b!r}"
-    elif sec == "weights":
-        body = f"parameters differ between A and B: {', '.join(map(str, a or []))}"
-    else:
-        body = f"A {a!r}, B {b!r}"
-    kind = " [precision]" if d.get("kind") == "precision" else ""
-    return f"{sec:<9} {key}{kind}: {body}"
 
 
 def _contract(c: Console, contract: list[dict]) -> None:
@@ -334,23 +315,6 @@ def _routing(c: Console, report: dict) -> None:
             f"({100 * (num(r.get('share_tokens_with_flip')) or 0):.1f}%)"
             + ("" if share is None else f"; they carry {100 * share:.1f}% of the final |Δ logprob|"))
     c.print()
-
-
-def write_reports(report: dict, console: Console, json_path: str | None = None, html_path: str | None = None) -> None:
-    """Write the JSON and/or HTML report where asked, and say where."""
-    if json_path:
-        write_json(report, json_path)
-        console.print(text(f"JSON report: {json_path}"))
-    if html_path:
-        from .html import render_html
-        Path(html_path).write_text(render_html(report), encoding="utf-8")
-        console.print(text(f"HTML report: {html_path}"))
-
-
-def write_json(report: dict, path: os.PathLike | str) -> None:
-    """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
-    from ..store.format import atomic_write
-    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
 
 
 def _skipped(c: Console, report: dict) -> None:
