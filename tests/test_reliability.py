@@ -1110,7 +1110,7 @@ def _values(dtype, n: int, case: str, seed: int) -> torch.Tensor:
 
 def _agree(t: torch.Tensor, dev_stats: torch.Tensor | None = None) -> None:
     from tic_trace.store.dtypes import dtype_info, torch_dtype_name
-    from tic_trace.record.tracer import _as_storage
+    from tic_trace.record.capture import _as_storage
     name = torch_dtype_name(t.dtype)
     raw = _as_storage(t.contiguous(), dtype_info(name).storage)
     assert int(device_hash(t)) == numpy_hash(raw)

@@ -359,7 +359,7 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
     import threading
 
     from tic_trace.record.filters import Filters
-    from tic_trace.record.tracer import CONCURRENT_THREADS_NOTE
+    from tic_trace.record.guard import CONCURRENT_THREADS_NOTE
     entered, released = threading.Event(), threading.Event()
 
     class HoldInsideTheTracer(Filters):
@@ -383,7 +383,7 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
 
 
 def test_a_single_threaded_forward_has_no_concurrency_note(tmp_path):
-    from tic_trace.record.tracer import CONCURRENT_THREADS_NOTE
+    from tic_trace.record.guard import CONCURRENT_THREADS_NOTE
     model = _Side()
     with torch.no_grad(), tic_trace.trace(model, tmp_path / "t") as t:
         model(torch.randn(3, 4))
