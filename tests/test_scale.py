@@ -353,7 +353,7 @@ def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeyp
     output is untouched and no half-written pass is left as complete."""
     model = build_hf_model(tiny_qwen3_config(moe=True))
     ref = model(IDS).logits
-    from tic_trace.store import format as fmt
+    from tic_trace.store import writer as fmt
 
     def boom(self, data):
         raise OSError(28, "No space left on device")

@@ -2,7 +2,8 @@
 
 from .record.version import __version__  # noqa: E402
 from .record.filters import Filters  # noqa: E402
-from .store.format import Trace, TraceDirectoryInUse, TraceFormatError, open_trace  # noqa: E402
+from .store.format import Trace, TraceFormatError, open_trace  # noqa: E402
+from .store.writer import TraceDirectoryInUse  # noqa: E402
 
 __all__ = ["Filters", "Trace", "TraceDirectoryInUse", "TraceFormatError", "Tracer", "open_trace", "trace", "__version__"]
 

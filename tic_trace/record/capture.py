@@ -13,7 +13,8 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from ..store.dtypes import torch_dtype_name
-from ..store.format import PassWriter, Record
+from ..store.format import Record
+from ..store.writer import PassWriter
 from .host_copy import as_storage
 from .odd_tensors import recordable
 

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store.format import PassWriter, Record
+from ..store.format import Record
+from ..store.writer import PassWriter
 from .stats import blocks
 
 DEFAULT_CAP_BYTES = 4 << 30

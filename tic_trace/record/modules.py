@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..store.format import TraceWriter
+from ..store.writer import TraceWriter
 from .filters import Filters
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from ..store.format import PassWriter
+from ..store.writer import PassWriter
 from .stats import stats_dict
 from .version import __version__
 

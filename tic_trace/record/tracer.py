@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..store.format import PassWriter, TraceDirectoryInUse, TraceWriter, claim_run_directory
+from ..store.writer import PassWriter, TraceDirectoryInUse, TraceWriter, claim_run_directory
 from .alias import AliasCache
 from .capture import TensorCapture, _Pending
 from .dispatch import OpRecording, _DispatchRecorder
@@ -272,6 +272,6 @@ def trace(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: os.PathLi
     `reuse_aliases=False` recomputes statistics for records that alias an earlier one of the same pass.
     A closed pass is readable at once; its blob reaches the disk through a background fsync (a machine crash
     can cost the last passes, and their CRCs then say so); `durable=True` waits for the fsync of each pass
-    (`tic_trace.store.format.wait_for_disk()` waits for all of them).
+    (`tic_trace.store.writer.wait_for_disk()` waits for all of them).
     """
     return Tracer(model, out_dir, adapter=adapter, mode=mode, points_mode=points_mode, filters=filters, **kwargs)
