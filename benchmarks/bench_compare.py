@@ -137,7 +137,7 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
     import tracemalloc
 
     import numpy as np  # noqa: F401  (imported before the baseline)
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     if trace_mem:
         tracemalloc.start()
     rss0 = _status_kib("VmRSS")

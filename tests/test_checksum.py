@@ -1,4 +1,4 @@
-"""The format's CRC-32 (tic_trace/format.py): ISA-L's when installed, the same checksum as zlib's."""
+"""The format's CRC-32 (tic_trace/store/format.py): ISA-L's when installed, the same checksum as zlib's."""
 from __future__ import annotations
 
 import zlib

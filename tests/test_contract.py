@@ -1,5 +1,5 @@
-"""The contract diff (tic_trace/contract.py) and parameter hashes (tic_trace/weights.py) on real HF pairs:
-no tensor value is read, and each planted difference is named in its section at its point."""
+"""The contract diff (tic_trace/compare/contract.py) and parameter hashes (tic_trace/record/weights.py) on real HF
+pairs: no tensor value is read, and each planted difference is named in its section at its point."""
 import pytest
 import torch
 

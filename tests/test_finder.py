@@ -11,7 +11,8 @@ import torch
 
 import tic_trace
 from tic_trace.view.align import CanonicalView
-from tic_trace.compare.diverge import Tolerance, find_divergence, rejudge
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import Tolerance, rejudge
 from tic_trace.testing.faults import FAULTS, hf_faults, plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli
@@ -302,7 +303,7 @@ def test_workers_give_the_same_report(tmp_path, clean_moe):
 _FORKED_FINDER = """
 import json, sys
 from tic_trace.compare import measure_workers, parallel
-from tic_trace.compare.diverge import find_divergence
+from tic_trace import find_divergence
 assert parallel.fork_is_safe(), "a process with only numpy and tic-trace loaded may fork"
 starts = []
 pool = measure_workers.imap_ordered

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tic_trace.graph.canonical import key_name
-from tic_trace.compare.diverge import find_divergence, rejudge
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
 from tic_trace.testing.faults import FAULTS, plant, redteam_faults
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 

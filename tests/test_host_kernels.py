@@ -1,4 +1,4 @@
-"""The fused CPU kernels (tic_trace/host_kernels.py) give the same bits as the torch-op path and numpy."""
+"""The fused CPU kernels (tic_trace/record/host_kernels.py) give the same bits as the torch-op path and numpy."""
 from __future__ import annotations
 
 import numpy as np

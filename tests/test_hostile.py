@@ -24,7 +24,8 @@ from tic_trace.store import format as fmt
 from tic_trace.graph.adapter import get_adapter, load_adapter, register_adapter
 from tic_trace.view.align import CanonicalView
 from tic_trace.graph.canonical import feeds_of
-from tic_trace.compare.diverge import Tolerance, find_divergence, rejudge
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import Tolerance, rejudge
 from tic_trace.report.html import render_html
 from tic_trace.report.files import write_json
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config

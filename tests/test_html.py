@@ -26,7 +26,8 @@ import transformers  # noqa: E402,F401 - a required test dependency: fail loudly
 
 import tic_trace  # noqa: E402
 from tic_trace.graph.canonical import CURVE_POINTS  # noqa: E402
-from tic_trace.compare.diverge import Tolerance, find_divergence, rejudge, sort_points  # noqa: E402
+from tic_trace import find_divergence  # noqa: E402
+from tic_trace.compare.diverge import Tolerance, rejudge, sort_points  # noqa: E402
 from tic_trace.report.html import render_html, write_html  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
 

@@ -28,8 +28,8 @@ from tic_trace.adapters.megatron import (  # noqa: E402
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.view.align import CanonicalView  # noqa: E402
 from tic_trace.graph.canonical import key_name  # noqa: E402
-from tic_trace.compare.diverge import find_divergence, rejudge  # noqa: E402
-from tic_trace.record.filters import Filters  # noqa: E402
+from tic_trace import Filters, find_divergence  # noqa: E402
+from tic_trace.compare.diverge import rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing.faults import FAULTS, hf_faults, megatron_faults, plant, prepare  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402

@@ -150,7 +150,7 @@ def materialize(files: dict[str, bytes], root: Path) -> Path:
 def compare_everything(root: Path) -> str:
     """Read a trace the way the finder does: its canonical view, every point, and a full comparison."""
     from tic_trace.view.align import CanonicalView
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     v = CanonicalView(str(root))
     return find_divergence(v, v).verdict
 

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from tic_trace.compare.diverge import find_divergence, rejudge
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
 from tic_trace.replay.reference import ExactReference
 from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS

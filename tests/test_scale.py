@@ -12,8 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 import tic_trace
 from tic_trace.record import host_copy
 from tic_trace.record import stats as stats_mod
-from tic_trace.compare.diverge import find_divergence
-from tic_trace.store.format import open_trace
+from tic_trace import find_divergence, open_trace
 from tic_trace.record.stats import (TRANSIENT_BYTES_MAX, device_hash, device_stats, numpy_hash, numpy_stats, stats_and_hash,
                              stats_dict)
 from tic_trace.testing.faults import plant

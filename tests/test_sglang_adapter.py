@@ -38,7 +38,8 @@ from tic_trace.adapters.sglang import (  # noqa: E402
     tracing_problems)
 from tic_trace.view.align import CanonicalView, align_rows  # noqa: E402
 from tic_trace.graph.canonical import key_name  # noqa: E402
-from tic_trace.compare.diverge import DEFAULT_TOL, find_divergence, rejudge  # noqa: E402
+from tic_trace import find_divergence  # noqa: E402
+from tic_trace.compare.diverge import DEFAULT_TOL, rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing import sglang_cpu as sc  # noqa: E402
 from tic_trace.testing.faults import FAULTS, hf_faults, plant, prepare, sglang_faults  # noqa: E402

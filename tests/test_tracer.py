@@ -358,7 +358,7 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
     inside the tracer is not recorded, and the pass says so (before: lost without a word)."""
     import threading
 
-    from tic_trace.record.filters import Filters
+    from tic_trace import Filters
     from tic_trace.record.guard import CONCURRENT_THREADS_NOTE
     entered, released = threading.Event(), threading.Event()
 

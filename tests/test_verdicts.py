@@ -15,10 +15,12 @@ import torch
 
 import tic_trace
 from tic_trace.compare.metrics import compare_values
-from tic_trace.compare.diverge import find_divergence, rejudge
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
 from tic_trace.compare.judge import FlipFacts, SettingsError, Tolerance, judge
 from tic_trace.report.terminal import render_terminal
-from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, Report, encode, num
+from tic_trace import Report
+from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, encode, num
 from tic_trace.testing.faults import FAULTS, plant, prepare
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli

@@ -35,7 +35,8 @@ _MAX_REPORT_BYTES = 256 << 20
 
 def _load_report(path: str) -> dict:
     """A saved JSON report, checked against the report schema before anything renders it."""
-    from tic_trace.store.format import TraceFormatError, read_bounded
+    from tic_trace import TraceFormatError
+    from tic_trace.store.format import read_bounded
     from tic_trace.store.schema import ReportDoc, validate
     p = Path(path)
     try:
@@ -58,7 +59,7 @@ def _views(args, console):
 def _run_compare(args, console: Console) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     va, vb = _views(args, console)
     reference = None
     if getattr(args, "reference", None):
@@ -214,7 +215,7 @@ def _fail(console: Console, what: str, debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tic_trace.store.format import TraceFormatError
+    from tic_trace import TraceFormatError
     from tic_trace.compare.judge import SettingsError
     from tic_trace.compare.parallel import ItemFailed
     from tic_trace.report.schema import EXIT_DIVERGENT, EXIT_ERROR

@@ -81,7 +81,7 @@ def demo_out_dir(out: str | None, console: Console) -> Path:
 
 
 def run_demo(args, console: Console) -> int:
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     from tic_trace.report.html import render_html
     from tic_trace.report.inspect import inspect_trace
     from tic_trace.report.files import write_json

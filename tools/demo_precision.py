@@ -56,7 +56,7 @@ def _trace(out: Path, fault: str | None, layer: int, ckpt: Path | None) -> None:
 def run(args, console: Console) -> int:
     """Trace, compare with the reference, render; exit 0 when the report names what was planted (or, clean,
     nothing), 2 when it does not."""
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     from tic_trace.report.html import render_html
     from tic_trace.report.files import write_json
     from tic_trace.report.terminal import render_terminal

@@ -40,7 +40,7 @@ def slime_report(args, console) -> int:
     divergence and the rest. Exit codes as the CLI's: 0 consistent, 1 divergent, 2 error (a side is
     missing), 3 not comparable (no row in common)."""
     from tic_trace.view.align import CanonicalView
-    from tic_trace.compare.diverge import find_divergence
+    from tic_trace import find_divergence
     from tic_trace.report.files import write_reports
     from tic_trace.report.terminal import render_terminal
     from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT

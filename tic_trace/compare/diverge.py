@@ -7,7 +7,7 @@ Steps (each its own function, the rule in one place):
             flipped tokens carry to the output), the worst tokens' per-token errors;
 3. JUDGE    `verdict.assess`: the one judge (`judge.judge`) per point and per token, the findings (causes),
             the accumulated-noise note and the verdict;
-4. REPORT   the typed report (`report_schema.Report`), with the ops of the first divergence paired once.
+4. REPORT   the typed report (`report.schema.Report`), with the ops of the first divergence paired once.
 
 `rejudge` re-runs step 3 on a saved report: with the settings it was made with, it reproduces it exactly.
 """

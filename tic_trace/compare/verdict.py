@@ -1,6 +1,6 @@
 """Steps 2 and 3 of the finder: judge every point in dataflow order, name the causes, decide the verdict.
 
-`assess()` works on the report's own points (`report_schema.Point`), which hold every fact the rule needs
+`assess()` works on the report's own points (`report.schema.Point`), which hold every fact the rule needs
 (the error, the error inherited from the inputs, the routing facts of each MoE layer, per-token errors of
 the worst tokens). The finder calls it on freshly measured points and `rejudge` on a saved report's points,
 so both give the same answer for the same settings.

@@ -206,7 +206,7 @@ class Adapter:
 
     def numerics(self, models: list) -> dict:
         """Settings that change how the model computes (kernels, backends, precisions, fusions), as plain
-        JSON values, for the contract diff (tic_trace/contract.py). Default: none known."""
+        JSON values, for the contract diff (tic_trace/compare/contract.py). Default: none known."""
         return {}
 
     def parallel_layout(self) -> dict:

@@ -3,5 +3,6 @@ displays it: the terminal renderer (`terminal`), the self-contained HTML page (`
 section), the one-line texts both print (`lines`), writing the JSON/HTML files (`files`), the listing of what a
 trace holds (`inspect`), and the text safety every renderer passes trace strings through (`text`).
 
-May import: store, graph, view. Never compare or replay: renderers only display what the report holds.
+May import: store, graph, view.
+Never compare or replay: renderers only display what the report holds.
 """

@@ -1,6 +1,6 @@
 """The report: one typed schema, one JSON codec. The finder builds it; the renderers only display it.
 
-Every renderer (terminal `report.py`, HTML `html.py`, the JSON file) reads a `Report` or its JSON document
+Every renderer (terminal `terminal.py`, HTML `html/`, the JSON file) reads a `Report` or its JSON document
 (`Report.to_json()`), never re-derives an answer: op pairing and the first differing op are computed here,
 once, when the report is made. Non-finite numbers have one encoding: `"inf"`, `"-inf"`, `"nan"` (strict
 JSON); `num()` is the one decoder. See docs/report.md for the fields, causes and exit codes.

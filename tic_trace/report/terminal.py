@@ -1,4 +1,4 @@
-"""Terminal rendering of a report (the JSON document of `report_schema.Report.to_json()`), answer first.
+"""Terminal rendering of a report (the JSON document of `schema.Report.to_json()`), answer first.
 
 It only displays: the verdict, causes, op pairing and numbers all come from the report. Strings taken from
 traces are printed as rich `Text`, never as markup.

@@ -3,5 +3,7 @@ every decoded document is checked against (`schema`), how dtypes are stored as b
 reader's one exception (`errors`).
 
 numpy and msgpack only, never torch. Both flows rest on it: the record flow writes traces, the answer flow reads
-them. It imports no other tic_trace subpackage.
+them.
+
+May import: nothing of tic_trace.
 """

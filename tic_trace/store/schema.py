@@ -260,7 +260,7 @@ class ReportNotComparable(TypedDict):
 
 
 class ReportDoc(TypedDict, total=False):
-    """A saved JSON report (`report_schema.Report.to_json()`), as `report --from-json` reads it back."""
+    """A saved JSON report (`report.schema.Report.to_json()`), as `report --from-json` reads it back."""
     schema: Literal["tic-trace.report/1", "tic-trace.report/2"]
     verdict: Required[Literal["consistent", "divergent", "not_comparable"]]
     exit_code: int

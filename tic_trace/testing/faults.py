@@ -23,7 +23,7 @@ class Fault:
     what: str
     plant: dict = field(default_factory=dict)   # framework -> fn(model, layer)
     moe_only: bool = False
-    cause: str = "operator"      # the cause class the report must name (report_schema.CAUSES)
+    cause: str = "operator"      # the cause class the report must name (report.schema.CAUSES)
     setup: dict = field(default_factory=dict)   # framework -> fn(model, layer): a property of the *model*
                                                 # both sides need before the fault means anything (e.g. two
                                                 # experts' router rows nearly tied); applied with `prepare`
