@@ -288,7 +288,7 @@ def test_terminal_rendering_is_bounded_and_says_what_it_left_out(saved, tmp_path
     rc, out, _ = run_cli(["report", "x", "--from-json", path, "--all"], capsys)
     assert rc == 0 and out.startswith(f"CONSISTENT: {total} canonical points compared")
     table = out[out.index("all points (dataflow order)"):]
-    shown = len(re.findall(r"^\s*(?:embed|L\d+\.\S+|final_norm|logits|logprobs)\s+ok\s", table, flags=re.M))
+    shown = len(re.findall(r"^\s*(?:embed|L\d+\.\S+|final_norm|logits|logprobs)\s+│ ok\s", table, flags=re.M))
     assert 0 < shown < total and shown + _omitted(table, "points") == total
     assert len(out.splitlines()) < 8_000
 
