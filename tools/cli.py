@@ -189,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_first)
     sp = sub.add_parser("report", help="write JSON/HTML reports; re-judge a saved JSON with new tolerances")
     compare_args(sp, two=False)
-    sp.add_argument("--from-json", type=_input_file, help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
+    sp.add_argument("--from-json", type=_input_file, metavar="FILE",
+                    help="re-judge a saved JSON report from its points (with its own settings, or --tol/--growth/"
+                         "--accept-near-tie-routing) and render it; a file whose verdict its own points contradict "
+                         "is refused (exit 3); A is ignored")
     sp.add_argument("--all", action="store_true", help="print every point, not only the curve")
     sp.set_defaults(fn=cmd_report)
 
