@@ -51,15 +51,17 @@ class FailingHF(HFAdapter):
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict[str, Path]:
     """A clean 2-layer dense HF trace (a), a second trace of the same model (a2), one with a planted fault in
-    layer 1 (b), and the clean model's HF checkpoint (ck)."""
+    layer 1 (b), the clean model's HF checkpoint (ck), and a clean trace whose manifest records ck as slime's
+    --hf-checkpoint (the Megatron side of a slime run: a_slime)."""
     d = tmp_path_factory.mktemp("safety")
     model = build_hf_model(tiny_qwen3_config(moe=False, num_hidden_layers=2))
     model.save_pretrained(d / "ck")
     trace_hf(model, d / "a", IDS)
     trace_hf(model, d / "a2", IDS)
+    trace_hf(model, d / "a_slime", IDS, manifest={"slime": {"rollout_id": 0, "hf_checkpoint": str(d / "ck")}})
     plant(model, "hf", "qk_norm_weight", 1)
     trace_hf(model, d / "b", IDS)
-    return {k: d / k for k in ("a", "a2", "b", "ck")}
+    return {k: d / k for k in ("a", "a2", "b", "ck", "a_slime")}
 
 
 @pytest.fixture
@@ -120,6 +122,11 @@ def _clobber_cases(m: dict[str, Path], tmp: Path) -> dict[str, tuple[list, Path]
     run = tmp / "run"
     for side in ("megatron", "sglang"):
         shutil.copytree(m["a"], run / "rollout_00000" / side)
+    recorded = tmp / "recorded"            # a run whose Megatron side names its --hf-checkpoint
+    shutil.copytree(m["a_slime"], recorded / "rollout_00000" / "megatron")
+    shutil.copytree(m["a"], recorded / "rollout_00000" / "sglang")
+    from tic_trace import open_trace
+    ck_recorded = Path(open_trace(recorded / "rollout_00000" / "megatron").manifest["slime"]["hf_checkpoint"])
     same = tmp / "r.out"
     return {
         "--json over A's manifest": (["diff", a, a2, "--json", m["a"] / "manifest.msgpack"], m["a"] / "manifest.msgpack"),
@@ -136,23 +143,26 @@ def _clobber_cases(m: dict[str, Path], tmp: Path) -> dict[str, tuple[list, Path]
         "slime-report --json into a side": (["slime-report", run, "--rollout-id", "0", "--json",
                                              run / "rollout_00000" / "sglang" / "manifest.msgpack"],
                                             run / "rollout_00000" / "sglang" / "manifest.msgpack"),
+        "slime-report --json into the recorded checkpoint": (["slime-report", recorded, "--rollout-id", "0", "--json",
+                                                              ck_recorded / "config.json"], ck_recorded / "config.json"),
     }
 
 
 CLOBBER = ["--json over A's manifest", "--html over B's pass file", "--json, a new name inside A",
            "--json over the checkpoint's config", "replay --json over the checkpoint", "--json over its own --from-json",
-           "--json and --html one file", "--json through a link into A", "slime-report --json into a side"]
+           "--json and --html one file", "--json through a link into A", "slime-report --json into a side",
+           "slime-report --json into the recorded checkpoint"]
 
 
 @pytest.mark.parametrize("case", CLOBBER)
 def test_an_output_on_an_input_is_refused_in_one_line(mine, tmp_path, capsys, case):
     argv, output = _clobber_cases(mine, tmp_path)[case]
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, output.parent)
     rc, out, err = run_cli(argv, capsys)
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
     assert rc == 2, out + err
     assert len(lines) == 1 and "error" in lines[0] and str(output) in lines[0], out + err
-    assert snapshot(tmp_path) == before, "an input changed or a file appeared"
+    assert snapshot(tmp_path, output.parent) == before, "an input changed or a file appeared"
 
 
 def test_json_through_a_symlink_writes_its_target_and_keeps_the_link(traces, tmp_path, capsys):
@@ -329,6 +339,22 @@ def test_process_worker_failure_is_one_readable_line(traces, tmp_path, capsys, m
     assert rc == 2
     line = _one_clean_line(out + err)
     assert line.startswith("error: diff: work item 0 (point embed) failed: ") and "planted failure in a worker" in line
+
+
+def _fails_in_colour(x: int) -> int:
+    raise ValueError(f"\x1b[31mitem {x}\x1b[0m broke\nTraceback (most recent call last):\n  more")
+
+
+def test_each_worker_failure_is_one_line_without_escapes():
+    """The failure that stopped the map and every other one already known: one readable line each."""
+    from tic_trace.parallel import ItemFailed, map_ordered
+    with pytest.raises(ItemFailed) as err:
+        map_ordered(_fails_in_colour, range(6), workers=2)
+    lines = [str(err.value), *err.value.others]
+    assert lines[0] == "work item 0 (0) failed: ValueError: item 0 broke …"
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line and "Traceback" not in line and line.endswith("broke …")
+    assert len(set(lines)) == len(lines)
 
 
 def test_ray_worker_failures_print_no_foreign_tracebacks(traces, tmp_path):
