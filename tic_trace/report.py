@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .report_bounds import TERMINAL, bounded, omitted_lines
 from .report_schema import num
 from .text import text, visible
 
@@ -104,10 +105,12 @@ def _g(x, digits: int = 2) -> str:
 
 def render_terminal(report: dict, console: Console | None = None, *, all_points: bool = False) -> None:
     c = console or Console()
+    # the answer is line 0, whatever the width: CI logs grep it. It counts every point; the rest shows at
+    # most report_bounds.TERMINAL of each list and says how many it left out.
+    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    report = bounded(report, TERMINAL)
     fd = report.get("first_divergence")
     contract = [d for d in report.get("contract") or [] if isinstance(d, dict)]
-    # the answer is line 0, whatever the width: CI logs grep it
-    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     if contract:          # what the two sides claim to compute, diffed before any tensor: first of the details
         _contract(c, contract)
     _causes(c, report)
@@ -135,7 +138,9 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c.print()
     _curve(c, report)
     if all_points:
-        _points_table(c, report)
+        _points_table(c, report)          # ends with what it left out
+    else:
+        _more(c, report, "points")        # the curve's
     _ops(c, fd)
     _worst(c, report)
     _routing(c, report)
@@ -151,6 +156,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             seen.add((x["key"], x["reason"]))
             t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
+    _more(c, report, "not_comparable")
 
 
 def contract_line(d: dict) -> str:
@@ -198,6 +204,7 @@ def _causes(c: Console, report: dict) -> None:
         curve = (n.get("detail") or {}).get("curve") or []
         if curve:
             c.print(text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
+    _more(c, report, "findings", "notes")
     if report.get("findings") or report.get("notes"):
         c.print()
 
@@ -252,6 +259,7 @@ def _points_table(c: Console, report: dict) -> None:
                   "-" if cos is None else f"{cos:.6f}", _f(m.get("max_ulp"), 1),
                   "-" if beq is None else f"{100 * beq:.0f}%", str(p.get("rows", "")))
     c.print(t)
+    _more(c, report, "points")
     c.print()
 
 
@@ -296,6 +304,9 @@ def render_worst_tokens(c: Console, report: dict, title: str = "tokens with the 
     w = report.get("worst_tokens") or []
     if not w:
         return False
+    if len(w) > TERMINAL.worst_tokens:       # slime-report passes the whole report
+        report = bounded(report, TERMINAL)
+        w = report["worst_tokens"]
     t = Table(title=title, title_justify="left", show_edge=False)
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
@@ -304,6 +315,7 @@ def render_worst_tokens(c: Console, report: dict, title: str = "tokens with the 
         t.add_row(text(x["sample"]), text(x["position"]), _f(x["abs_dlogprob"]), _f4(x["logprob_a"]),
                   _f4(x["logprob_b"]), text(x.get("divergence_starts") or "-"), text(flips) if flips else ("yes" if x.get("routing_flip") else ""))
     c.print(t)
+    _more(c, report, "worst_tokens")
     c.print()
     return True
 
@@ -333,6 +345,7 @@ def _routing(c: Console, report: dict) -> None:
     c.print(f"tokens with at least one flipped layer: {r.get('tokens_with_flip', 0)} "
             f"({100 * (num(r.get('share_tokens_with_flip')) or 0):.1f}%)"
             + ("" if share is None else f"; they carry {100 * share:.1f}% of the final |Δ logprob|"))
+    _more(c, report, "routing_layers")
     c.print()
 
 
@@ -343,14 +356,31 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
         console.print(text(f"JSON report: {json_path}"))
     if html_path:
         from .html import render_html
-        Path(html_path).write_text(render_html(report), encoding="utf-8")
+        write_output(html_path, render_html(report).encode("utf-8"))
         console.print(text(f"HTML report: {html_path}"))
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
     """Write atomically (format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
+    write_output(path, json.dumps(report, indent=1).encode("utf-8"))
+
+
+def write_output(path: os.PathLike | str, data: bytes) -> None:
+    """A report file: through a symlink to its target (the link stays a link, pointing where it did), atomically
+    for a regular file or a new name (a hard link to another file is never written into), and in place for a
+    character device or pipe (/dev/stdout, /dev/null), where no rename can land."""
+    import stat
+
     from .format import atomic_write
-    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
+    try:
+        mode = os.stat(path).st_mode      # the link's target (a pipe behind /dev/fd/N has no path to resolve)
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    atomic_write(Path(os.path.realpath(path)), data)
 
 
 def _skipped(c: Console, report: dict) -> None:
@@ -369,6 +399,14 @@ def _skipped(c: Console, report: dict) -> None:
             shown = "; ".join(f"{visible(k, 40)}: {visible(v, 160)}" for k, v in list(notes.items())[:3])
             c.print(text(f"side {side.upper()}: {len(notes)} rank merge(s) disagree with what the model declares "
                          f"(taken by the records): {shown}" + (" …" if len(notes) > 3 else ""), style="yellow"))
+
+
+def _more(c: Console, report: dict, *fields: str) -> bool:
+    """The '… N more … not shown (see the JSON)' lines of these fields of a bounded report."""
+    lines = omitted_lines(report, fields)
+    for line in lines:
+        c.print(text(f"  {line}", style="dim"))
+    return bool(lines)
 
 
 def point_label(key: str) -> str:

@@ -23,7 +23,7 @@ _ABNORMAL = ("ABNORMAL", "bold red")
 def add_parser(sub) -> None:
     sp = sub.add_parser("replay", help="replay every canonical op of one trace exactly (float64) against an HF "
                                        "checkpoint: is each op correctly rounded?")
-    sp.add_argument("trace")
+    sp.add_argument("trace", help="the trace directory to replay")
     sp.add_argument("--reference", required=True, metavar="HF_DIR", type=checkpoint_dir,
                     help="HF checkpoint directory (config.json + *.safetensors) with the weights the trace ran")
     sp.add_argument("--adapter", help="adapter (default: the framework named in the trace's manifest)")
@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
                     help="only these layers, e.g. 0-3,7 (default: all layers and the global points)")
     sp.add_argument("--device", default="cpu", type=torch_device,
                     help="torch device for the float64 reference (default cpu)")
-    sp.add_argument("--json", type=output_file, help="also write the per-point numbers here")
+    sp.add_argument("--json", type=output_file, metavar="FILE|-",
+                    help="also write the per-point numbers here as JSON ('-': to stdout, the table then goes to "
+                         "stderr)")
     sp.set_defaults(fn=run)
 
 
@@ -51,11 +53,22 @@ def _row(r) -> list:
 
 def run(args, console: Console) -> int:
     from tic_trace.align import CanonicalView
-    from tic_trace.intrinsic import IntrinsicError, replay_side
+    from tic_trace.intrinsic import IntrinsicError
     from tic_trace.intrinsic_verdict import abnormal
     from tic_trace.reference import ExactReference
+    from tic_trace.canonical import key_name, order_key
+    from tic_trace.intrinsic import SideReplayer
+    from tic_trace.tools.progress import progress
     ref = ExactReference(args.reference, device=args.device)
-    results = replay_side(CanonicalView(args.trace, args.adapter), ref, args.layers)
+    view = CanonicalView(args.trace, args.adapter)
+    keep = set(args.layers) if args.layers is not None else None
+    points = [(p, lay) for p, lay in view.points() if keep is None or lay in keep]   # as replay_side picks them
+    replayer, results = SideReplayer(view, ref), []
+    with progress(len(points), "replaying") as step:
+        for p, lay in points:
+            step(key_name(p, lay))
+            results.append(replayer.replay(p, lay))
+    results.sort(key=lambda r: order_key(r.point, r.layer))
     table = Table(title=text(f"intrinsic error of {args.trace} against the exact ops of {args.reference}"))
     for col in ("point", "dtype", "rows", "mean ULP", "max ULP", "correctly rounded", "rel L2",
                 "excess / limit", ""):
@@ -67,9 +80,9 @@ def run(args, console: Console) -> int:
     done = sum(isinstance(r, IntrinsicError) for r in results)
     if args.json:
         from tic_trace.judge import encode_intrinsic
-        from tic_trace.report import write_json
         from tic_trace.report_schema import encode
-        write_json(encode([{"key": r.key, **encode_intrinsic(r)} for r in results]), args.json)
+        from tic_trace.tools.outputs import write_reports
+        write_reports(encode([{"key": r.key, **encode_intrinsic(r)} for r in results]), console, args.json, None)
     if not done:
         console.print(Text.assemble(("error:", "bold red"), " no point could be replayed (see the reasons above)"))
         return 2
