@@ -329,9 +329,9 @@ def test_size_claims_in_a_checkpoint_are_checked_before_allocation(tmp_path):
     ({"rms_norm_eps": -1}, "rms_norm_eps"),                                    # a non-finite reference before
     ({"num_key_value_heads": 3}, "num_key_value_heads"),                       # 4 query heads in 3 groups
     ({"text_config": 5}, "text_config"),
-    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta"),
+    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_parameters.rope_theta"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "64"}},
-     "original_max_position_embeddings"),
+     "rope_parameters.original_max_position_embeddings"),
 ], ids=["list", "deep", "not-utf8", "heads-0", "string-number", "eps-negative", "kv-groups", "text-config",
         "rope-theta", "yarn-original-max"])
 def test_config_values_are_checked_by_one_schema(tmp_path, raw, key):

@@ -191,7 +191,9 @@ def intrinsic_walk(view_a: CanonicalView, view_b: CanonicalView, reference: Exac
                    stop_at_first: bool = False) -> list[IntrinsicVerdict]:
     """The verdict at every point both sides recorded, in dataflow order (global points only without
     `layers`). Each side is replayed from its own inputs."""
+    from .contract import check_reference
     from .intrinsic import SideReplayer
+    check_reference(reference.ckpt, {"A": view_a, "B": view_b})     # raises ReferenceMismatch
     keep = set(layers) if layers is not None else None
     ra, rb = SideReplayer(view_a, reference), SideReplayer(view_b, reference)
     both, _, _ = common_points(view_a, view_b)

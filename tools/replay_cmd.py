@@ -3,7 +3,8 @@
 Per canonical point: the side's intrinsic error (mean/max ULP in its dtype, share of elements equal to the
 correctly rounded exact value, relative L2, excess over the rounding floor) and whether it is abnormal for
 that op (over the envelope clean implementations show; docs/replay.md). Exit 0: every replayed point within
-its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint). Strings from the trace
+its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint); 3: not comparable (the
+checkpoint is not the trace's model or weights: `contract.check_reference`). Strings from the trace
 (point keys, reasons naming records) are printed as text, never as markup (docs/security.md).
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ def run(args, console: Console) -> int:
     from tic_trace.intrinsic_verdict import abnormal
     from tic_trace.reference import ExactReference
     ref = ExactReference(args.reference, device=args.device)
-    results = replay_side(CanonicalView(args.trace, args.adapter), ref, args.layers)
+    ref_view = CanonicalView(args.trace, args.adapter)
+    results = replay_side(ref_view, ref, args.layers)
     table = Table(title=text(f"intrinsic error of {args.trace} against the exact ops of {args.reference}"))
     for col in ("point", "dtype", "rows", "mean ULP", "max ULP", "correctly rounded", "rel L2",
                 "excess / limit", ""):
@@ -63,6 +65,9 @@ def run(args, console: Console) -> int:
     for r in results:
         table.add_row(*_row(r))
     console.print(table)
+    from tic_trace.contract import reference_entries
+    for d in reference_entries("the trace", ref_view, ref.ckpt):    # what of the checkpoint the replay used
+        console.print(text(f"reference: {d.note}", style="dim"), soft_wrap=True)
     bad = [r for r in results if isinstance(r, IntrinsicError) and abnormal(r)]
     done = sum(isinstance(r, IntrinsicError) for r in results)
     if args.json:

@@ -79,8 +79,19 @@ def slime_report(args, console) -> int:
     ref_dir, ref_note = _reference_dir(args, va)
     reference = None
     if ref_dir is not None:
+        from tic_trace.checkpoint import ReferenceMismatch
+        from tic_trace.contract import check_reference
         from tic_trace.reference import ExactReference
         reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
+        try:
+            check_reference(reference.ckpt, {"A": va, "B": vb})
+        except ReferenceMismatch as e:
+            if getattr(args, "reference", None):     # named by the user: not comparable (the CLI: exit 3)
+                raise
+            # the run's --hf-checkpoint holds the initial weights: a later rollout ran trained ones
+            reference, ref_dir = None, None
+            ref_note = (f"exact replay: off (the run's --hf-checkpoint is not the weights this rollout ran: {e}; "
+                        "pass --reference HF_DIR with this step's weights)")
     backend, n = getattr(args, "workers", ("processes", 1))
     rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
                           reference=reference, workers=n, backend=backend)
@@ -115,7 +126,7 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
                       "the side whose op is less exact)")
     from tic_trace.checkpoint import CheckpointError, HFCheckpoint
     try:
-        HFCheckpoint(recorded)
+        HFCheckpoint(recorded)      # regular files only: a FIFO named there cannot hang the report
     except (CheckpointError, OSError) as e:
         return None, (f"exact replay: off (the run's --hf-checkpoint {recorded} cannot serve as the reference "
                       f"here: {e}; pass --reference HF_DIR)")
