@@ -249,6 +249,7 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
 
 
 def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | None:
@@ -443,6 +444,46 @@ class HFCheckpoint:
         """One parameter in its stored dtype (for bit-exact hashes)."""
         return self._get(name)
 
+    def parts(self, name: str) -> list[str]:
+        """The checkpoint tensors a model parameter called `name` holds: itself, or, for transformers' fused
+        expert parameters (`mlp.experts.gate_up_proj` [E, 2F, H] = per expert cat(gate, up); `mlp.experts
+        .down_proj` [E, H, F]), the per-expert tensors the checkpoint stores them as; [] for neither."""
+        if name in self.info:
+            return [name]
+        m = _FUSED.fullmatch(name)
+        e = self.spec.num_experts
+        if m is None or not e:
+            return []
+        stem = m.group(1)
+        kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+        out = [f"{stem}{i}.{k}.weight" for i in range(e) for k in kinds]
+        return out if all(n in self.info for n in out) else []
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of parameter `name` as the model holds it (a fused expert parameter: the stacked shape)."""
+        ps = self.parts(name)
+        if not ps:
+            return None
+        if ps == [name]:
+            return self.info[name].shape
+        first = self.info[ps[0]].shape
+        if any(len(self.info[n].shape) != 2 for n in ps):
+            return None
+        rows = sum(self.info[n].shape[0] for n in ps) // self.spec.num_experts
+        return (self.spec.num_experts, rows, first[1])
+
+    def dtypes(self, name: str) -> set[str]:
+        return {self.info[n].dtype for n in self.parts(name)}
+
+    def _held(self, name: str):
+        """Parameter `name` in its stored dtype, as the model holds it (fused expert parameters stacked)."""
+        ps = self.parts(name)
+        if ps == [name]:
+            return self._get(name)
+        import torch
+        per = len(ps) // self.spec.num_experts
+        return torch.stack([torch.cat([self._get(n) for n in ps[i:i + per]], 0) for i in range(0, len(ps), per)])
+
     def hash(self, name: str, dtype: str) -> int | None:
         """The tensor's bit-exact hash (stats.device_hash) once rounded to `dtype`, the dtype a side held it in;
         None when the checkpoint has no such tensor or it cannot be held in that dtype. Cached: both sides
@@ -452,11 +493,10 @@ class HFCheckpoint:
             import torch
 
             from .stats import device_hash
-            info = self.info.get(name)
             want = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-            if info is None or not isinstance(want, torch.dtype):
+            if not self.parts(name) or not isinstance(want, torch.dtype):
                 return None
-            t = self._get(name)
+            t = self._held(name)
             if t.dtype != want:
                 if not (t.dtype.is_floating_point and want.is_floating_point):
                     return None

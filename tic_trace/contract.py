@@ -147,20 +147,19 @@ def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
 
 
 def _vs_checkpoint(ckpt: HFCheckpoint, name: str, entry) -> str:
-    """One recorded parameter [hash, dtype, shape] against the checkpoint tensor of that name: "absent" (no
-    such tensor), "layout" (another shape that is a shard or padding of it: not comparable bit for bit),
-    "other-shape", "not-float" (the side or the checkpoint holds it quantized), "agrees" or "differs" (the
-    checkpoint's tensor rounded to the side's dtype, hashed)."""
-    info = ckpt.info.get(name)
-    if info is None:
+    """One recorded parameter [hash, dtype, shape] against the checkpoint tensor(s) it holds (`ckpt.parts`:
+    itself, or the per-expert tensors of a fused expert parameter): "absent" (none), "layout" (another shape
+    that is a shard or padding of it: not comparable bit for bit), "other-shape", "not-float" (the side or the
+    checkpoint holds it quantized), "agrees" or "differs" (the checkpoint's rounded to the side's dtype, hashed)."""
+    shape = ckpt.shape(name)
+    if shape is None:
         return "absent"
-    h, dtype, shape = entry[0], entry[1], list(entry[2])
-    if shape != list(info.shape):
-        return "layout" if _is_layout(name, shape, list(info.shape)) else "other-shape"
-    if dtype not in FLOAT_DTYPES or info.dtype not in FLOAT_DTYPES:
+    h, dtype, got = entry[0], entry[1], list(entry[2])
+    if got != list(shape):
+        return "layout" if _is_layout(name, got, list(shape)) else "other-shape"
+    if dtype not in FLOAT_DTYPES or not ckpt.dtypes(name) <= set(FLOAT_DTYPES):
         return "not-float"
-    ch = ckpt.hash(name, dtype)
-    return "agrees" if ch == h else "differs"
+    return "agrees" if ckpt.hash(name, dtype) == h else "differs"
 
 
 def _is_layout(name: str, side: list, ck: list) -> bool:
@@ -214,13 +213,13 @@ def check_reference(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) -> None
                             "float weights the run held")
     recorded = {s: recorded_weights(v) for s, v in views.items()}
     contradicted: list[str] = []
-    for name in sorted(set().union(*recorded.values()) & set(ckpt.info)):
+    for name in sorted(n for n in set().union(*recorded.values()) if ckpt.parts(n)):
         got = {s: (_vs_checkpoint(ckpt, name, r[name]), r[name]) for s, r in recorded.items() if name in r}
         states = {st for st, _ in got.values()}
         if "other-shape" in states and not states & {"agrees", "differs", "layout"}:
             problems.append(f"{name}: " + ", ".join(f"{_label(s)} {list(e[2])}" for s, (st, e) in got.items())
-                            + f", checkpoint {list(ckpt.info[name].shape)}")
-        elif "not-float" in states and ckpt.info[name].dtype in FLOAT_DTYPES:
+                            + f", checkpoint {list(ckpt.shape(name))}")
+        elif "not-float" in states and ckpt.dtypes(name) <= set(FLOAT_DTYPES):
             problems.append(f"{name}: " + ", ".join(f"{_label(s)} holds it as {e[1]}" for s, (st, e) in got.items())
                             + " (quantized): the exact replay of float weights is not that op")
         elif "differs" in states and "agrees" not in states:
@@ -253,7 +252,9 @@ def reference_entries(side: str, view: CanonicalView, ckpt: HFCheckpoint) -> lis
                                 note=f"{_label(side)}'s exact replay uses the checkpoint's {ck_dt} weights rounded to "
                                      f"{side_dt}, the dtype {_label(side)} held them in: {'; '.join(parts)}"))
     rec = recorded_weights(view)
-    states = Counter(_vs_checkpoint(ckpt, n, e) for n, e in rec.items())
+    states: Counter = Counter()
+    for n, e in rec.items():        # counted in checkpoint tensors (a fused expert parameter holds several)
+        states[_vs_checkpoint(ckpt, n, e)] += len(ckpt.parts(n))
     compared = states["agrees"] + states["differs"]
     total = len(ckpt.info)
     if compared < total:

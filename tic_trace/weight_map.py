@@ -116,9 +116,11 @@ class SideWeightDtypes:
 def side_weight_dtypes(view: Any, ckpt: Any) -> SideWeightDtypes:
     """The dtypes one side (a CanonicalView) held the checkpoint's tensors in, from what its trace recorded."""
     recorded = recorded_weights(view)
-    info = getattr(ckpt, "info", {})
-    by_name = {n: v[1] for n, v in recorded.items()
-               if n in info and v[1] in FLOATS and list(v[2]) == list(info[n].shape)}
+    by_name = {}
+    for n, v in recorded.items():
+        # a parameter of the checkpoint's shape: the dtype of every checkpoint tensor it holds (fused experts)
+        if v[1] in FLOATS and hasattr(ckpt, "parts") and list(v[2]) == list(ckpt.shape(n) or ()):
+            by_name.update(dict.fromkeys(ckpt.parts(n), v[1]))
     by_point = {}
     for key, params in weight_hashes_by_point(view).items():
         kinds = {v[1] for v in params.values() if isinstance(v, (list, tuple)) and len(v) > 1}
