@@ -180,8 +180,9 @@ def _rope_spec(c: _Config) -> RopeSpec:
     p = c.obj(key) or _Config({}, c.where, f"{c.prefix}{key}.")
     nested = sorted(k for k, v in p.d.items() if isinstance(v, dict))
     if nested:      # Gemma3 style: one RoPE per layer type; the reference knows one RoPE per model
-        raise c.error(key, "one set of RoPE parameters (per-layer-type RoPE, as "
-                           f"{', '.join(nested[:3])}, is not replayed)", p.d)
+        raise CheckpointError(f"{c.where}: key '{c.prefix}{key}' holds one RoPE per layer type "
+                              f"({', '.join(nested[:3])}; Gemma3 style), which the exact reference does not "
+                              "replay (nor that model's other ops): leave out --reference to compare A with B alone")
     theta = p.num("rope_theta", 0.0, 1e12, default=None, lo_open=True)
     if theta is None:
         theta = c.num("rope_theta", 0.0, 1e12, default=10000.0, lo_open=True)
