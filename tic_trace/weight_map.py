@@ -23,6 +23,8 @@ def weight_hashes_by_point(view: Any) -> dict[tuple[str, int | None], dict[str, 
             if not isinstance(weights, dict):
                 continue
             for name, val in weights.items():
+                if not (isinstance(name, str) and _entry_ok(val)):    # a trace is untrusted: skip, never crash
+                    continue
                 key = _point_of(name.rsplit(".", 1)[0], compiled, adapter, info, config)
                 if key is not None:
                     out.setdefault(key, {})[name] = val
