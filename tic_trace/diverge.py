@@ -36,13 +36,18 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
 
     `reference` (an HF checkpoint directory or an `ExactReference`): every point is also replayed exactly
     from each side's own inputs (docs/replay.md); a side whose op is less exact than clean implementations
-    (or that computes in a coarser dtype) is named, and the first such point leads the report.
+    (or that computes in a coarser dtype) is named, and the first such point leads the report. The checkpoint
+    is checked first (`contract.check_reference`): one that is not the traces' model or weights raises
+    `checkpoint.ReferenceMismatch` (the CLI: not comparable, exit 3).
     `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
     the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
     ref = _reference(reference)
+    if ref is not None:       # a checkpoint that is not the traces' model or weights: not comparable, raised
+        from .contract import check_reference
+        check_reference(ref.ckpt, {"A": va, "B": vb})
     contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
     measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)

@@ -2,7 +2,8 @@
 
 Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error: no answer (bad input,
 unreadable trace, a crash), 3 not comparable (nothing, or not every point both sides record, could be
-compared). A failure prints one line naming what failed (the traceback with --debug) and never exits 1.
+compared; or the --reference checkpoint is not the traces' model or weights). A failure prints one line
+naming what failed (the traceback with --debug) and never exits 1.
 `--json -` / `--html -` write that report alone to stdout; the terminal report then goes to stderr. A reader
 that closes stdout early (`| head -1`) never changes the exit code. Outputs never land on inputs
 (tools/outputs.py).
@@ -227,12 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(console: Console, what: str, debug: bool) -> int:
+def _fail(console: Console, what: str, debug: bool, label: str = "error: ") -> int:
     """One line naming what failed (plus the traceback under --debug); the no-answer exit code."""
     from rich.text import Text
 
     from tic_trace.report_schema import EXIT_ERROR
-    line = Text("error: ", style="bold red") + Text(visible(what))
+    line = Text(label, style="bold red") + Text(visible(what))
     if not debug:
         line += Text("  (--debug prints the traceback)", style="dim")
     console.print(line, soft_wrap=True)
@@ -243,6 +244,7 @@ def _fail(console: Console, what: str, debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tic_trace.checkpoint import ReferenceMismatch
     from tic_trace.format import TraceFormatError
     from tic_trace.judge import SettingsError
     from tic_trace.parallel import ItemFailed
@@ -270,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.fn(args, console) or 0)
     except TraceFormatError as e:
         return _fail(console, f"unreadable trace: {e}", debug)
+    except ReferenceMismatch as e:      # the checkpoint is not the traces' model or weights: no exact answer
+        from tic_trace.report_schema import EXIT_NOT_COMPARABLE
+        _fail(console, f"{e}", debug, label="NOT COMPARABLE with the reference: ")
+        return EXIT_NOT_COMPARABLE
     except SettingsError as e:
         return _fail(console, f"bad setting: {e}", debug)
     except ItemFailed as e:     # a point failed in a worker: one line names it; others are counted, listed with --debug

@@ -132,7 +132,7 @@ def checkpoint_dir(s: str) -> str:
     if not p.is_dir():
         raise argparse.ArgumentTypeError(f"{s} is not a directory: give the HF checkpoint directory "
                                          "(config.json + *.safetensors), e.g. slime's --hf-checkpoint")
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").exists():     # what kind of file it is, HFCheckpoint checks (without blocking)
         raise argparse.ArgumentTypeError(f"{s} has no config.json: give the HF checkpoint directory "
                                          "(config.json + *.safetensors)")
     return s

@@ -3,7 +3,8 @@
 Per canonical point: the side's intrinsic error (mean/max ULP in its dtype, share of elements equal to the
 correctly rounded exact value, relative L2, excess over the rounding floor) and whether it is abnormal for
 that op (over the envelope clean implementations show; docs/replay.md). Exit 0: every replayed point within
-its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint). Strings from the trace
+its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint); 3: not comparable (the
+checkpoint is not the trace's model or weights: `contract.check_reference`). Strings from the trace
 (point keys, reasons naming records) are printed as text, never as markup (docs/security.md).
 """
 from __future__ import annotations
@@ -60,10 +61,12 @@ def run(args, console: Console) -> int:
     from tic_trace.intrinsic import SideReplayer
     from tic_trace.tools.progress import progress
     ref = ExactReference(args.reference, device=args.device)
-    view = CanonicalView(args.trace, args.adapter)
+    from tic_trace.contract import check_reference
+    ref_view = CanonicalView(args.trace, args.adapter)
+    check_reference(ref.ckpt, {"the trace": ref_view})   # raises ReferenceMismatch: not this trace's model
     keep = set(args.layers) if args.layers is not None else None
-    points = [(p, lay) for p, lay in view.points() if keep is None or lay in keep]   # as replay_side picks them
-    replayer, results = SideReplayer(view, ref), []
+    points = [(p, lay) for p, lay in ref_view.points() if keep is None or lay in keep]   # as replay_side picks them
+    replayer, results = SideReplayer(ref_view, ref), []
     with progress(len(points), "replaying") as step:
         for p, lay in points:
             step(key_name(p, lay))
@@ -76,6 +79,9 @@ def run(args, console: Console) -> int:
     for r in results:
         table.add_row(*_row(r))
     console.print(table)
+    from tic_trace.contract import reference_entries
+    for d in reference_entries("the trace", ref_view, ref.ckpt):    # what of the checkpoint the replay used
+        console.print(text(f"reference: {d.note}", style="dim"), soft_wrap=True)
     bad = [r for r in results if isinstance(r, IntrinsicError) and abnormal(r)]
     done = sum(isinstance(r, IntrinsicError) for r in results)
     if args.json:

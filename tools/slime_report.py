@@ -86,8 +86,19 @@ def slime_report(args, console) -> int:
                   [("the run's --hf-checkpoint", ref_dir)])
     reference = None
     if ref_dir is not None:
+        from tic_trace.checkpoint import ReferenceMismatch
+        from tic_trace.contract import check_reference
         from tic_trace.reference import ExactReference
         reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
+        try:
+            check_reference(reference.ckpt, {"A": va, "B": vb})
+        except ReferenceMismatch as e:
+            if getattr(args, "reference", None):     # named by the user: not comparable (the CLI: exit 3)
+                raise
+            # the run's --hf-checkpoint holds the initial weights: a later rollout ran trained ones
+            reference, ref_dir = None, None
+            ref_note = (f"exact replay: off (the run's --hf-checkpoint is not the weights this rollout ran: {e}; "
+                        "pass --reference HF_DIR with this step's weights)")
     backend, n = getattr(args, "workers", ("processes", 1))
     from tic_trace.align import common_points
     steps = len(common_points(va, vb)[0]) * (2 if reference is not None else 1)
@@ -125,7 +136,7 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
                       "the side whose op is less exact)")
     from tic_trace.checkpoint import CheckpointError, HFCheckpoint
     try:
-        HFCheckpoint(recorded)
+        HFCheckpoint(recorded)      # regular files only: a FIFO named there cannot hang the report
     except (CheckpointError, OSError) as e:
         return None, (f"exact replay: off (the run's --hf-checkpoint {recorded} cannot serve as the reference "
                       f"here: {e}; pass --reference HF_DIR)")
