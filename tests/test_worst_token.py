@@ -237,7 +237,17 @@ def test_fresh_bad_row_not_excused_by_another_rows_upstream_error(tmp_path):
     # the all-rows judgement alone would not flag it: its error is within growth x its inputs'
     assert second.error <= 10 * second.input_error
     assert found[1].detail["rows"][0]["row"] == "s1@17"
-    _round_trip(rep)
+    doc = _round_trip(rep)
+    # the rows kept decide as every row would: the saved report re-judged with other settings says what the
+    # finder says with those settings on the traces themselves
+    for tol in (Tolerance(growth=2.0), Tolerance(growth=1e4), Tolerance(per_dtype={"float32": 1e-3}),
+                Tolerance(per_dtype={"float32": 1e-7}, growth=1.5)):
+        fresh = json.loads(json.dumps(find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), tolerance=tol).to_json()))
+        again = rejudge(doc, tol)
+        assert again["verdict"] == fresh["verdict"]
+        assert [(p["key"], p["status"], p["decided_by_row"]) for p in again["points"]] == \
+            [(p["key"], p["status"], p["decided_by_row"]) for p in fresh["points"]]
+        assert [f["summary"] for f in again["findings"]] == [f["summary"] for f in fresh["findings"]]
 
 
 @pytest.mark.parametrize("rows", [64, 2048])

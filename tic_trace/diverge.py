@@ -33,8 +33,8 @@ FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cov
 # and growth over its own inputs' error (whatever the tolerance and growth, some row diverges exactly when
 # one of these does, so `rejudge` decides from them alone), at most WORST_FRONT of them, plus the WORST_TOP
 # rows of largest error for readers.
-WORST_FRONT = 32
-WORST_TOP = 4
+WORST_FRONT = 16
+WORST_TOP = 3
 
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,

@@ -175,10 +175,12 @@ def _finding(p: Point) -> Finding | None:
     row = next((r for r in p.worst_rows or [] if r.get("row") == p.decided_by_row), None)
     if p.status == DIVERGENT and p.cause == OPERATOR:
         if row is not None:
+            ie = num(row.get("input_error"))
+            grew = ("its own inputs agree exactly" if ie == 0 else
+                    f"{_g(num(row.get('growth')))} its own inputs' {_f(ie)}")
             head = (f"{p.key}: token {row['row']}'s relative error {_f(num(row.get('error')))} over tolerance "
-                    f"{_f(p.tol)}, {_g(num(row.get('growth')))} its own inputs' {_f(num(row.get('input_error')))} "
-                    f"({len(rows['rows'])} divergent row(s) among the worst shown; over all {p.rows} rows "
-                    f"{_f(p.error)})")
+                    f"{_f(p.tol)}, {grew} ({len(rows['rows'])} divergent row(s) among the worst shown; over all "
+                    f"{p.rows} rows {_f(p.error)})")
         else:
             head = (f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, {_g(p.growth)} its "
                     f"inputs' {_f(p.input_error)}" + _worst_text(p))
