@@ -568,6 +568,14 @@ def _first_facts(c: _Ctx, f: dict) -> str:
     else:
         gt = f'<span class="num">—</span> (input error <span class="num">{_sci(ie)}</span>)'
     rows.append(("Growth over inputs", gt))
+    worst = [r for r in _l(f.get("worst_rows")) if isinstance(r, dict)][:8]
+    if worst:      # each judged on its own: its error, its growth over the same row's input error, its status
+        by = f' <span class="note">(the point is judged on token {_e(f.get("decided_by_row"))})</span>' \
+            if f.get("decided_by_row") else ""
+        rows.append(("Worst rows", '<div class="chips">' + "".join(
+            f'<span class="chip"><span class="mono">{_e(r.get("row"))}</span> <span class="num">'
+            f'{_sci(_num(r.get("error")))}</span> {_growth(_num(r.get("growth")))} {_pill(r.get("status"))}</span>'
+            for r in worst) + "</div>" + by))
     cause = f.get("cause") or "—"
     rows.append(("Cause", f'<span class="cause">{_e(cause)}</span> {_e(f.get("summary") or "")}'))
     if f.get("reason") and f.get("cause") and f.get("reason") != f.get("cause"):

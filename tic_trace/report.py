@@ -47,6 +47,13 @@ def headline(report: dict) -> str:
         cause = fd.get("cause") or "operator"
         if cause in ("intrinsic", "precision") and isinstance(fd.get("intrinsic") or fd.get("dtypes"), dict):
             detail = _replay_headline(fd, cause)
+        elif cause == "operator" and fd.get("decided_by_row"):
+            row = next((r for r in fd.get("worst_rows") or [] if r.get("row") == fd["decided_by_row"]), {})
+            ie = num(row.get("input_error"))
+            grew = ("its own inputs agree exactly" if not ie else
+                    f"{_f(num(row.get('growth')), 1)}x its own inputs' {_f(ie)}")
+            detail = (f"token {fd['decided_by_row']}: rel error {_f(row.get('error'))} (tol {_f(fd.get('tol'))}; "
+                      f"{grew}); over all {fd.get('rows')} rows {_f(fd.get('error'))}")
         elif cause == "operator":
             ie = num(fd.get("input_error"))
             grew = ("its inputs agree exactly" if not ie else

@@ -133,13 +133,21 @@ class Point(_Indexable):
                                          # replay verdict "side", "kind", "reason"} (docs/report.md)
     dtypes: dict | None = None           # {"a", "b"}: each side's effective dtype, where they differ
     replay: dict | None = None           # the judged replay verdict {"side", "kind", "reason"} (judge_replay)
+    worst_rows: list = field(default_factory=list)   # the rows judged on their own (docs/report.md, "The worst
+                                         # rows"): {"row": "sample@position", "error", "input_error", "growth"}
+                                         # (measured) and "status", "cause" (judged), largest error first
+    decided_by_row: str | None = None    # the row whose own judgement is the point's status (more severe than
+                                         # the all-rows one); None: the all-rows judgement decided
 
     _FLOATS = ("error", "tol", "input_error", "growth", "error_all_rows", "carried_error")
+    _ROW_FLOATS = ("error", "input_error", "growth")
 
     @classmethod
     def from_json(cls, d: dict) -> "Point":
         names = {f.name for f in fields(cls)}
-        return cls(**_decode_floats({k: v for k, v in d.items() if k in names}, cls._FLOATS))
+        out = cls(**_decode_floats({k: v for k, v in d.items() if k in names}, cls._FLOATS))
+        out.worst_rows = decode_rows(out.worst_rows)
+        return out
 
 
 @dataclass
@@ -196,7 +204,15 @@ class FirstDivergence(Point):
         names = {f.name for f in fields(cls)} - {"ops"}
         out = cls(**_decode_floats({k: v for k, v in d.items() if k in names}, Point._FLOATS))
         out.ops = OpsRegion.from_json(d.get("ops"))
+        out.worst_rows = decode_rows(out.worst_rows)
         return out
+
+
+def decode_rows(rows) -> list[dict]:
+    """A saved point's worst rows (untrusted input): dicts with a row label, their numbers decoded."""
+    if not isinstance(rows, list):
+        return []
+    return [_decode_floats(dict(r), Point._ROW_FLOATS) for r in rows if isinstance(r, dict) and "row" in r]
 
 
 @dataclass
