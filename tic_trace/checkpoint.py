@@ -97,7 +97,8 @@ def model_spec(cfg: dict, where: str = "config.json") -> ModelSpec:
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) or cfg.get("model_type") == "mixtral",
             scoring_func=str(cfg.get("scoring_func", "softmax")),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
             n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),

@@ -34,7 +34,22 @@ CAUSES = {
 # in dataflow order is the first divergence, ahead of the A-B rule (docs/replay.md).
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
-              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)"}
+              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
+              "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
+                                    "compared with every point possibly mis-mapped"}
+ARCHITECTURE_NOTE = "unverified_mapping"
+
+
+def architecture_refusal(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report refused for its architecture (empty: not refused)."""
+    return [n for n in report.get("notes") or [] if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
+            and (n.get("detail") or {}).get("refused")]
+
+
+def unverified_sides(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report compared despite an unverified architecture."""
+    return [n for n in report.get("notes") or [] if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
+            and not (n.get("detail") or {}).get("refused")]
 
 
 # ------------------------------------------------------------------------------------------------ codec

@@ -3,7 +3,8 @@
 Per canonical point: the side's intrinsic error (mean/max ULP in its dtype, share of elements equal to the
 correctly rounded exact value, relative L2, excess over the rounding floor) and whether it is abnormal for
 that op (over the envelope clean implementations show; docs/replay.md). Exit 0: every replayed point within
-its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint). Strings from the trace
+its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint); 3: the trace's
+architecture is not in its adapter's table (`--allow-unverified` replays it anyway). Strings from the trace
 (point keys, reasons naming records) are printed as text, never as markup (docs/security.md).
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--device", default="cpu", type=torch_device,
                     help="torch device for the float64 reference (default cpu)")
     sp.add_argument("--json", type=output_file, help="also write the per-point numbers here")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="replay a trace whose architecture is not in its adapter's table (refused by default, "
+                         "exit 3), marked UNVERIFIED MAPPING")
     sp.set_defaults(fn=run)
 
 
@@ -54,8 +58,18 @@ def run(args, console: Console) -> int:
     from tic_trace.intrinsic import IntrinsicError, replay_side
     from tic_trace.intrinsic_verdict import abnormal
     from tic_trace.reference import ExactReference
+    view = CanonicalView(args.trace, args.adapter)
+    check = view.adapter.check_architecture(view.config)
+    if not check.verified:        # an unverified table may feed the replay another op's records
+        if not getattr(args, "allow_unverified", False):
+            console.print(Text.assemble(("not comparable: ", "bold yellow"), text(
+                f"unverified architecture mapping: {check.describe()}; --allow-unverified replays it anyway")),
+                soft_wrap=True)
+            return 3
+        console.print(text(f"UNVERIFIED MAPPING: {check.describe()}; replayed anyway (--allow-unverified): any "
+                           "point may be a different op than its name says", style="bold red"), soft_wrap=True)
     ref = ExactReference(args.reference, device=args.device)
-    results = replay_side(CanonicalView(args.trace, args.adapter), ref, args.layers)
+    results = replay_side(view, ref, args.layers)
     table = Table(title=text(f"intrinsic error of {args.trace} against the exact ops of {args.reference}"))
     for col in ("point", "dtype", "rows", "mean ULP", "max ULP", "correctly rounded", "rel L2",
                 "excess / limit", ""):
