@@ -107,7 +107,7 @@ def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Not
         not_comparable=[{"key": "architecture", "reason": f"side {n.detail['side'].upper()}: "
                          f"{n.detail['architecture'] or 'unnamed'} is not an architecture the {n.detail['adapter']} "
                          "adapter's table maps (note above)"} for n in notes],
-        rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing={},
+        rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing=_routing_summary([]),
         settings={**_settings(tol, accept_near_tie, margins), "allow_unverified": False},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, contract=contract)
 
