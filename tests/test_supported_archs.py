@@ -145,6 +145,11 @@ def test_verified_hf_architecture_replay_covers_what_the_table_says(tmp_path, na
     assert rep.contract == []
     gaps = next((n.detail["points"] for n in rep.notes if n.kind == "not_replayed"), {})
     assert {k.split(".", 1)[1] for k in gaps} == set(hf_adapter.ARCHITECTURES[name].replay_gaps), gaps
+    # each side within the envelope of clean implementations at every replayed point: "equally far from exact"
+    # on both sides is a consistent pair, and also what a replay of the wrong op looks like
+    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
+           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    assert not far, far
 
 
 def test_dense_pairs_without_qk_norm_do_not_list_it_missing_but_qwen3_has_it(tmp_path):
