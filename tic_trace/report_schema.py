@@ -40,16 +40,22 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
 ARCHITECTURE_NOTE = "unverified_mapping"
 
 
+def _architecture_notes(report: Any, refused: bool) -> list[dict]:
+    # renderers call this on any report they are given, malformed ones too: never raise
+    notes = report.get("notes") if isinstance(report, dict) else None
+    return [n for n in notes if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
+            and isinstance(n.get("detail"), dict) and bool(n["detail"].get("refused")) == refused] \
+        if isinstance(notes, list) else []
+
+
 def architecture_refusal(report: dict) -> list[dict]:
     """The `unverified_mapping` notes of a report refused for its architecture (empty: not refused)."""
-    return [n for n in report.get("notes") or [] if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
-            and (n.get("detail") or {}).get("refused")]
+    return _architecture_notes(report, True)
 
 
 def unverified_sides(report: dict) -> list[dict]:
     """The `unverified_mapping` notes of a report compared despite an unverified architecture."""
-    return [n for n in report.get("notes") or [] if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
-            and not (n.get("detail") or {}).get("refused")]
+    return _architecture_notes(report, False)
 
 
 # ------------------------------------------------------------------------------------------------ codec
