@@ -43,10 +43,10 @@ def headline(report: dict) -> str:
     refused = architecture_refusal(report)
     if refused and report.get("verdict") == "not_comparable":
         d = [n.get("detail") or {} for n in refused]
-        return ("NOT COMPARABLE: unverified architecture mapping: "
-                + ", ".join(f"side {str(x.get('side')).upper()} {x.get('architecture')} ({x.get('adapter')} adapter)"
+        return ("NOT COMPARABLE: unverified architecture mapping ("
+                + "; ".join(f"side {str(x.get('side')).upper()}: {x.get('architecture')}, {x.get('adapter')} adapter"
                             for x in d)
-                + " is not in its adapter's table of verified architectures (why below); --allow-unverified "
+                + "): not in the adapter's table of verified architectures (why below); --allow-unverified "
                   "compares anyway")
     line = _answer_line(report)
     unverified = unverified_sides(report)
