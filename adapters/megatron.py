@@ -279,16 +279,23 @@ def _torch_dtype_name(dt: Any) -> str:
 
 # ---------------------------------------------------------------- architectures
 
-def architecture_name(root: Any) -> str:
+def architecture_name(roots: Sequence[Any]) -> str:
     """A GPTModel cannot say which model family it was configured as; what the table relies on is its module
     structure: ``{model}/{decoder layer classes}/{self_attention classes}/{mlp classes}`` (``+`` joins the
-    classes of different layers), and ``/cross_attention`` when a layer has one (not a GPT layer)."""
-    layers = list(getattr(getattr(root, "decoder", None), "layers", []) or [])
+    classes of different layers), and ``/cross_attention`` when a layer has one (not a GPT layer). Every rank
+    writes the one shared manifest, so the name must not depend on the pipeline stage: the layers of all of
+    this rank's chunks are read, and the MLP part of a plain dense/MoE stack comes from the config's layer
+    pattern (``moe_layer_freq``), which every stage has whole."""
+    layers = [lay for r in roots for lay in (getattr(getattr(r, "decoder", None), "layers", []) or [])]
 
     def part(get) -> str:
         return "+".join(sorted({_cls(get(lay)) for lay in layers})) or "-"
-    name = (f"{_cls(root)}/{part(lambda x: x)}/{part(lambda x: getattr(x, 'self_attention', None))}/"
-            f"{part(lambda x: getattr(x, 'mlp', None))}")
+    mlp = part(lambda x: getattr(x, "mlp", None))
+    cfg = getattr(roots[0], "config", None) if roots else None
+    if cfg is not None and set(mlp.split("+")) <= {"MLP", "MoELayer"}:
+        mlp = "+".join(sorted({"MoELayer" if x else "MLP" for x in _moe_pattern(cfg)})) or mlp
+    name = (f"{_cls(roots[0]) if roots else None}/{part(lambda x: x)}/"
+            f"{part(lambda x: getattr(x, 'self_attention', None))}/{mlp}")
     if any(not _is_identity(getattr(lay, "cross_attention", None)) for lay in layers):
         name += "/cross_attention"
     return name
@@ -411,7 +418,7 @@ class MegatronAdapter(Adapter):
         }
 
     def architecture_of(self, models: list) -> str | None:
-        return architecture_name(_unwrap(models[0]))
+        return architecture_name([_unwrap(m) for m in models])
 
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, naming the components known to be mapped wrongly when the structure has any."""

@@ -292,6 +292,13 @@ def test_megatron_structures_are_named_and_mla_is_refused():
             facts = ad.architecture_facts([model])
             assert facts == {"architecture": want, "architecture_verified": True}
             assert ad.check_architecture(ad.describe([model])).verified
+        # every rank writes the one manifest: a pipeline stage holding only the dense first layer of a
+        # dense+MoE stack names the whole stack's structure (taken from the config's layer pattern)
+        mixed = mc.build_gpt_model(tiny_qwen3_config(moe=True, mlp_only_layers=[0]))
+        want = "GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer"
+        assert ad.architecture_of([mixed]) == want
+        mixed.decoder.layers = torch.nn.ModuleList([mixed.decoder.layers[0]])
+        assert type(mixed.decoder.layers[0].mlp).__name__ == "MLP" and ad.architecture_of([mixed]) == want
     c = ad.check_architecture({"architecture": "GPTModel/TransformerLayer/MLASelfAttention/MoELayer"})
     assert not c.verified and "MLASelfAttention" in c.why and "multi-latent" in c.why
     assert not ad.check_architecture({}).verified       # a trace that names no architecture is not verified
