@@ -101,7 +101,7 @@ _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 ARCHITECTURES = {a.name: a for a in (
     Architecture("Qwen3ForCausalLM", ("Qwen3",), f"dense, QK-norm (tapped `apply_qk_norm`); {_RUN}",
                  "every point the trace holds",
-                 "`tests/test_sglang_adapter.py`, `test_replay_finder_mgsg.py`, `test_supported_archs.py`",
+                 "`tests/test_sglang_adapter.py`, `test_replay_finder_mgsg.py`",
                  lacks=_MOE),
     Architecture("Qwen3MoeForCausalLM", ("Qwen3-MoE",), f"MoE: router, top-k, experts; {_RUN}",
                  "every point the trace holds", "`tests/test_sglang_adapter.py`, `test_replay_sglang.py`",

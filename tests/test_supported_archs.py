@@ -97,7 +97,9 @@ def test_readme_table_is_the_code_table():
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"<!-- supported-architectures:begin.*?-->\n(.*?)<!-- supported-architectures:end -->", readme, re.S)
     assert m, "README.md has no supported-architectures block"
-    assert m.group(1).strip() == supported_architectures_markdown().strip()
+    assert m.group(1).strip() == supported_architectures_markdown().strip(), (
+        "README's table is not the code's: paste the output of `python -c 'from tic_trace.adapter import "
+        "supported_architectures_markdown as f; print(f())'` between the markers")
     for ad in ("hf", "megatron", "sglang"):      # every verified and every refused name is in it
         a = get_adapter(ad)
         for name in list(a.architectures) + list(a.refused):
