@@ -235,7 +235,9 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         rope=_rope_spec(c), hidden_act=c.str("hidden_act", "silu"),
         attention_bias=c.bool("attention_bias", model_type == "qwen2"),
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
-        num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=c.bool("norm_topk_prob", False),
+        num_experts=experts, num_experts_per_tok=topk,
+        # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
+        norm_topk_prob=c.bool("norm_topk_prob", False) or model_type == "mixtral",
         scoring_func=c.str("scoring_func", "softmax"),
         routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
         n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .adapter import rope_scaling_of
 from .align import CanonicalView, common_points
 from .canonical import BY_NAME, key_name
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint, ReferenceMismatch
@@ -48,20 +49,30 @@ def _same(x: Any, y: Any) -> bool:
     return x == y
 
 
+def _same_rope(x: Any, y: Any) -> bool:
+    """RoPE scaling as `rope_scaling_of` spells it, on the keys both sides state: a loader fills in defaults
+    a checkpoint's config.json leaves out (YaRN's `truncate`, `beta_fast`), and an older config names the kind
+    `type`; the kind and every parameter both state must agree."""
+    x, y = rope_scaling_of(x) if isinstance(x, dict) else x, rope_scaling_of(y) if isinstance(y, dict) else y
+    if not (isinstance(x, dict) and isinstance(y, dict)):
+        return _same(x, y)
+    return all(_same(x[k], y[k]) for k in set(x) & set(y))
+
+
 def _diff_dicts(section: str, da: dict, db: dict, keys) -> list[ContractDiff]:
+    # None is "not known" for every key but rope_scaling, where it is a value: plain RoPE
     return [ContractDiff(section, k, da[k], db[k]) for k in keys
-            if k in da and k in db and da[k] is not None and db[k] is not None and not _same(da[k], db[k])]
+            if k in da and k in db and (k == "rope_scaling" or (da[k] is not None and db[k] is not None))
+            and not (_same_rope if k == "rope_scaling" else _same)(da[k], db[k])]
 
 
 def checkpoint_config(ckpt: HFCheckpoint) -> dict:
     """The checkpoint's model description under CONFIG_KEYS, in the adapters' spelling (`rope_scaling` as the
     HF adapter states it: the config's scalar RoPE parameters other than theta; None for plain RoPE)."""
     s = ckpt.spec
-    rope = None
-    if s.rope.kind != "default":
-        cfg = ckpt.config.get("text_config") if isinstance(ckpt.config.get("text_config"), dict) else ckpt.config
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope = {k: v for k, v in params.items() if k != "rope_theta" and isinstance(v, (int, float, str, bool))}
+    raw = ckpt.config if isinstance(ckpt.config, dict) else {}
+    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    rope = rope_scaling_of(cfg.get("rope_parameters") or cfg.get("rope_scaling"))
     return {"num_layers": s.num_layers, "hidden_size": s.hidden_size, "num_attention_heads": s.num_attention_heads,
             "num_key_value_heads": s.num_key_value_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
             "num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok if s.num_experts else 0,

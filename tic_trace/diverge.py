@@ -24,7 +24,8 @@ from .canonical import (LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
-from .report_schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
+from .report_schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
+                            WorstToken)
 from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
@@ -40,8 +41,12 @@ WORST_TOP = 3
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
                     accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
-                    backend: str = "processes") -> Report:
+                    backend: str = "processes", allow_unverified: bool = False) -> Report:
     """Compare side B against reference side A over every canonical point both have.
+
+    A side whose architecture is not in its adapter's table (`Adapter.check_architecture`) is refused before
+    any tensor is read: verdict `not_comparable` (exit 3), the architecture named in an `unverified_mapping`
+    note. `allow_unverified=True` compares it anyway, with that note in the report (docs/adapters.md).
 
     `reference` (an HF checkpoint directory or an `ExactReference`): every point is also replayed exactly
     from each side's own inputs (docs/replay.md); a side whose op is less exact than clean implementations
@@ -53,6 +58,10 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
+    checks = {"a": va.adapter.check_architecture(va.config), "b": vb.adapter.check_architecture(vb.config)}
+    arch_notes = architecture_notes(checks, allow_unverified)
+    if arch_notes and not allow_unverified:
+        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins)
     ref = _reference(reference)
     if ref is not None:       # a checkpoint that is not the traces' model or weights: not comparable, raised
         from .contract import check_reference
@@ -72,11 +81,49 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     matched = set().union(*(m.rows for m in kept)) if kept else set()
     return Report(
-        verdict=verdict.verdict, first=first, findings=verdict.findings, notes=verdict.notes, points=points,
-        not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
+        verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
+        points=points, not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
-        worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie, margins, ref),
-        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors, contract=contract)
+        worst_tokens=worst, routing=routing,
+        settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
+        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
+        contract=contract)
+
+
+# ------------------------------------------------------------------------------------------------ architectures
+
+def architecture_notes(checks: dict, allowed: bool) -> list[Note]:
+    """One `unverified_mapping` note per side whose architecture its adapter's table does not map: refused
+    (`allowed` False) or compared anyway, said either way."""
+    out = []
+    for side, c in checks.items():
+        if c.verified:
+            continue
+        who = f"side {side.upper()}: {c.name or 'an unnamed architecture'} ({c.adapter} adapter) — {c.why}"
+        if allowed:
+            summary = (f"UNVERIFIED MAPPING of {who}. Compared anyway (--allow-unverified): any point below "
+                       "may be another op than its name says")
+        else:
+            summary = (f"{who}. Not compared (an unverified table may put a record at the wrong point); "
+                       "--allow-unverified compares it anyway, marked unverified")
+        out.append(Note(ARCHITECTURE_NOTE, summary, {"side": side, "adapter": c.adapter, "architecture": c.name,
+                                                     "why": c.why, "refused": not allowed}))
+    return out
+
+
+def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Note], tol: Tolerance,
+             accept_near_tie: bool, margins) -> Report:
+    """The report of a pair refused for an unverified architecture: nothing measured, the contract read from
+    the manifests only (versions, config, numerics: point dtypes and weights hang on the mapping)."""
+    contract = [d for d in diff_contract_json(va, vb, None) if d["section"] in ("version", "config", "numerics")]
+    return Report(
+        verdict="not_comparable", first=None, findings=[], notes=notes, points=[],
+        not_comparable=[{"key": "architecture", "reason": f"side {n.detail['side'].upper()}: "
+                         f"{n.detail['architecture'] or 'unnamed'} is not an architecture the {n.detail['adapter']} "
+                         "adapter's table maps (note above)"} for n in notes],
+        rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing=_routing_summary([]),
+        settings={**_settings(tol, accept_near_tie, margins), "allow_unverified": False},
+        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, contract=contract)
 
 
 # ------------------------------------------------------------------------------------------------ contract, replay
@@ -409,9 +456,11 @@ def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> 
     return out
 
 
-def _side(v: CanonicalView) -> dict:
+def _side(v: CanonicalView, check=None) -> dict:
     m = v.trace.manifest
+    check = check or v.adapter.check_architecture(v.config)
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
+            "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes)}
 
@@ -431,7 +480,8 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
                token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg)
     rep.first = _first_divergence(v, rep.points, None, rep.first)
-    rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, v.notes
+    kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
+    rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
     new = _settings(tol, accept, marg)
     rep.settings = {**saved, **new}
     return rep.to_json()

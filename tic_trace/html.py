@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .canonical import BY_NAME, CURVE_POINTS, HEAD_POINTS, is_ids, order_key, parse_key
 from .text import visible
-from .report_schema import OpsRegion, op_differs
+from .report_schema import OpsRegion, architecture_refusal, op_differs, unverified_sides
 from .report_schema import num as _decode
 
 __all__ = ["render_html", "write_html"]
@@ -439,8 +439,8 @@ def _contract_section(c: _Ctx) -> str:
     """The contract (versions, config, numerics settings, point dtypes, weights), diffed before any tensor."""
     from .report import contract_line
     diffs = [d for d in _l(c.r.get("contract")) if isinstance(d, dict)]
-    if "contract" not in c.r:
-        return ""
+    if "contract" not in c.r or (not diffs and architecture_refusal(c.r)):
+        return ""       # a pair refused for its architecture: its points' dtypes and weights were not read
     if not diffs:
         return ('<section id="contract"><p class="note">Contract: versions, model config, numerics settings, '
                 "point dtypes and weight hashes agree.</p></section>")
@@ -468,8 +468,13 @@ def _answer(c: _Ctx) -> str:
                + ".")
     elif verdict == "divergent":
         msg = "The report says the sides diverge, but names no first point."
+    elif architecture_refusal(r):
+        msg = "Not compared: " + " ".join(_e(n.get("summary")) for n in architecture_refusal(r))
     else:
         msg = "Nothing could be compared: see the list of points that are not comparable below."
+    if unverified_sides(r):
+        msg += (" <strong>Unverified mapping:</strong> "
+                + " ".join(_e(n.get("summary")) for n in unverified_sides(r)))
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')

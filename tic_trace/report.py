@@ -17,7 +17,7 @@ from rich.text import Text
 
 from .canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .report_bounds import TERMINAL, bounded, omitted_lines
-from .report_schema import num
+from .report_schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -40,7 +40,25 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def headline(report: dict) -> str:
-    """One line for logs and CI."""
+    """One line for logs and CI; a side compared with an unverified mapping is named on it."""
+    refused = architecture_refusal(report)
+    if refused and report.get("verdict") == "not_comparable":
+        d = [n.get("detail") or {} for n in refused]
+        return ("NOT COMPARABLE: unverified architecture mapping ("
+                + "; ".join(f"side {str(x.get('side')).upper()}: {x.get('architecture')}, {x.get('adapter')} adapter"
+                            for x in d)
+                + "): not in the adapter's table of verified architectures (why below); --allow-unverified "
+                  "compares anyway")
+    line = _answer_line(report)
+    unverified = unverified_sides(report)
+    if unverified:
+        d = [n.get("detail") or {} for n in unverified]
+        line += " [UNVERIFIED MAPPING: " + ", ".join(f"side {str(x.get('side')).upper()} {x.get('architecture')} "
+                                                     f"({x.get('adapter')} adapter)" for x in d) + "]"
+    return line
+
+
+def _answer_line(report: dict) -> str:
     fd = report.get("first_divergence")
     verdict = report.get("verdict")
     if verdict == "divergent" and fd:
@@ -121,7 +139,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     if contract:          # what the two sides claim to compute, diffed before any tensor: first of the details
         _contract(c, contract)
     _causes(c, report)
-    if not contract and "contract" in report:
+    if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
                      style="dim"))
     if fd:

@@ -34,7 +34,28 @@ CAUSES = {
 # in dataflow order is the first divergence, ahead of the A-B rule (docs/replay.md).
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
-              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)"}
+              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
+              "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
+                                    "compared with every point possibly mis-mapped"}
+ARCHITECTURE_NOTE = "unverified_mapping"
+
+
+def _architecture_notes(report: Any, refused: bool) -> list[dict]:
+    # renderers call this on any report they are given, malformed ones too: never raise
+    notes = report.get("notes") if isinstance(report, dict) else None
+    return [n for n in notes if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
+            and isinstance(n.get("detail"), dict) and bool(n["detail"].get("refused")) == refused] \
+        if isinstance(notes, list) else []
+
+
+def architecture_refusal(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report refused for its architecture (empty: not refused)."""
+    return _architecture_notes(report, True)
+
+
+def unverified_sides(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report compared despite an unverified architecture."""
+    return _architecture_notes(report, False)
 
 
 # ------------------------------------------------------------------------------------------------ codec

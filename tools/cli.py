@@ -72,7 +72,8 @@ def _run_compare(args, console: Console) -> dict:
     with progress(total) as step:
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens, progress=step,
                               accept_near_tie=args.accept_near_tie_routing, reference=reference,
-                              backend=args.workers[0], workers=args.workers[1])
+                              backend=args.workers[0], workers=args.workers[1],
+                              allow_unverified=getattr(args, "allow_unverified", False))
     return rep.to_json()
 
 
@@ -176,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "from each side's own inputs and name the side whose op is less exact (docs/replay.md)")
         sp.add_argument("--reference-device", type=_torch_device, default="cpu",
                         help="torch device for the float64 replay (default cpu)")
+        sp.add_argument("--allow-unverified", action="store_true",
+                        help="compare a side whose architecture is not in its adapter's table (refused by "
+                             "default, exit 3), every report marked UNVERIFIED MAPPING (README: supported "
+                             "architectures)")
         sp.add_argument("--worst-tokens", type=_count, default=8, help=WORST_TOKENS_HELP)
         sp.add_argument("--workers", type=_workers, default=("processes", 1), metavar="N|ray:N",
                         help=_WORKERS_HELP)

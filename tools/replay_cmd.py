@@ -4,7 +4,8 @@ Per canonical point: the side's intrinsic error (mean/max ULP in its dtype, shar
 correctly rounded exact value, relative L2, excess over the rounding floor) and whether it is abnormal for
 that op (over the envelope clean implementations show; docs/replay.md). Exit 0: every replayed point within
 its envelope; 1: some point abnormal; 2: an error (unreadable trace or checkpoint); 3: not comparable (the
-checkpoint is not the trace's model or weights: `contract.check_reference`). Strings from the trace
+checkpoint is not the trace's model or weights: `contract.check_reference`; or the trace's architecture is not
+in its adapter's table: `--allow-unverified` replays it anyway). Strings from the trace
 (point keys, reasons naming records) are printed as text, never as markup (docs/security.md).
 """
 from __future__ import annotations
@@ -35,6 +36,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--json", type=output_file, metavar="FILE|-",
                     help="also write the per-point numbers here as JSON ('-': to stdout, the table then goes to "
                          "stderr)")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="replay a trace whose architecture is not in its adapter's table (refused by default, "
+                         "exit 3), marked UNVERIFIED MAPPING")
     sp.set_defaults(fn=run)
 
 
@@ -60,9 +64,18 @@ def run(args, console: Console) -> int:
     from tic_trace.canonical import key_name, order_key
     from tic_trace.intrinsic import SideReplayer
     from tic_trace.tools.progress import progress
-    ref = ExactReference(args.reference, device=args.device)
     from tic_trace.contract import check_reference
     ref_view = CanonicalView(args.trace, args.adapter)
+    check = ref_view.adapter.check_architecture(ref_view.config)
+    if not check.verified:        # an unverified table may feed the replay another op's records
+        if not getattr(args, "allow_unverified", False):
+            console.print(Text.assemble(("not comparable: ", "bold yellow"), text(
+                f"unverified architecture mapping: {check.describe()}; --allow-unverified replays it anyway")),
+                soft_wrap=True)
+            return 3
+        console.print(text(f"UNVERIFIED MAPPING: {check.describe()}; replayed anyway (--allow-unverified): any "
+                           "point may be a different op than its name says", style="bold red"), soft_wrap=True)
+    ref = ExactReference(args.reference, device=args.device)
     check_reference(ref.ckpt, {"the trace": ref_view})   # raises ReferenceMismatch: not this trace's model
     keep = set(args.layers) if args.layers is not None else None
     points = [(p, lay) for p, lay in ref_view.points() if keep is None or lay in keep]   # as replay_side picks them

@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--no-reference", action="store_true", help="do not replay, even if the run names a checkpoint")
     sp.add_argument("--reference-device", type=torch_device, default="cpu",
                     help="torch device for the float64 replay (default cpu)")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="compare a side whose architecture is not in its adapter's table (refused by default)")
     sp.set_defaults(fn=slime_report)
 
 
@@ -46,7 +48,7 @@ def slime_report(args, console) -> int:
     from tic_trace.report import render_terminal
     from tic_trace.tools.outputs import refuse_inside, write_reports
     from tic_trace.tools.progress import progress
-    from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
+    from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT, architecture_refusal
     from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance
 
@@ -104,7 +106,8 @@ def slime_report(args, console) -> int:
     steps = len(common_points(va, vb)[0]) * (2 if reference is not None else 1)
     with progress(steps) as step:
         rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
-                              reference=reference, workers=n, backend=backend, progress=step)
+                              reference=reference, workers=n, backend=backend, progress=step,
+                              allow_unverified=getattr(args, "allow_unverified", False))
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
@@ -113,6 +116,8 @@ def slime_report(args, console) -> int:
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
     write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
+    if report["verdict"] == "not_comparable" and architecture_refusal(report):
+        return EXIT_NOT_COMPARABLE           # the headline names the architecture
     if report["verdict"] == "not_comparable" or not (report.get("rows") or {}).get("matched"):
         console.print(Text("nothing compared: ", style="bold yellow") + Text("the two sides share no (sample, position) row. Rows are "
                       "keyed '<rollout>-<sample index>': check that SGLang requests carried that rid (tic_trace"
