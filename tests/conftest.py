@@ -1,10 +1,21 @@
 import os
+import tempfile
 
-import pytest
-import torch
+# torch.compile's on-disk cache (slime compiles its PPO loss with inductor) does not key its compiled CPU
+# kernels by the ATen code path: a kernel built under ATEN_CPU_CAPABILITY=avx2 and loaded by a later AVX-512 run
+# corrupted the heap ("free(): invalid next size", torch 2.14.1, in slime's compute_policy_loss). One cache per
+# code path, set before anything imports torch; subprocesses inherit it.
+_CODE_PATH = "-".join(os.environ.get(k, "native").lower() for k in
+                      ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"tic-trace-inductor-{_CODE_PATH}"))
 
-# Determinism across the suite: single-threaded intra-op by default; tests that vary threads do so explicitly.
-torch.set_num_threads(1)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Single-threaded intra-op by default (2 cores are shared by multi-process tests); tests that vary threads do so
+# explicitly. TIC_TRACE_TEST_THREADS=2 runs the suite on another reduction split: every assertion must hold there
+# too (docs/testing.md).
+torch.set_num_threads(int(os.environ.get("TIC_TRACE_TEST_THREADS", "1")))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -15,7 +26,10 @@ def in_ci() -> bool:
 
 def pytest_report_header(config):
     from tic_trace.testing import slime_vendor
-    return f"vendored sources (slime tests): {slime_vendor.describe()}"
+    paths = ", ".join(f"{k}={os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if k in os.environ)
+    return [f"cpu kernels: ATen {torch.backends.cpu.get_cpu_capability()}{', ' + paths if paths else ''}; "
+            f"{torch.get_num_threads()} intra-op thread(s)",
+            f"vendored sources (slime tests): {slime_vendor.describe()}"]
 
 
 def require_vendored_sources() -> None:

@@ -454,7 +454,8 @@ def _cli_cases(dense: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "--html to a directory": (["diff", d, d, "--html", str(tmp / "dir")], "--html"),
         "--json to a directory": (["diff", d, d, "--json", str(tmp / "dir")], "--json"),
-        "--json to /dev/full": (["diff", d, d, "--json", "/dev/full"], "regular file"),
+        # a character device is a stream to write (/dev/stdout must work): /dev/full fails at the write, in one line
+        "--json to /dev/full": (["diff", d, d, "--json", "/dev/full"], "cannot write the JSON report to /dev/full"),
         "--json in a missing directory": (["diff", d, d, "--json", str(tmp / "nope/r.json")], "does not exist"),
         "--from-json not JSON": (["report", "x", "--from-json", str(tmp / "bad.json")], "not a JSON file"),
         "--from-json a list": (["report", "x", "--from-json", str(tmp / "list.json")], "not a tic-trace JSON report"),

@@ -16,8 +16,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..graph.canonical import LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name, order_key, parse_key
-from ..report.schema import SCHEMA_ID, FirstDivergence, OpsRegion, Point, Report, WorstToken  # noqa: F401
+import numpy as np
+
+from ..graph.canonical import (LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name,
+                               mixes_positions, order_key, parse_key)
+from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
+                             WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
@@ -26,23 +30,42 @@ from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
 FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
+# The worst rows kept per point (docs/report.md, "The worst rows"): the rows no other row beats in both error
+# and growth over its own inputs' error (whatever the tolerance and growth, some row diverges exactly when
+# one of these does, so `rejudge` decides from them alone), at most WORST_FRONT of them, plus the WORST_TOP
+# rows of largest error for readers.
+WORST_FRONT = 16
+WORST_TOP = 3
 
 
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
                     accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
-                    backend: str = "processes") -> Report:
+                    backend: str = "processes", allow_unverified: bool = False) -> Report:
     """Compare side B against reference side A over every canonical point both have.
+
+    A side whose architecture is not in its adapter's table (`Adapter.check_architecture`) is refused before
+    any tensor is read: verdict `not_comparable` (exit 3), the architecture named in an `unverified_mapping`
+    note. `allow_unverified=True` compares it anyway, with that note in the report (docs/adapters.md).
 
     `reference` (an HF checkpoint directory or an `ExactReference`): every point is also replayed exactly
     from each side's own inputs (docs/replay.md); a side whose op is less exact than clean implementations
-    (or that computes in a coarser dtype) is named, and the first such point leads the report.
+    (or that computes in a coarser dtype) is named, and the first such point leads the report. The checkpoint
+    is checked first (`contract.check_reference`): one that is not the traces' model or weights raises
+    `checkpoint.ReferenceMismatch` (the CLI: not comparable, exit 3).
     `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
     the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
+    checks = {"a": va.adapter.check_architecture(va.config), "b": vb.adapter.check_architecture(vb.config)}
+    arch_notes = architecture_notes(checks, allow_unverified)
+    if arch_notes and not allow_unverified:
+        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins)
     ref = _reference(reference)
+    if ref is not None:       # a checkpoint that is not the traces' model or weights: not comparable, raised
+        from .contract import check_reference
+        check_reference(ref.ckpt, {"A": va, "B": vb})
     contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
     measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)
@@ -58,11 +81,49 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     matched = set().union(*(m.rows for m in kept)) if kept else set()
     return Report(
-        verdict=verdict.verdict, first=first, findings=verdict.findings, notes=verdict.notes, points=points,
-        not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
+        verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
+        points=points, not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
-        worst_tokens=worst, routing=routing, settings=_settings(tol, accept_near_tie, margins, ref),
-        sides={"a": _side(va), "b": _side(vb)}, token_errors=token_errors, contract=contract)
+        worst_tokens=worst, routing=routing,
+        settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
+        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
+        contract=contract)
+
+
+# ------------------------------------------------------------------------------------------------ architectures
+
+def architecture_notes(checks: dict, allowed: bool) -> list[Note]:
+    """One `unverified_mapping` note per side whose architecture its adapter's table does not map: refused
+    (`allowed` False) or compared anyway, said either way."""
+    out = []
+    for side, c in checks.items():
+        if c.verified:
+            continue
+        who = f"side {side.upper()}: {c.name or 'an unnamed architecture'} ({c.adapter} adapter) — {c.why}"
+        if allowed:
+            summary = (f"UNVERIFIED MAPPING of {who}. Compared anyway (--allow-unverified): any point below "
+                       "may be another op than its name says")
+        else:
+            summary = (f"{who}. Not compared (an unverified table may put a record at the wrong point); "
+                       "--allow-unverified compares it anyway, marked unverified")
+        out.append(Note(ARCHITECTURE_NOTE, summary, {"side": side, "adapter": c.adapter, "architecture": c.name,
+                                                     "why": c.why, "refused": not allowed}))
+    return out
+
+
+def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Note], tol: Tolerance,
+             accept_near_tie: bool, margins) -> Report:
+    """The report of a pair refused for an unverified architecture: nothing measured, the contract read from
+    the manifests only (versions, config, numerics: point dtypes and weights hang on the mapping)."""
+    contract = [d for d in diff_contract_json(va, vb, None) if d["section"] in ("version", "config", "numerics")]
+    return Report(
+        verdict="not_comparable", first=None, findings=[], notes=notes, points=[],
+        not_comparable=[{"key": "architecture", "reason": f"side {n.detail['side'].upper()}: "
+                         f"{n.detail['architecture'] or 'unnamed'} is not an architecture the {n.detail['adapter']} "
+                         "adapter's table maps (note above)"} for n in notes],
+        rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing=_routing_summary([]),
+        settings={**_settings(tol, accept_near_tie, margins), "allow_unverified": False},
+        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, contract=contract)
 
 
 # ------------------------------------------------------------------------------------------------ contract, replay
@@ -113,6 +174,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
     dlogprob = _dlogprob(measured)
     carried: dict[tuple, float] = {}       # error passed downstream: over every row
     judged: dict[tuple, float] = {}        # error judged: routed points without the flipped tokens
+    row_errors = _RowErrors()              # per-row errors passed downstream
     points = []
     for m in measured:
         p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
@@ -134,11 +196,111 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
                 p.reason = f"judged without the {len(flips & set(m.rows))} token(s) whose experts flipped in this layer"
         if is_ids(m.point) and m.routing is not None:
             p.routing = _routing_facts(m, by.get((ROUTER_LOGITS, m.layer)), outputs, dlogprob)
+        if m.compared and not is_ids(m.point) and row_errors.has(m):
+            p.worst_rows = row_errors.worst(m, feeds, carried, flips if is_routed(m.point) else set())
+            row_errors.add(m)
         if m.compared:
             carried[(m.point, m.layer)] = m.error
             judged[(m.point, m.layer)] = p.error
         points.append(p)
     return points
+
+
+class _RowErrors:
+    """The per-row errors of the points measured so far, read at another point's rows: the facts of the
+    worst-row judgement (judge.judge_point). Row lists are interned (most points share one), so the index
+    of a row list and its per-sample position order are built once."""
+
+    def __init__(self):
+        self.errors: dict[tuple, tuple[tuple, np.ndarray]] = {}   # (point, layer) -> (rows, per-row errors)
+        self._rows: dict[tuple, tuple] = {}
+        self._index: dict[int, dict] = {}
+        self._samples: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def rows_of(self, m: PointMeasurement) -> tuple:
+        t = tuple(m.rows)
+        return self._rows.setdefault(t, t)
+
+    @staticmethod
+    def has(m: PointMeasurement) -> bool:
+        return len(m.rows) > 0 and len(m.per_row) == len(m.rows)
+
+    def add(self, m: PointMeasurement) -> None:
+        self.errors[(m.point, m.layer)] = (self.rows_of(m), m.row_errors)
+
+    def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> list[dict]:
+        rows = self.rows_of(m)
+        e = m.row_errors
+        ie = np.zeros(len(rows))
+        for f in feeds:
+            if is_ids(f[0]) or f not in carried:
+                continue
+            np.maximum(ie, self.inherited(f, rows, carried[f], mixes_positions(m.point)), out=ie)
+        keep = (np.fromiter((r not in leave_out for r in rows), dtype=bool, count=len(rows)) if leave_out
+                else np.ones(len(rows), dtype=bool))
+        return [{"row": _label(rows[i]), "error": float(e[i]), "input_error": float(ie[i]),
+                 "growth": float(g)} for i, g in _worst_rows(e, ie, keep)]
+
+    def inherited(self, f: tuple, rows: tuple, whole: float, causal: bool) -> np.ndarray:
+        """Feed `f`'s error at each of `rows`: the same row's, or through attention (`causal`) the largest over
+        the row's sample at positions up to its own. A row the feed lacks, a feed without per-row errors
+        (statistics only) and, through attention, a row whose earlier positions the feed does not all hold
+        inherit the feed's error over all rows (`whole`), as the all-rows rule does."""
+        src = self.errors.get(f)
+        if src is None:
+            return np.full(len(rows), whole)
+        frows, ferr = src
+        if causal:
+            ferr = self._causal_max(frows, ferr, whole)
+        if frows is rows:
+            return ferr
+        pos = self._index.get(id(frows))
+        if pos is None:
+            pos = self._index[id(frows)] = {r: i for i, r in enumerate(frows)}
+        idx = np.fromiter((pos.get(r, -1) for r in rows), dtype=np.int64, count=len(rows))
+        return np.where(idx >= 0, ferr[np.maximum(idx, 0)], whole)
+
+    def _causal_max(self, frows: tuple, ferr: np.ndarray, whole: float) -> np.ndarray:
+        groups = self._samples.get(id(frows))
+        if groups is None:
+            by: dict = {}
+            for i, (sample, position) in enumerate(frows):
+                by.setdefault(sample, []).append((position, i))
+            groups = []
+            for lst in by.values():
+                lst.sort()
+                order = np.array([i for _, i in lst], dtype=np.int64)
+                # every position 0..p of the sample is present at its p-th row (positions are distinct)
+                complete = np.array([p == k for k, (p, _) in enumerate(lst)], dtype=bool)
+                groups.append((order, complete))
+            self._samples[id(frows)] = groups
+        out = np.empty_like(ferr)
+        for order, complete in groups:
+            run = np.maximum.accumulate(ferr[order])
+            out[order] = np.where(complete, run, np.maximum(run, whole))
+        return out
+
+
+def _worst_rows(e: np.ndarray, ie: np.ndarray, keep: np.ndarray) -> list[tuple[int, float]]:
+    """(row index, growth) of the worst rows, largest error first: the (error, growth) front (no other row
+    has both a larger error and a larger growth; a row is divergent when error > tol and growth > `growth`,
+    so some row diverges exactly when a front row does) thinned evenly to WORST_FRONT, plus the WORST_TOP
+    largest errors. Rows without error are never shown (they cannot be over any tolerance)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g = np.where(ie > 0, np.where(np.isinf(ie), np.where(np.isinf(e), 1.0, 0.0), e / ie),
+                     np.where(e > 0, np.inf, 0.0))
+    cand = np.flatnonzero(keep & (e > 0))
+    if not cand.size:
+        return []
+    ec, gc = e[cand], g[cand]
+    order = np.lexsort((-gc, -ec))                # error descending, then growth descending
+    gs = gc[order]
+    best_before = np.maximum.accumulate(np.concatenate(([-np.inf], gs[:-1])))
+    front = np.flatnonzero(gs > best_before)      # positions in `order`
+    if front.size > WORST_FRONT:
+        front = front[np.unique(np.linspace(0, front.size - 1, WORST_FRONT).round().astype(np.int64))]
+    chosen = np.union1d(front, np.arange(min(WORST_TOP, order.size)))   # sorted: largest error first
+    return [(int(cand[order[k]]), float(gs[k])) for k in chosen]
 
 
 def _output_rows(measured: list[PointMeasurement]) -> list[tuple[str, dict]]:
@@ -294,9 +456,11 @@ def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> 
     return out
 
 
-def _side(v: CanonicalView) -> dict:
+def _side(v: CanonicalView, check=None) -> dict:
     m = v.trace.manifest
+    check = check or v.adapter.check_architecture(v.config)
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
+            "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes)}
 
@@ -316,7 +480,8 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
                token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg)
     rep.first = _first_divergence(v, rep.points, None, rep.first)
-    rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, v.notes
+    kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
+    rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
     new = _settings(tol, accept, marg)
     rep.settings = {**saved, **new}
     return rep.to_json()

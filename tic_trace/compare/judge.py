@@ -6,7 +6,9 @@ with the settings it was made with reproduces itself exactly.
 
 A float point is *divergent* when its error is over the tolerance of its dtype and grew more than `growth`
 times over the error it inherits from its inputs (an operator computes differently), or when NaN/Inf
-appears on one side only while its inputs were finite. An ids point (the top-k expert choice) is divergent
+appears on one side only while its inputs were finite. That rule is applied twice (`judge_point`): over all
+rows, and to each of the point's worst rows on its own, a row's error against that same row's inherited
+error (the tolerance is meant per row); the more severe of the two judgements is the point's. An ids point (the top-k expert choice) is divergent
 when expert sets differ for a computational reason (the router computes differently), or when near-tie
 flips carry error over tolerance to the output and near ties are not accepted.
 """
@@ -153,6 +155,30 @@ def judge(error: float | None, input_error: float, tol: float, growth: float, ki
     if err > growth * inherited:
         return Judgement(DIVERGENT, OPERATOR)
     return Judgement(OVER)
+
+
+_SEVERITY = {OK: 0, OVER: 1, DIVERGENT: 2}
+
+
+def judge_point(error: float, input_error: float, tol: float, growth: float, *, nonfinite: bool = False,
+                rows=()) -> tuple[Judgement, list[Judgement], int | None]:
+    """A float point judged over all its rows and on each of its worst rows.
+
+    rows   (error, input_error) of each worst row: the row's own relative error and the largest error the
+           same row (through attention: the same sample's rows up to its position) has at the points that
+           feed this one. A row is judged by `judge` with the point's tolerance and growth; NaN/Inf in a row
+           whose inputs are finite is a nonfinite divergence of that row.
+
+    Returns (the point's judgement, each row's, the index of the row that decided it or None when the
+    all-rows judgement did): the more severe of the all-rows judgement and the worst row's, the all-rows
+    one on a tie. One bad token among thousands is therefore found although its share of the all-rows error
+    is tiny, and a row already bad upstream is excused only by its own upstream error."""
+    whole = judge(error, input_error, tol, growth, nonfinite=nonfinite)
+    each = [judge(e, ie, tol, growth, nonfinite=math.isinf(e)) for e, ie in rows]
+    worst = max(range(len(each)), key=lambda i: _SEVERITY[each[i].status], default=None)
+    if worst is None or _SEVERITY[each[worst].status] <= _SEVERITY[whole.status]:
+        return whole, each, None
+    return each[worst], each, worst
 
 
 def growth_of(error: float | None, input_error: float | None) -> float | None:

@@ -3,8 +3,8 @@
 `measure_point` reads only that point of each side and returns a `PointMeasurement`, a plain picklable
 record (no arrays, no open files): the finder may run it in worker processes, one point (or one block of
 rows) at a time. Nothing here judges; the judge (`judge.py`) and the walk (`verdict.py`) decide from these
-numbers, so everything they need per row is kept: the per-row errors (for the per-token walk and for
-judging a routed point without the tokens whose experts flipped), the reference norm of each row (to
+numbers, so everything they need per row is kept: the per-row errors (for the worst-row judgement, the
+per-token walk and judging a routed point without the tokens whose experts flipped), the reference norm of each row (to
 recombine a relative L2 over a subset of rows), the reference router logits' top values (the top-k margin
 of a flip) and the values of one-number points (log-probs: |Δ logprob| per token).
 """
@@ -42,6 +42,8 @@ class PointMeasurement:
     flipped: list[RowId] = field(default_factory=list)
     per_row: np.ndarray | list = field(default_factory=list)      # per-row relative error (inf: NaN/Inf one side)
     per_row_abs: np.ndarray | list = field(default_factory=list)  # per-row max |a-b|
+    per_row_judged: np.ndarray | None = None  # per_row with near-empty rows floored (compare.ROW_FLOOR);
+                                              # None: no row under the floor, the judged errors are per_row
     row_ref_norm: np.ndarray | None = None                        # routed points: ||a_row||
     router_top: list[list[float]] | None = None             # router logits: side A's top values, descending
     values_a: list[float] | None = None                     # one-number points (log-probs)
@@ -58,6 +60,11 @@ class PointMeasurement:
     @property
     def compared(self) -> bool:
         return self.error is not None
+
+    @property
+    def row_errors(self) -> np.ndarray:
+        """The per-row errors the worst-row judgement reads (docs/report.md, "The worst rows")."""
+        return np.asarray(self.per_row if self.per_row_judged is None else self.per_row_judged, dtype=np.float64)
 
 
 def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None) -> PointMeasurement:
@@ -97,6 +104,8 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     # arrays, not lists of Python floats: a trace has thousands of points of thousands of rows each
     m.per_row = np.asarray(met.per_row_rel, dtype=np.float64)
     m.per_row_abs = np.asarray(met.per_row_max, dtype=np.float64)
+    if met.per_row_judged is not None:
+        m.per_row_judged = np.asarray(met.per_row_judged, dtype=np.float64)
     n = len(pair.rows)
     if BY_NAME[point].routed:
         m.row_ref_norm = _row_norms(pair.a.reshape(n, -1))

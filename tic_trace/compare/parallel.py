@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sys
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
@@ -29,7 +31,25 @@ R = TypeVar("R")
 
 
 class ItemFailed(RuntimeError):
-    """A work item raised in a worker: names the item's position, keeps the worker's error as the cause."""
+    """A work item raised in a worker: one line naming the item's position and the error (the worker's own
+    traceback stays on the cause, for --debug). `others`: one line per other item already known to have
+    failed when this one stopped the map (the rest were cancelled)."""
+    others: tuple[str, ...] = ()
+
+
+# Colour and cursor sequences (CSI, OSC) a remote traceback carries (Ray colours its task names): removed, not
+# escaped, so that the one line stays readable; text.visible still escapes any other control character.
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+
+
+def one_line(message: str, limit: int = 600) -> str:
+    """`message` as one readable line: escape sequences removed, only its first non-empty line (a remote
+    error's traceback follows on the next ones), cut to `limit` characters."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(message)).splitlines() if ln.strip()]
+    out = lines[0] if lines else ""
+    if len(lines) > 1:
+        out += " …"
+    return out if len(out) <= limit else out[:limit - 1] + "…"
 
 
 def default_workers() -> int:
@@ -75,10 +95,16 @@ def imap_ordered(fn: Callable[[T], R], items: Sequence[T] | Iterable[T], workers
         return
     ctx = multiprocessing.get_context(start_method)
     pool = ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx)
+    futures = []
     try:
         futures = [pool.submit(_call, fn, i, item) for i, item in enumerate(items)]
         for f in futures:
             yield f.result()
+    except ItemFailed as e:
+        pool.shutdown(wait=True, cancel_futures=True)    # the running items end; their failures are known
+        e.others = tuple(str(x) for f in futures if f.done() and not f.cancelled()
+                         and isinstance(x := f.exception(), ItemFailed) and x is not e)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -90,7 +116,10 @@ def _imap_ray(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]
         raise RuntimeError("backend 'ray' needs the ray package (pip install ray); tic-trace does not depend on "
                            "it") from None
     if not ray.is_initialized():
-        ray.init(num_cpus=max(1, workers), include_dashboard=False, log_to_driver=False)
+        # Ray's own INFO/WARNING lines (a local instance started, token authentication) are not the report's
+        import logging
+        ray.init(num_cpus=max(1, workers), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)
     task = ray.remote(_call)
     refs = [task.remote(fn, i, item) for i, item in enumerate(items)]
     done = 0
@@ -100,16 +129,45 @@ def _imap_ray(fn: Callable[[T], R], items: list[T], workers: int) -> Iterator[R]
                 yield ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 # ray's error text is the worker's whole traceback; keep the item's one line, chain the rest
-                cause = getattr(e, "cause", None)
-                raise ItemFailed(str(cause) if isinstance(cause, ItemFailed) else f"work item {done}: {e}") from e
+                failed = ItemFailed(_ray_line(e, done))
+                failed.others = tuple(_drain_ray(ray, refs[done + 1:], done + 1))
+                raise failed from e
             done += 1
     finally:
         for ref in refs[done + 1:]:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001 - already finished or gone
+                pass
+
+
+def _ray_line(e, index: int) -> str:
+    cause = getattr(e, "cause", None)
+    return str(cause) if isinstance(cause, ItemFailed) else one_line(f"work item {index}: {e}")
+
+
+def _drain_ray(ray, refs: list, first_index: int, wait_s: float = 10.0) -> list[str]:
+    """Cancel the items after a failure and collect, one line each, the failures among them. Every failed
+    ref is read here: one that is never read is printed by Ray, traceback and colours, when it is collected
+    ("Unhandled error"), which would bury the one line naming the failure."""
+    for ref in refs:
+        try:
             ray.cancel(ref)
+        except Exception:  # noqa: BLE001 - already finished
+            pass
+    others, deadline = [], time.monotonic() + wait_s
+    for n, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01))
+        except ray.exceptions.RayTaskError as e:
+            others.append(_ray_line(e, first_index + n))
+        except Exception:  # noqa: BLE001 - cancelled, timed out, worker gone: not an item's own failure
+            pass
+    return others
 
 
 def _call(fn: Callable[[T], R], index: int, item: T) -> R:
     try:
         return fn(item)
     except Exception as e:  # noqa: BLE001 - re-raised with the item's position
-        raise ItemFailed(f"work item {index} ({item!r:.200}) failed: {type(e).__name__}: {e}") from e
+        raise ItemFailed(one_line(f"work item {index} ({item!r:.200}) failed: {type(e).__name__}: {e}")) from e

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
 from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
-                    FlipFacts, Tolerance, growth_of, judge, judge_replay, point_kind)
+                    FlipFacts, Tolerance, growth_of, judge, judge_point, judge_replay, point_kind)
 from ..report.schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
@@ -85,7 +85,12 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
                 router.cause = ROUTING      # the router diverges and tokens pick other experts
         else:
             p.tol = tolerance.tol(p.dtype, p.point, p.key)
-            j = judge(p.error, p.input_error or 0.0, p.tol, tolerance.growth, nonfinite=p.nonfinite > 0)
+            rows = [(_n(r.get("error")), _n(r.get("input_error"))) for r in p.worst_rows or []]
+            j, each, by_row = judge_point(p.error, p.input_error or 0.0, p.tol, tolerance.growth,
+                                          nonfinite=p.nonfinite > 0, rows=rows)
+            for r, rj in zip(p.worst_rows or [], each):
+                r["status"], r["cause"] = rj.status, rj.cause
+            p.decided_by_row = p.worst_rows[by_row]["row"] if by_row is not None else None
         p.status, p.cause = j.status, j.cause
         p.growth = growth_of(p.error, p.input_error) if p.routing is None else None
         if p.intrinsic is not None or p.dtypes:
@@ -93,6 +98,12 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
             p.replay = {"side": r.side, "kind": r.kind, "reason": r.reason}
             if r.side is not None:          # the replay names a side: this point diverges for that reason
                 p.status, p.cause = DIVERGENT, PRECISION if r.kind == PRECISION else INTRINSIC
+
+
+def _n(v) -> float:
+    """A saved row number (untrusted): NaN or unreadable reads as inf, the judge's reading of NaN."""
+    x = num(v)
+    return math.inf if x is None or math.isnan(x) else x
 
 
 def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> FlipFacts:
@@ -160,18 +171,44 @@ def _finding(p: Point) -> Finding | None:
         if not r.get("flipped"):
             return None
         return _routing_finding(p, r)
+    rows = _rows_detail(p)
+    row = next((r for r in p.worst_rows or [] if r.get("row") == p.decided_by_row), None)
     if p.status == DIVERGENT and p.cause == OPERATOR:
+        if row is not None:
+            ie = num(row.get("input_error"))
+            grew = ("its own inputs agree exactly" if ie == 0 else
+                    f"{_g(num(row.get('growth')))} its own inputs' {_f(ie)}")
+            head = (f"{p.key}: token {row['row']}'s relative error {_f(num(row.get('error')))} over tolerance "
+                    f"{_f(p.tol)}, {grew} ({len(rows['rows'])} divergent row(s) among the worst shown; over all "
+                    f"{p.rows} rows {_f(p.error)})")
+        else:
+            head = (f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, {_g(p.growth)} its "
+                    f"inputs' {_f(p.input_error)}" + _worst_text(p))
         return Finding(OPERATOR, p.key, p.layer, True, True,
-                       f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, "
-                       f"{_g(p.growth)} its inputs' {_f(p.input_error)}: the operator(s) between this point's "
-                       "inputs and its output compute differently",
-                       "compare the dispatcher ops of both sides in this region (first differing op below)")
+                       head + ": the operator(s) between this point's inputs and its output compute differently",
+                       "compare the dispatcher ops of both sides in this region (first differing op below)", rows)
     if p.status == DIVERGENT and p.cause == NONFINITE:
-        return Finding(NONFINITE, p.key, p.layer, True, True,
-                       f"{p.key}: {p.nonfinite} element(s) NaN/Inf on one side only, its inputs finite",
+        if row is not None:
+            head = f"{p.key}: token {row['row']} NaN/Inf on one side only, its own inputs finite"
+        else:
+            head = f"{p.key}: {p.nonfinite} element(s) NaN/Inf on one side only, its inputs finite" + _worst_text(p)
+        return Finding(NONFINITE, p.key, p.layer, True, True, head,
                        "look for an overflow (a dtype too narrow), a division by zero or uninitialised memory "
-                       "in this region", {"nonfinite": p.nonfinite})
+                       "in this region", {"nonfinite": p.nonfinite, **rows})
     return None
+
+
+def _rows_detail(p: Point) -> dict:
+    """A finding's rows: the divergent ones among the worst rows (`rows`) and every worst row kept."""
+    shown = list(p.worst_rows or [])
+    return {"rows": [r for r in shown if r.get("status") == DIVERGENT], "worst_rows": shown}
+
+
+def _worst_text(p: Point) -> str:
+    r = (p.worst_rows or [None])[0]
+    if r is None:
+        return ""
+    return f"; worst token {r['row']}: {_f(num(r.get('error')))} ({_g(num(r.get('growth')))} its own inputs')"
 
 
 def _side_numbers(e: dict | None) -> str:

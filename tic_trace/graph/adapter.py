@@ -10,9 +10,10 @@ This module never imports a framework; adapters import theirs lazily, inside the
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -189,12 +190,69 @@ def plain_settings(obj: Any, names: Sequence[str]) -> dict:
     return out
 
 
+def rope_scaling_of(params: Any) -> dict | None:
+    """RoPE kind and scaling parameters as one spelling (None for plain RoPE): HF configs name the kind
+    `rope_type` or (older) `type`, keep `rope_theta` inside `rope_parameters` or not, and add defaults when a
+    config is loaded. The contract compares what this returns (and only the keys both sides state)."""
+    if not isinstance(params, dict):
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    out = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "rope_type")
+           and isinstance(v, (int, float, str, bool))}
+    return {"rope_type": str(kind), **out}
+
+
+# ---------------------------------------------------------------- architectures an adapter maps
+#
+# A table maps module names, and the same names mean other things in other architectures (Gemma2's
+# `post_attention_layernorm` normalises the attention branch before the residual add; in Llama it is the
+# pre-MLP norm). So every adapter names the architectures its table was verified on, and a trace of any
+# other is marked unverified: the comparator refuses it (not comparable, exit 3) unless told to accept
+# unverified mappings, and then says so in every report (docs/adapters.md).
+
+log = logging.getLogger("tic_trace.adapter")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture an adapter's table maps, and how that was verified (the README's table is made of
+    these rows, by `supported_architectures_markdown`)."""
+    name: str                    # as the adapter's `architecture_of` names it (manifest model.architecture)
+    families: tuple[str, ...]    # model families (README rows) run through this entry in the tests
+    mapped: str                  # what the table maps for it, in a few words
+    replay: str                  # what the exact replay (--reference) covers for it
+    tests: str                   # the tests that verify it
+    lacks: tuple[str, ...] = ()  # canonical points it never computes: never listed as missing
+    replay_gaps: tuple[str, ...] = ()   # points the replay cannot judge for it (said as "not replayed")
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # facts its code fixes whatever the config says
+
+
+@dataclass(frozen=True)
+class ArchitectureCheck:
+    """Whether a trace's architecture is one its adapter's table maps (read time, from the manifest)."""
+    adapter: str
+    name: str | None
+    verified: bool
+    why: str = ""                # why not, one line (empty when verified)
+
+    def describe(self) -> str:
+        return (f"{self.name or 'an unnamed architecture'} ({self.adapter} adapter)"
+                + ("" if self.verified else f": {self.why}"))
+
+
 # ---------------------------------------------------------------- the adapter base
 
 class Adapter:
     """Base adapter: override the table and the few hooks a framework needs."""
     name = "base"
     points: Sequence[PointMap] = ()
+    # The architectures this table is verified on, by the name `architecture_of` gives (None: the adapter
+    # declares none, and every trace it reads is unverified), and architectures known to be mapped wrongly,
+    # with what is wrong (named in the refusal).
+    architectures: Mapping[str, Architecture] | None = None
+    refused: Mapping[str, str] = {}
 
     # --- trace time (these may import the framework)
     def prepare(self, tracer: Any, models: list) -> None:
@@ -208,6 +266,51 @@ class Adapter:
         """Settings that change how the model computes (kernels, backends, precisions, fusions), as plain
         JSON values, for the contract diff (tic_trace/compare/contract.py). Default: none known."""
         return {}
+
+    def architecture_of(self, models: list) -> str | None:
+        """The architecture of the traced model, as the `architectures` table names it (trace time)."""
+        return None
+
+    def architecture_facts(self, models: list) -> dict:
+        """What `describe()` records about the architecture: its name and whether the table maps it (read
+        back by nobody but people: the reader checks the name against its own table). An unverified one is
+        logged loudly once, at trace start; never raises (a tracer failure must not break the forward)."""
+        try:
+            name = self.architecture_of(models)
+        except Exception as e:  # noqa: BLE001 - an odd model object: recorded as unnamed, refused when compared
+            log.warning("tic-trace: the %s adapter could not name the model's architecture (%s: %s)",
+                        self.name, type(e).__name__, e)
+            name = None
+        check = self.check_architecture({"architecture": name})
+        if not check.verified:
+            log.warning("tic-trace: UNVERIFIED MAPPING: %s. The trace is marked unverified: comparing it is "
+                        "refused (not comparable, exit 3) unless unverified mappings are accepted "
+                        "(--allow-unverified / find_divergence(..., allow_unverified=True)).", check.describe())
+        return {"architecture": name, "architecture_verified": check.verified}
+
+    def check_architecture(self, config: dict) -> ArchitectureCheck:
+        """Whether the architecture a trace names (`config["architecture"]`, from its manifest) is in this
+        adapter's table. Read time, no framework: the reader's table decides, not what the trace claims."""
+        name = config.get("architecture")
+        name = name if isinstance(name, str) and name else None
+        if self.architectures is None:
+            return ArchitectureCheck(self.name, name, False, f"the {self.name} adapter declares no table of the "
+                                     "architectures it maps (Adapter.architectures)")
+        if name is None:
+            return ArchitectureCheck(self.name, None, False, "the trace does not name its model's architecture "
+                                     "(written by an older tic-trace, or the adapter could not tell)")
+        if name in self.architectures:
+            return ArchitectureCheck(self.name, name, True)
+        why = self.refused.get(name)
+        return ArchitectureCheck(self.name, name, False,
+                                 f"known to be mapped wrongly by the {self.name} table: {why}" if why else
+                                 f"not in the {self.name} adapter's table of verified architectures "
+                                 f"({', '.join(sorted(self.architectures))})")
+
+    def architecture(self, config: dict) -> Architecture | None:
+        """The table's entry for a trace's architecture (None: not in the table)."""
+        name = config.get("architecture")
+        return (self.architectures or {}).get(name) if isinstance(name, str) else None
 
     def parallel_layout(self) -> dict:
         return {}
@@ -250,6 +353,9 @@ class Adapter:
         return True
 
     def applies(self, pm: PointMap, config: dict) -> bool:
+        arch = self.architecture(config)
+        if arch is not None and pm.point in arch.lacks:
+            return False
         if pm.point == "moe.shared_out":
             return bool(config.get("num_experts")) and bool(config.get("shared_experts"))
         if pm.point.startswith("moe."):
@@ -320,3 +426,43 @@ def load_adapter(spec: str | Adapter) -> Adapter:
     if not isinstance(inst, Adapter):
         raise UnknownAdapter(f"{spec!r} is not a tic_trace.graph.adapter.Adapter (got {type(inst).__name__})")
     return inst
+
+
+# ---------------------------------------------------------------- the supported-architectures table
+
+BUILTIN_ADAPTERS = ("hf", "megatron", "sglang")
+
+
+def supported_architectures_markdown(adapters: Sequence[str] = BUILTIN_ADAPTERS) -> str:
+    """The README's supported-architectures tables, made from the adapters' own tables (tests check that the
+    README holds exactly this text, so the two cannot drift): families x frameworks, each verified entry
+    (what is mapped, what the exact replay covers, the tests), and the architectures refused by name."""
+    from .canonical import BY_NAME
+    ads = [get_adapter(n) for n in adapters]
+    families: list[str] = []
+    for ad in ads:
+        for arch in (ad.architectures or {}).values():
+            families += [f for f in arch.families if f not in families]
+    out = ["| family | " + " | ".join(ad.name for ad in ads) + " |", "|---" * (len(ads) + 1) + "|"]
+    for fam in families:
+        cells = []
+        for ad in ads:
+            names = [f"`{a.name}`" for a in (ad.architectures or {}).values() if fam in a.families]
+            cells.append(", ".join(names) or "—")
+        out.append(f"| {fam} | " + " | ".join(cells) + " |")
+    out += ["", "| framework | architecture | mapped | exact replay (`--reference`) | verified by |",
+            "|---|---|---|---|---|"]
+    for ad in ads:
+        for a in (ad.architectures or {}).values():
+            moe = {p for p in BY_NAME if p.startswith("moe.")}
+            shown = ([f"`{p}`" for p in a.lacks if p not in moe] + ["`moe.*`"] if moe <= set(a.lacks)
+                     else [f"`{p}`" for p in a.lacks])
+            lacks = f"; never has {', '.join(shown)}" if shown else ""
+            replay = (f"every point but {', '.join(f'`{p}`' for p in a.replay_gaps)}: {a.replay}" if a.replay_gaps
+                      else a.replay)
+            out.append(f"| {ad.name} | `{a.name}` | {a.mapped}{lacks} | {replay} | {a.tests} |")
+    out += ["", "| framework | refused by name | what the table would get wrong |", "|---|---|---|"]
+    for ad in ads:
+        for name, why in ad.refused.items():
+            out.append(f"| {ad.name} | `{name}` | {why} |")
+    return "\n".join(out) + "\n"

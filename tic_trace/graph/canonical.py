@@ -25,6 +25,8 @@ class PointSpec:
     curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
     head: int | None = None     # position among the global points after the layers (final norm, logits, ...)
     per_head: bool = False      # a row is head-major (heads x head_dim): the replay measures per-head segments
+    mixes_positions: bool = False   # a row is computed from its feeds' rows at this and earlier positions of
+                                    # its sample (causal attention), not from the same row only
 
 
 _L = True
@@ -44,7 +46,8 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
               meaning="k after rotary embedding"),
     PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
-              meaning="attention output before the output projection", per_head=True, curve=True),
+              meaning="attention output before the output projection", per_head=True, curve=True,
+              mixes_positions=True),
     PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True),
     PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention", curve=True),
     PointSpec("mlp_norm", _L, ("mid",), "H", meaning="pre-MLP norm output"),
@@ -91,6 +94,11 @@ def is_ids(point: str) -> bool:
 
 def is_routed(point: str) -> bool:
     return point in ROUTED_POINTS
+
+
+def mixes_positions(point: str) -> bool:
+    ps = BY_NAME.get(point)
+    return bool(ps and ps.mixes_positions)
 
 
 def known_key(key: str) -> bool:

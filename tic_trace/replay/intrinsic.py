@@ -152,10 +152,15 @@ class SideReplayer:
     the current layer once; memory stays O(one layer's points)."""
 
     def __init__(self, view: CanonicalView, reference: ExactReference):
-        self.view, self.ref = view, reference
+        self.view = view
+        # this side's weights: the checkpoint's rounded to the dtypes this side held them in
+        self.ref = reference.for_view(view)
         self._cache: dict[tuple[str, int | None], CanonicalTensor] = {}
         self._layer: object = object()
         self.present = set(view.points())
+        # The side's own trace says whether it ran QK-norm (it recorded attn.q_norm): RoPE reads what the side
+        # computed, whatever tensor the checkpoint lacks.
+        self.has_qk_norm = reference.has_qk_norm or any(p == "attn.q_norm" for p, _ in self.present)
 
     def _load(self, point: str, layer: int | None) -> CanonicalTensor:
         key = (point, layer)
@@ -192,7 +197,7 @@ class SideReplayer:
         if point == "logprobs" and all(s.endswith("(log_softmax)") for s in out.sources):
             raise NotReplayable("derived by tic-trace from the logits in float64, not computed by the side")
         feeds = {}
-        for f in self.ref.inputs_of(point):
+        for f in self.ref.inputs_of(point, self.has_qk_norm):
             k = self._feed_key(f, layer)
             if k not in self.present:
                 raise NotReplayable(f"input {key_name(*k)} not recorded")
@@ -214,6 +219,8 @@ class SideReplayer:
             raise NotReplayable(f"the exact op does not accept this side's inputs ({type(e).__name__}: "
                                 f"{str(e)[:160]}): the side computes another op than the checkpoint's config "
                                 "says") from None
+        if not np.isfinite(exact).all():
+            raise NotReplayable(self._nonfinite_reason(exact, x))
         y = out.values[idx[0]]
         if y.size != exact.size:
             raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
@@ -222,6 +229,19 @@ class SideReplayer:
         return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype,
                                head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
                                op=self.ref.op_of(point))
+
+    def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
+        """Why the exact op is non-finite: a tensor of the checkpoint, this side's own inputs, or the config.
+        Measuring against it would count every such element as "correctly rounded"."""
+        n, m = int((~np.isfinite(exact)).sum()), int(exact.size)
+        head = f"the exact op is non-finite at {n} of {m} element(s)"
+        weights = self.ref.nonfinite_weights()
+        if weights:
+            return f"{head}: {'; '.join(weights)} (fix or replace the checkpoint)"
+        bad = [f for f, t in feeds.items() if isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all())]
+        if bad:
+            return f"{head}: this side's recorded input(s) {', '.join(bad)} hold NaN/Inf (judged where they first appear)"
+        return f"{head}: the checkpoint's config (rms_norm_eps, RoPE) or weights overflow float64 here"
 
     def replay_all(self, layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
         keep = set(layers) if layers is not None else None
@@ -259,7 +279,10 @@ def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str) -> dict:
 
 def replay_side(view: CanonicalView | str, reference: ExactReference,
                 layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
-    """Every point of one trace against the exact reference, in dataflow order."""
+    """Every point of one trace against the exact reference, in dataflow order (the checkpoint checked first:
+    `contract.check_reference`)."""
+    from ..compare.contract import check_reference
     v = view if isinstance(view, CanonicalView) else CanonicalView(view)
+    check_reference(reference.ckpt, {"the trace": v})     # raises ReferenceMismatch: not this trace's model
     out = SideReplayer(v, reference).replay_all(layers)
     return sorted(out, key=lambda r: order_key(r.point, r.layer))

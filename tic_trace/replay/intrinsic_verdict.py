@@ -6,7 +6,10 @@ sits near sqrt(2)). A side is *abnormal* at a point when its excess exceeds what
 that op show (the point's envelope, measured, times a margin); it is *to blame* when it is abnormal and also
 clearly worse than the other side (excess ratio over `ratio`). Where the sides record the point in different
 dtypes, ULPs and excess are not comparable: that is a `precision` finding, blaming the side whose output is
-further from exact in absolute terms (relative L2). The measurements behind every number: docs/replay.md.
+further from exact in absolute terms (relative L2). Blame needs a difference (`clearly_worse`): a tie, an
+infinite excess on both sides (the exact value is representable and both miss it: the checkpoint may not be
+the run's) or non-finite values on both sides blames no one ("both sides alike"). The measurements behind
+every number: docs/replay.md.
 """
 from __future__ import annotations
 
@@ -107,6 +110,15 @@ def abnormal(e: IntrinsicError, margins: Margins = DEFAULT_MARGINS) -> bool:
     return e.numel >= margins.min_numel and e.excess > margins.limit(e.envelope_key, e.dtype)
 
 
+def clearly_worse(x: float, y: float, ratio: float) -> bool:
+    """Is evidence x (an excess, a relative error) clearly larger than y: over `ratio` times it? Never for a
+    tie, and never when neither is a finite number: an infinite excess on both sides (the exact value is
+    representable and both miss it) or a NaN says nothing about which side is further from exact."""
+    if math.isnan(x) or math.isnan(y) or (math.isinf(x) and math.isinf(y)):
+        return False
+    return x > ratio * y
+
+
 def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotReplayed,
                       margins: Margins = DEFAULT_MARGINS) -> IntrinsicVerdict:
     """Which side, if any, computes this point's op less exactly. The one judging rule of the replay."""
@@ -119,6 +131,9 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
     if isinstance(a, NotReplayed) or isinstance(b, NotReplayed):
         why = "; ".join(f"{s}: {x.reason}" for s, x in (("A", a), ("B", b)) if isinstance(x, NotReplayed))
         return out(None, None, f"not replayed ({why})")
+    # Blame needs a difference: equal evidence, or evidence that is not a number on both sides, blames no one.
+    if a.nonfinite and b.nonfinite:
+        return out(None, None, "both sides alike: both have non-finite values where the exact op has none")
     if bool(a.nonfinite) != bool(b.nonfinite):
         side = "A" if a.nonfinite else "B"
         return out(side, "nonfinite", f"{side} has non-finite values where the exact op has none")
@@ -134,8 +149,8 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
                                           "precision choice (the sides record different dtypes)")
         worse, better, side = (a, b, "A") if a.rel_l2 > b.rel_l2 else (b, a, "B")
         said = f"computed in {a.dtype} on A and {b.dtype} on B; rel error vs exact {a.rel_l2:.2e} (A) vs {b.rel_l2:.2e} (B)"
-        if worse.rel_l2 < margins.ratio * better.rel_l2:
-            return out(None, None, said + ": equally exact")
+        if not clearly_worse(worse.rel_l2, better.rel_l2, margins.ratio):
+            return out(None, None, said + ": both alike (equally exact)")
         return out(side, "precision", said)
     if min(a.numel, b.numel) < margins.min_numel and a.kind != "ids":
         return out(None, None, f"too few elements to judge ({min(a.numel, b.numel)} < {margins.min_numel})")
@@ -147,11 +162,11 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
                 return out(side, "intrinsic", f"{side}'s top-k differs from the exact choice on its own logits "
                                               f"in {1 - x.share_rounded:.1%} of rows")
             continue
-        if x.excess >= margins.ratio * y.excess:
+        if clearly_worse(x.excess, y.excess, margins.ratio):
             return out(side, "intrinsic", f"{side}'s error is {x.excess:.2f}x the rounding floor (limit "
                                           f"{margins.limit(x.envelope_key, x.dtype):.2f}), {x.excess / max(y.excess, 1e-12):.2f}x "
                                           f"the other side's")
-    return out(None, None, "both sides within the clean envelope, or equally far from exact")
+    return out(None, None, "both sides alike: within the clean envelope, or equally far from exact")
 
 
 # ---------------------------------------------------------------- walking two traces
@@ -176,7 +191,9 @@ def intrinsic_walk(view_a: CanonicalView, view_b: CanonicalView, reference: Exac
                    stop_at_first: bool = False) -> list[IntrinsicVerdict]:
     """The verdict at every point both sides recorded, in dataflow order (global points only without
     `layers`). Each side is replayed from its own inputs."""
+    from ..compare.contract import check_reference
     from .intrinsic import SideReplayer
+    check_reference(reference.ckpt, {"A": view_a, "B": view_b})     # raises ReferenceMismatch
     keep = set(layers) if layers is not None else None
     ra, rb = SideReplayer(view_a, reference), SideReplayer(view_b, reference)
     both, _, _ = common_points(view_a, view_b)

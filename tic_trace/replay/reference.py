@@ -6,7 +6,10 @@ fp32 for these op sizes: its own rounding is far below the ULP of any dtype a si
 side's *own* recorded inputs, so an op's error is measured without the error its inputs inherit.
 
 Weights come from an HF checkpoint (`checkpoint.HFCheckpoint`), one layer at a time: `compute` for layer L
-drops every other layer's weights, so memory stays O(one layer). Nothing here imports a framework.
+drops every other layer's weights, so memory stays O(one layer). Each side is replayed with the weights *it*
+ran: `ExactReference.for_view(view)` rounds every checkpoint tensor to the dtype that side held it in (its
+parameter hashes say so, else its model dtype; `weight_map.side_weight_dtypes`), so an fp32 checkpoint of a
+bf16 run gives a bf16 side bf16 weights and an fp32 side fp32 ones. Nothing here imports a framework.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from typing import Callable
 import torch
 
 from ..graph.canonical import BY_NAME
-from .checkpoint import HFCheckpoint, ModelSpec, yarn_inv_freq_and_scale
+from .checkpoint import FLOAT_DTYPES, HFCheckpoint
+from .model_spec import ModelSpec, yarn_inv_freq_and_scale
 
 RowId = tuple[str, int]
 F64 = torch.float64
@@ -118,10 +122,11 @@ def route(logits: torch.Tensor, spec: ModelSpec, bias: torch.Tensor | None,
 # ---------------------------------------------------------------- weights of one layer
 
 class _LayerWeights:
-    """HF parameter names of one decoder layer, read on demand from the checkpoint (cached for this layer)."""
+    """HF parameter names of one decoder layer, read on demand from the checkpoint (cached for this layer),
+    each rounded to the dtype the side being replayed held it in."""
 
-    def __init__(self, ckpt: HFCheckpoint, layer: int | None, device: str):
-        self.ckpt, self.layer, self.device = ckpt, layer, device
+    def __init__(self, ref: "ExactReference", layer: int | None):
+        self.ref, self.ckpt, self.layer, self.device = ref, ref.ckpt, layer, ref.device
         self.prefix = f"model.layers.{layer}." if layer is not None else "model."
         self._cache: dict[str, torch.Tensor] = {}
 
@@ -129,11 +134,19 @@ class _LayerWeights:
         """The first of `names` (relative to the layer) the checkpoint has."""
         for n in names:
             full = n if n.startswith(("model.", "lm_head")) else self.prefix + n
+            if full not in self._cache and self.ckpt.has(full):
+                info = self.ckpt.info[full]
+                if info.dtype not in FLOAT_DTYPES:
+                    raise NotReplayable(f"checkpoint tensor {full} is stored as {info.dtype} (quantized), not "
+                                        "the float weights the op ran with")
+                dtype = self.ref.weight_dtype(full)
+                t = self._cache[full] = self.ckpt.tensor(full, self.device, dtype)
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    self.ref.nonfinite[full] = (bad, dtype or info.dtype)
             if full in self._cache:
+                self.ref.read.append(full)
                 return self._cache[full]
-            if self.ckpt.has(full):
-                t = self._cache[full] = self.ckpt.tensor(full, self.device)
-                return t
         if optional:
             return None
         raise NotReplayable(f"checkpoint has no {' / '.join(self.prefix + n for n in names)}")
@@ -196,22 +209,40 @@ def _has_shared(spec: ModelSpec) -> bool:
 
 
 class ExactReference:
-    """Replays canonical ops in float64 with an HF checkpoint's weights, on `device` (CPU by default)."""
+    """Replays canonical ops in float64 with an HF checkpoint's weights, on `device` (CPU by default).
 
-    def __init__(self, ckpt: HFCheckpoint | str, device: str = "cpu"):
+    `weight_dtypes` (one side's, `weight_map.SideWeightDtypes`): the dtype that side held each checkpoint tensor
+    in; each is rounded to it before widening. None: the checkpoint's own values (`for_view` gives a side's)."""
+
+    def __init__(self, ckpt: HFCheckpoint | str, device: str = "cpu", weight_dtypes=None):
         self.ckpt = ckpt if isinstance(ckpt, HFCheckpoint) else HFCheckpoint(ckpt)
         self.spec = self.ckpt.spec
         self.device = device
-        self._w = _LayerWeights(self.ckpt, None, device)
-        self.has_qk_norm = self.ckpt.has("model.layers.0.self_attn.q_norm.weight")
+        self.weight_dtypes = weight_dtypes
+        self.nonfinite: dict[str, tuple[int, str]] = {}    # tensors read with NaN/Inf: (count, dtype rounded to)
+        self.read: list[str] = []                          # tensors the current `compute` read
+        self._w = _LayerWeights(self, None)
+        # Any layer's q_norm says the model has QK-norm (a replayer also asks the side's own trace): one missing
+        # tensor must not change the op replayed at every RoPE point.
+        self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
+                               for n in self.ckpt.info)
+
+    def for_view(self, view) -> "ExactReference":
+        """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
+        from ..view.weight_map import side_weight_dtypes
+        return ExactReference(self.ckpt, self.device, side_weight_dtypes(view, self.ckpt))
+
+    def weight_dtype(self, name: str) -> str | None:
+        """The dtype `name` is rounded to before widening (None: used as stored)."""
+        return self.weight_dtypes.of(name) if self.weight_dtypes is not None else None
 
     def weights(self, layer: int | None) -> _LayerWeights:
         if self._w.layer != layer:
-            self._w = _LayerWeights(self.ckpt, layer, self.device)   # memory: one layer's weights at a time
+            self._w = _LayerWeights(self, layer)   # memory: one layer's weights at a time
         return self._w
 
-    def inputs_of(self, point: str) -> tuple[str, ...]:
-        return inputs_of(point, self.spec, self.has_qk_norm)
+    def inputs_of(self, point: str, has_qk_norm: bool | None = None) -> tuple[str, ...]:
+        return inputs_of(point, self.spec, self.has_qk_norm if has_qk_norm is None else has_qk_norm)
 
     def op_of(self, point: str) -> str:
         return op_of(point, self.spec)
@@ -223,7 +254,13 @@ class ExactReference:
         fn = _OPS.get(point)
         if fn is None:
             raise NotReplayable(f"{point} has no exact reference")
+        self.read = []
         return fn(self, layer, feeds, rows, tokens or {})
+
+    def nonfinite_weights(self) -> list[str]:
+        """The tensors the last `compute` read that hold NaN/Inf, described for a reason."""
+        return [f"checkpoint tensor {n} holds {self.nonfinite[n][0]} NaN/Inf value(s) (as {self.nonfinite[n][1]})"
+                for n in dict.fromkeys(self.read) if n in self.nonfinite]
 
 
 def _norm(weight: str) -> Callable:
@@ -343,19 +380,31 @@ def _identity(ref, layer, feeds, rows, tokens):
     return x
 
 
-def _token_ids(rows: list[RowId], tokens: dict[RowId, int], shift: int) -> list[int]:
-    out = []
+def _token_ids(ref: ExactReference, rows: list[RowId], tokens: dict[RowId, int], shift: int) -> list[int]:
+    """The recorded token of each row (shifted: the next token), every one inside the checkpoint's vocabulary:
+    an id outside it (a padding -1, a row past the table) is said, with its row, never read as another row."""
+    out, bad = [], []
+    vocab = ref.spec.vocab_size
     for r in rows:
-        t = tokens.get((r[0], r[1] + shift))
+        row = (r[0], r[1] + shift)
+        t = tokens.get(row)
         if t is None:
-            raise NotReplayable(f"token of row {(r[0], r[1] + shift)} not recorded")
-        out.append(int(t))
+            raise NotReplayable(f"token of row {row} not recorded")
+        t = int(t)
+        if not 0 <= t < vocab:
+            bad.append(f"{t} at row {row[0]}@{row[1]}")
+        out.append(t)
+    if bad:
+        raise NotReplayable(f"token id(s) outside the checkpoint's vocabulary 0..{vocab - 1}: {', '.join(bad[:4])}"
+                            + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+                            + ": the run fed ids no embedding row holds (padding?)")
     return out
 
 
 def _embed(ref: ExactReference, layer, feeds, rows, tokens):
+    ids = _token_ids(ref, rows, tokens, 0)
     w = ref.weights(None).get("model.embed_tokens.weight")
-    return w[torch.tensor(_token_ids(rows, tokens, 0), device=w.device)]
+    return w[torch.tensor(ids, device=w.device)]
 
 
 def _logits(ref: ExactReference, layer, feeds, rows, tokens):
@@ -370,7 +419,7 @@ def _logits(ref: ExactReference, layer, feeds, rows, tokens):
 
 def _logprobs(ref: ExactReference, layer, feeds, rows, tokens):
     lp = torch.log_softmax(feeds["logits"], dim=-1)
-    nxt = torch.tensor(_token_ids(rows, tokens, 1), device=lp.device)
+    nxt = torch.tensor(_token_ids(ref, rows, tokens, 1), device=lp.device)
     return lp.gather(-1, nxt[:, None])
 
 

@@ -1,4 +1,5 @@
-"""Writing a report where asked: the JSON file (atomically) and the HTML page."""
+"""Writing a report where asked: the JSON file and the HTML page, through symlinks, atomically for a regular
+file, in place for a character device or pipe."""
 from __future__ import annotations
 
 import json
@@ -17,11 +18,28 @@ def write_reports(report: dict, console: Console, json_path: str | None = None, 
         console.print(text(f"JSON report: {json_path}"))
     if html_path:
         from .html import render_html
-        Path(html_path).write_text(render_html(report), encoding="utf-8")
+        write_output(html_path, render_html(report).encode("utf-8"))
         console.print(text(f"HTML report: {html_path}"))
 
 
 def write_json(report: dict, path: os.PathLike | str) -> None:
     """Write atomically (store.format.atomic_write): a failed write leaves neither a partial report nor a temporary file."""
+    write_output(path, json.dumps(report, indent=1).encode("utf-8"))
+
+
+def write_output(path: os.PathLike | str, data: bytes) -> None:
+    """A report file: through a symlink to its target (the link stays a link, pointing where it did), atomically
+    for a regular file or a new name (a hard link to another file is never written into), and in place for a
+    character device or pipe (/dev/stdout, /dev/null), where no rename can land."""
+    import stat
+
     from ..store.format import atomic_write
-    atomic_write(Path(path), json.dumps(report, indent=1).encode("utf-8"))
+    try:
+        mode = os.stat(path).st_mode      # the link's target (a pipe behind /dev/fd/N has no path to resolve)
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    atomic_write(Path(os.path.realpath(path)), data)

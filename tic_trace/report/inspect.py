@@ -52,6 +52,7 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
     console.print(text("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())))
     if model:
         console.print(text("model: " + ", ".join(f"{k}={v}" for k, v in model.items() if v not in (None, "", 0))))
+    _architecture(tr, console)
     for line in tr.skipped():
         console.print(text(f"skipped (incomplete, never compared): {line}", style="yellow"))
     if tr.ignored:
@@ -104,3 +105,17 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
         missing = [p for p in v.adapter.promised_points(v.config) if p not in {q for q, _ in v.points()}]
         if missing:
             console.print(Text.assemble(("promised by the adapter but absent: ", "yellow"), visible(", ".join(missing))))
+
+
+def _architecture(tr, console: Console) -> None:
+    """Whether the trace's architecture is one its adapter's table maps (the reader's table decides)."""
+    from ..graph.adapter import UnknownAdapter, get_adapter
+    try:
+        check = get_adapter(tr.manifest.get("framework", "hf")).check_architecture(tr.manifest.get("model") or {})
+    except UnknownAdapter:
+        return
+    if check.verified:
+        console.print(text(f"architecture: {check.name} (verified mapping of the {check.adapter} adapter)"))
+    else:
+        console.print(text(f"UNVERIFIED MAPPING: architecture {check.describe()}. Comparing this trace is refused "
+                           "(exit 3) unless --allow-unverified", style="bold red"), soft_wrap=True)

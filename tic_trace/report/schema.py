@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,28 @@ CAUSES = {
 # in dataflow order is the first divergence, ahead of the A-B rule (docs/replay.md).
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
-              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)"}
+              "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
+              "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
+                                    "compared with every point possibly mis-mapped"}
+ARCHITECTURE_NOTE = "unverified_mapping"
+
+
+def _architecture_notes(report: Any, refused: bool) -> list[dict]:
+    # renderers call this on any report they are given, malformed ones too: never raise
+    notes = report.get("notes") if isinstance(report, dict) else None
+    return [n for n in notes if isinstance(n, dict) and n.get("kind") == ARCHITECTURE_NOTE
+            and isinstance(n.get("detail"), dict) and bool(n["detail"].get("refused")) == refused] \
+        if isinstance(notes, list) else []
+
+
+def architecture_refusal(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report refused for its architecture (empty: not refused)."""
+    return _architecture_notes(report, True)
+
+
+def unverified_sides(report: dict) -> list[dict]:
+    """The `unverified_mapping` notes of a report compared despite an unverified architecture."""
+    return _architecture_notes(report, False)
 
 
 # ------------------------------------------------------------------------------------------------ codec
@@ -55,8 +76,8 @@ def encode(x: Any) -> Any:
         return {str(k): encode(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [encode(v) for v in x]
-    if hasattr(x, "__dataclass_fields__"):
-        return encode(asdict(x))
+    if hasattr(x, "__dataclass_fields__"):   # field by field: asdict's deep copy was most of a large rejudge
+        return {f.name: encode(getattr(x, f.name)) for f in fields(x)}
     return x
 
 
@@ -133,13 +154,21 @@ class Point(_Indexable):
                                          # replay verdict "side", "kind", "reason"} (docs/report.md)
     dtypes: dict | None = None           # {"a", "b"}: each side's effective dtype, where they differ
     replay: dict | None = None           # the judged replay verdict {"side", "kind", "reason"} (judge_replay)
+    worst_rows: list = field(default_factory=list)   # the rows judged on their own (docs/report.md, "The worst
+                                         # rows"): {"row": "sample@position", "error", "input_error", "growth"}
+                                         # (measured) and "status", "cause" (judged), largest error first
+    decided_by_row: str | None = None    # the row whose own judgement is the point's status (more severe than
+                                         # the all-rows one); None: the all-rows judgement decided
 
     _FLOATS = ("error", "tol", "input_error", "growth", "error_all_rows", "carried_error")
+    _ROW_FLOATS = ("error", "input_error", "growth")
 
     @classmethod
     def from_json(cls, d: dict) -> "Point":
         names = {f.name for f in fields(cls)}
-        return cls(**_decode_floats({k: v for k, v in d.items() if k in names}, cls._FLOATS))
+        out = cls(**_decode_floats({k: v for k, v in d.items() if k in names}, cls._FLOATS))
+        out.worst_rows = decode_rows(out.worst_rows)
+        return out
 
 
 @dataclass
@@ -196,7 +225,15 @@ class FirstDivergence(Point):
         names = {f.name for f in fields(cls)} - {"ops"}
         out = cls(**_decode_floats({k: v for k, v in d.items() if k in names}, Point._FLOATS))
         out.ops = OpsRegion.from_json(d.get("ops"))
+        out.worst_rows = decode_rows(out.worst_rows)
         return out
+
+
+def decode_rows(rows) -> list[dict]:
+    """A saved point's worst rows (untrusted input): dicts with a row label, their numbers decoded."""
+    if not isinstance(rows, list):
+        return []
+    return [_decode_floats(dict(r), Point._ROW_FLOATS) for r in rows if isinstance(r, dict) and "row" in r]
 
 
 @dataclass

@@ -13,8 +13,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .bounds import TERMINAL, bounded, omitted_lines
 from .lines import contract_line
-from .schema import num
+from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -37,13 +38,38 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def headline(report: dict) -> str:
-    """One line for logs and CI."""
+    """One line for logs and CI; a side compared with an unverified mapping is named on it."""
+    refused = architecture_refusal(report)
+    if refused and report.get("verdict") == "not_comparable":
+        d = [n.get("detail") or {} for n in refused]
+        return ("NOT COMPARABLE: unverified architecture mapping ("
+                + "; ".join(f"side {str(x.get('side')).upper()}: {x.get('architecture')}, {x.get('adapter')} adapter"
+                            for x in d)
+                + "): not in the adapter's table of verified architectures (why below); --allow-unverified "
+                  "compares anyway")
+    line = _answer_line(report)
+    unverified = unverified_sides(report)
+    if unverified:
+        d = [n.get("detail") or {} for n in unverified]
+        line += " [UNVERIFIED MAPPING: " + ", ".join(f"side {str(x.get('side')).upper()} {x.get('architecture')} "
+                                                     f"({x.get('adapter')} adapter)" for x in d) + "]"
+    return line
+
+
+def _answer_line(report: dict) -> str:
     fd = report.get("first_divergence")
     verdict = report.get("verdict")
     if verdict == "divergent" and fd:
         cause = fd.get("cause") or "operator"
         if cause in ("intrinsic", "precision") and isinstance(fd.get("intrinsic") or fd.get("dtypes"), dict):
             detail = _replay_headline(fd, cause)
+        elif cause == "operator" and fd.get("decided_by_row"):
+            row = next((r for r in fd.get("worst_rows") or [] if r.get("row") == fd["decided_by_row"]), {})
+            ie = num(row.get("input_error"))
+            grew = ("its own inputs agree exactly" if not ie else
+                    f"{_f(num(row.get('growth')), 1)}x its own inputs' {_f(ie)}")
+            detail = (f"token {fd['decided_by_row']}: rel error {_f(row.get('error'))} (tol {_f(fd.get('tol'))}; "
+                      f"{grew}); over all {fd.get('rows')} rows {_f(fd.get('error'))}")
         elif cause == "operator":
             ie = num(fd.get("input_error"))
             grew = ("its inputs agree exactly" if not ie else
@@ -102,14 +128,16 @@ def _g(x, digits: int = 2) -> str:
 
 def render_terminal(report: dict, console: Console | None = None, *, all_points: bool = False) -> None:
     c = console or Console()
+    # the answer is line 0, whatever the width: CI logs grep it. It counts every point; the rest shows at
+    # most bounds.TERMINAL of each list and says how many it left out.
+    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    report = bounded(report, TERMINAL)
     fd = report.get("first_divergence")
     contract = [d for d in report.get("contract") or [] if isinstance(d, dict)]
-    # the answer is line 0, whatever the width: CI logs grep it
-    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     if contract:          # what the two sides claim to compute, diffed before any tensor: first of the details
         _contract(c, contract)
     _causes(c, report)
-    if not contract and "contract" in report:
+    if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
                      style="dim"))
     if fd:
@@ -133,7 +161,9 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c.print()
     _curve(c, report)
     if all_points:
-        _points_table(c, report)
+        _points_table(c, report)          # ends with what it left out
+    else:
+        _more(c, report, "points")        # the curve's
     _ops(c, fd)
     _worst(c, report)
     _routing(c, report)
@@ -149,6 +179,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             seen.add((x["key"], x["reason"]))
             t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
+    _more(c, report, "not_comparable")
 
 
 def _contract(c: Console, contract: list[dict]) -> None:
@@ -179,6 +210,7 @@ def _causes(c: Console, report: dict) -> None:
         curve = (n.get("detail") or {}).get("curve") or []
         if curve:
             c.print(text("      curve: " + "  ".join(f"{k} {_f(e, 1)}" for k, e in curve), style="dim"), soft_wrap=True)
+    _more(c, report, "findings", "notes")
     if report.get("findings") or report.get("notes"):
         c.print()
 
@@ -233,6 +265,7 @@ def _points_table(c: Console, report: dict) -> None:
                   "-" if cos is None else f"{cos:.6f}", _f(m.get("max_ulp"), 1),
                   "-" if beq is None else f"{100 * beq:.0f}%", str(p.get("rows", "")))
     c.print(t)
+    _more(c, report, "points")
     c.print()
 
 
@@ -277,6 +310,9 @@ def render_worst_tokens(c: Console, report: dict, title: str = "tokens with the 
     w = report.get("worst_tokens") or []
     if not w:
         return False
+    if len(w) > TERMINAL.worst_tokens:       # slime-report passes the whole report
+        report = bounded(report, TERMINAL)
+        w = report["worst_tokens"]
     t = Table(title=title, title_justify="left", show_edge=False)
     for col in ("sample", "pos", "|Δlogp|", "logp A", "logp B", "divergence starts", "routing flip"):
         t.add_column(col)
@@ -285,6 +321,7 @@ def render_worst_tokens(c: Console, report: dict, title: str = "tokens with the 
         t.add_row(text(x["sample"]), text(x["position"]), _f(x["abs_dlogprob"]), _f4(x["logprob_a"]),
                   _f4(x["logprob_b"]), text(x.get("divergence_starts") or "-"), text(flips) if flips else ("yes" if x.get("routing_flip") else ""))
     c.print(t)
+    _more(c, report, "worst_tokens")
     c.print()
     return True
 
@@ -314,6 +351,7 @@ def _routing(c: Console, report: dict) -> None:
     c.print(f"tokens with at least one flipped layer: {r.get('tokens_with_flip', 0)} "
             f"({100 * (num(r.get('share_tokens_with_flip')) or 0):.1f}%)"
             + ("" if share is None else f"; they carry {100 * share:.1f}% of the final |Δ logprob|"))
+    _more(c, report, "routing_layers")
     c.print()
 
 
@@ -333,6 +371,14 @@ def _skipped(c: Console, report: dict) -> None:
             shown = "; ".join(f"{visible(k, 40)}: {visible(v, 160)}" for k, v in list(notes.items())[:3])
             c.print(text(f"side {side.upper()}: {len(notes)} rank merge(s) disagree with what the model declares "
                          f"(taken by the records): {shown}" + (" …" if len(notes) > 3 else ""), style="yellow"))
+
+
+def _more(c: Console, report: dict, *fields: str) -> bool:
+    """The '… N more … not shown (see the JSON)' lines of these fields of a bounded report."""
+    lines = omitted_lines(report, fields)
+    for line in lines:
+        c.print(text(f"  {line}", style="dim"))
+    return bool(lines)
 
 
 def point_label(key: str) -> str:

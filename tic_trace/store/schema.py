@@ -40,6 +40,9 @@ LayerCount = Annotated[int, Check("a layer count from 0 to 65536", lambda v: 0 <
 class ModelConfig(TypedDict, total=False):
     """`manifest["model"]`: the model facts transforms read (adapters' `describe()`). Other keys: any scalar."""
     model_type: str | None
+    architecture: ShortText | None       # the adapter's name for it (checked against the reader's table)
+    architecture_verified: bool          # whether the tracing adapter's table had it (the reader re-checks)
+    qk_norm: bool
     num_layers: LayerCount
     hidden_size: Count
     num_attention_heads: Count

@@ -240,12 +240,20 @@ class CanonicalView:
                              sources=[s + " (log_softmax)" for s in lg.sources])
         if lg.values is None:
             return ct
-        keep, nxt = [], []
+        keep, nxt, outside = [], [], []
+        width = int(lg.values.shape[-1]) if lg.values.ndim > 1 else 0
         for i, (k, p) in enumerate(lg.rows):
             t = self.tokens.get((k, p + 1))
-            if t is not None:
-                keep.append(i)
-                nxt.append(t)
+            if t is None:
+                continue
+            if not 0 <= int(t) < width:     # a padding -1 or an id past the logits: never read as another entry
+                outside.append(f"{k}@{p} (next token {int(t)})")
+                continue
+            keep.append(i)
+            nxt.append(t)
+        if outside:
+            self.notes.setdefault("logprobs", f"{len(outside)} row(s) left out: the next token is outside the "
+                                              f"{width} logits ({', '.join(outside[:4])})")
         if not keep:
             return ct
         ct.values = _next_token_logprobs(lg.values, np.asarray(keep), np.asarray(nxt))

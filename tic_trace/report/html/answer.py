@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from ..lines import contract_line
+from ..schema import architecture_refusal, unverified_sides
 from .cells import _anchor, _d, _e, _gen, _growth, _is_ids, _l, _layer_of, _meaning, _num, _pill, _point_of, _sci
 from .context import Ctx, _only_ops
 from .style import STATUS_LABEL, STATUSES
@@ -14,8 +15,8 @@ from .style import STATUS_LABEL, STATUSES
 def contract_section(c: Ctx) -> str:
     """The contract (versions, config, numerics settings, point dtypes, weights), diffed before any tensor."""
     diffs = [d for d in _l(c.r.get("contract")) if isinstance(d, dict)]
-    if "contract" not in c.r:
-        return ""
+    if "contract" not in c.r or (not diffs and architecture_refusal(c.r)):
+        return ""       # a pair refused for its architecture: its points' dtypes and weights were not read
     if not diffs:
         return ('<section id="contract"><p class="note">Contract: versions, model config, numerics settings, '
                 "point dtypes and weight hashes agree.</p></section>")
@@ -43,8 +44,13 @@ def answer_section(c: Ctx) -> str:
                + ".")
     elif verdict == "divergent":
         msg = "The report says the sides diverge, but names no first point."
+    elif architecture_refusal(r):
+        msg = "Not compared: " + " ".join(_e(n.get("summary")) for n in architecture_refusal(r))
     else:
         msg = "Nothing could be compared: see the list of points that are not comparable below."
+    if unverified_sides(r):
+        msg += (" <strong>Unverified mapping:</strong> "
+                + " ".join(_e(n.get("summary")) for n in unverified_sides(r)))
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')
@@ -143,6 +149,14 @@ def _first_facts(c: Ctx, f: dict) -> str:
     else:
         gt = f'<span class="num">—</span> (input error <span class="num">{_sci(ie)}</span>)'
     rows.append(("Growth over inputs", gt))
+    worst = [r for r in _l(f.get("worst_rows")) if isinstance(r, dict)][:8]
+    if worst:      # each judged on its own: its error, its growth over the same row's input error, its status
+        by = f' <span class="note">(the point is judged on token {_e(f.get("decided_by_row"))})</span>' \
+            if f.get("decided_by_row") else ""
+        rows.append(("Worst rows", '<div class="chips">' + "".join(
+            f'<span class="chip"><span class="mono">{_e(r.get("row"))}</span> <span class="num">'
+            f'{_sci(_num(r.get("error")))}</span> {_growth(_num(r.get("growth")))} {_pill(r.get("status"))}</span>'
+            for r in worst) + "</div>" + by))
     cause = f.get("cause") or "—"
     rows.append(("Cause", f'<span class="cause">{_e(cause)}</span> {_e(f.get("summary") or "")}'))
     if f.get("reason") and f.get("cause") and f.get("reason") != f.get("cause"):
