@@ -43,7 +43,7 @@ _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weigh
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
 
 
-def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | None:
+def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | None:
     """The shape config.json gives tensor `name` (None where a dimension is not stated), or None for a name
     the reference does not read."""
     H, V, hd = spec.hidden_size, spec.vocab_size, spec.head_dim
@@ -66,7 +66,8 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | None:
         "self_attn.q_proj.weight": [q, H], "self_attn.k_proj.weight": [kv, H], "self_attn.v_proj.weight": [kv, H],
         "self_attn.o_proj.weight": [H, q], "self_attn.q_proj.bias": [q], "self_attn.k_proj.bias": [kv],
         "self_attn.v_proj.bias": [kv], "self_attn.o_proj.bias": [H],
-        "self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd],
+        # per head (Qwen3) or over all heads at once (OLMoE)
+        "self_attn.q_norm.weight": ([hd], [q]), "self_attn.k_norm.weight": ([hd], [kv]),
         "mlp.gate_proj.weight": [inter, H], "mlp.up_proj.weight": [inter, H], "mlp.down_proj.weight": [H, inter],
         "mlp.gate.weight": [e, H], "mlp.gate.e_score_correction_bias": [e],
         "mlp.experts.gate_up_proj": [e, 2 * f if f else None, H], "mlp.experts.down_proj": [e, H, f],
@@ -78,7 +79,16 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | None:
     return table.get(rest)
 
 
-def _fits(shape: list[int], want: list[int | None]) -> bool:
+def _shape_text(want: list[int | None] | tuple) -> str:
+    if isinstance(want, tuple):
+        return " or ".join(_shape_text(w) for w in want)
+    return str(['?' if w is None else w for w in want])
+
+
+def _fits(shape: list[int], want: list[int | None] | tuple) -> bool:
+    """`want`: one shape (None: any size there) or a tuple of the shapes a model may give that tensor."""
+    if isinstance(want, tuple):
+        return any(_fits(shape, w) for w in want)
     return len(shape) == len(want) and all(w is None or int(d) == w for d, w in zip(shape, want))
 
 
@@ -200,7 +210,7 @@ class HFCheckpoint:
             if want is not None and not _fits(list(t.shape), want):
                 raise CheckpointError(
                     f"{t.file}: tensor {k} has shape {list(t.shape)} where config.json gives "
-                    f"{['?' if w is None else w for w in want]}: the weights and config.json are not of one model")
+                    f"{_shape_text(want)}: the weights and config.json are not of one model")
         return out
 
     def names(self) -> list[str]:
