@@ -249,7 +249,8 @@ def _ckpt(tmp_path: Path, factory, edit=None):
     # expert layout are ops it does not model), and what is tested here is how config keys are named
     from types import SimpleNamespace
 
-    from tic_trace.checkpoint import model_spec, read_config
+    from tic_trace.replay.checkpoint import read_config
+    from tic_trace.replay.model_spec import model_spec
     cfg = read_config(tmp_path / "ck" / "config.json")
     return get_adapter("hf").describe([model]), checkpoint_config(SimpleNamespace(spec=model_spec(cfg), config=cfg))
 
