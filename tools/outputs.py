@@ -131,30 +131,26 @@ class PipeSafe:
         except (OSError, ValueError, AttributeError):
             pass
 
-    def write(self, s: str) -> int:
+    def _call(self, fn, *args):
+        """`fn(*args)` on the stream; a closed pipe (EPIPE) ends all further output instead of raising."""
         if self.broken:
-            return len(s)
+            return None
         try:
-            return self._s.write(s)
+            return fn(*args)
         except BrokenPipeError:
-            self._closed()
+            pass
         except OSError as e:
             if e.errno != errno.EPIPE:
                 raise
-            self._closed()
-        return len(s)
+        self._closed()
+        return None
+
+    def write(self, s: str) -> int:
+        n = self._call(self._s.write, s)
+        return len(s) if n is None else n
 
     def flush(self) -> None:
-        if self.broken:
-            return
-        try:
-            self._s.flush()
-        except BrokenPipeError:
-            self._closed()
-        except OSError as e:
-            if e.errno != errno.EPIPE:
-                raise
-            self._closed()
+        self._call(self._s.flush)
 
     def __getattr__(self, name: str):
         return getattr(self._s, name)

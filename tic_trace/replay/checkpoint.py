@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..store.untrusted import file_kind, read_upto
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -106,16 +107,8 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a plain file"
-
-
 def _not_regular(path: Path, mode: int) -> CheckpointError:
-    return CheckpointError(f"{path}: not a regular file ({_kind(mode)}): a checkpoint's config.json and "
+    return CheckpointError(f"{path}: not a regular file ({file_kind(mode)}): a checkpoint's config.json and "
                            "*.safetensors must be files (a FIFO or device would block the reader or never end); "
                            "pass the directory the model was saved to")
 
@@ -138,18 +131,11 @@ def read_config(path: Path) -> Any:
         if st.st_size > CONFIG_MAX_BYTES:
             raise CheckpointError(f"{path}: {st.st_size} bytes, over the {CONFIG_MAX_BYTES}-byte limit for a "
                                   "config.json (real ones are a few KB): pass the checkpoint's own config.json")
-        chunks, left = [], CONFIG_MAX_BYTES + 1       # a file that grows past the limit while read is refused
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 20))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
+        data = read_upto(fd, CONFIG_MAX_BYTES + 1, 1 << 20)   # a file that grows past the limit is refused
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > CONFIG_MAX_BYTES:
         raise CheckpointError(f"{path}: grew past the {CONFIG_MAX_BYTES}-byte limit while being read")
     try:

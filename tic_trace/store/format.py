@@ -34,6 +34,7 @@ import numpy as np
 from . import schema
 from .dtypes import dtype_info, known_dtype, to_float
 from .errors import TraceFormatError
+from .untrusted import file_kind, read_upto
 
 try:    # ISA-L's CRC-32 is the same checksum as zlib's (the format's), ~4x faster; optional
     from isal.isal_zlib import crc32
@@ -143,32 +144,17 @@ def read_bounded(path: Path, root: Path, limit: int, what: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TraceFormatError(path, f"{what} is not a regular file ({_file_kind(st.st_mode)})")
+            raise TraceFormatError(path, f"{what} is not a regular file ({file_kind(st.st_mode)})")
         if st.st_size > limit:
             raise TraceFormatError(path, f"{what} is {st.st_size} bytes, over the {limit}-byte limit for such a file")
-        chunks, left = [], st.st_size + 1       # one byte more: a file that grows while read is refused
-        while left > 0:
-            b = os.read(fd, min(left, 1 << 24))
-            if not b:
-                break
-            chunks.append(b)
-            left -= len(b)
+        data = read_upto(fd, st.st_size + 1, 1 << 24)   # one byte more: a file that grows while read is refused
     except OSError as e:
         raise TraceFormatError(path, f"cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > st.st_size:
         raise TraceFormatError(path, "changed size while being read")
     return data
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 # ---------------------------------------------------------------- records
@@ -363,7 +349,7 @@ class Pass:
         except OSError as e:
             raise TraceFormatError(self.blob_path, f"cannot read blob: {e}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise TraceFormatError(self.blob_path, f"blob is not a regular file ({_file_kind(st.st_mode)})")
+            raise TraceFormatError(self.blob_path, f"blob is not a regular file ({file_kind(st.st_mode)})")
         self.blob_size = st.st_size
         declared = meta["blob_nbytes"]
         if declared != self.blob_size:
