@@ -358,7 +358,7 @@ def test_each_worker_failure_is_one_line_without_escapes():
 
 
 def test_ray_worker_failures_print_no_foreign_tracebacks(traces, tmp_path):
-    pytest.importorskip("ray")
+    import ray  # noqa: F401  (pinned in requirements/test.txt: its absence is a broken set-up, never a skip)
     p = run_sub(["diff", traces["a"], traces["a2"], "--adapter-b", "failing_adapter:FailingHF", "--workers", "ray:2"],
                 capture_output=True, text=True, env={**_failing_env(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
     assert p.returncode == 2, p.stdout + p.stderr
