@@ -1,15 +1,21 @@
-"""HF transformers reference adapter: Qwen3 / Qwen3-MoE (and Llama/Qwen2-shaped models) -> canonical points.
+"""HF transformers reference adapter: the architectures of `ARCHITECTURES` -> canonical points.
 
 HF is the implementation users trust, so its mapping is deliberately direct: every point is a module output,
 a module input, or the output of `apply_rotary_pos_emb` (tapped in the model's own modeling module, since
 RoPE is a function call, not a module). Row r of a pass is batch b, position s, with r = b*S + s.
+
+The table's module names mean these points only in the architectures of `ARCHITECTURES` (keyed by the
+model class, e.g. `Qwen3ForCausalLM`; transformers 5.24): pre-norm decoders whose `post_attention_layernorm`
+is the pre-MLP norm, with `q_proj`/`k_proj`/`v_proj`, and an `mlp.gate` router returning (logits, top-k
+weights, top-k ids). Any other class is recorded as unverified and refused at compare time
+(docs/adapters.md); `REFUSED` says what the table would get wrong for the ones known to differ.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from tic_trace.adapter import Adapter, PointMap, plain_settings, register_adapter
+from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -42,9 +48,59 @@ POINTS = (
 )
 
 
+_QK = ("attn.q_norm", "attn.k_norm")
+_MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
+_SHARED = ("moe.shared_out",)
+_T = "`tests/test_supported_archs.py`"
+
+# Verified: a clean pair of tiny random models of the class is consistent, every point the table promises
+# is recorded (and none it says the class lacks), the residual identities mid = input + attn.out and
+# output = mid + mlp.out hold on the recorded points, and a bf16 pair replayed against its own checkpoint
+# judges every point but `replay_gaps` with no finding (tests/test_supported_archs.py).
+ARCHITECTURES = {a.name: a for a in (
+    Architecture("LlamaForCausalLM", ("Llama",), "dense, pre-norm, RoPE", "every point", _T, lacks=_QK + _MOE),
+    Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias", "every point", _T, lacks=_QK + _MOE),
+    Architecture("Qwen3ForCausalLM", ("Qwen3",), "dense, per-head QK-norm", "every point",
+                 _T + ", `test_finder.py`, `test_replay_finder.py`", lacks=_MOE),
+    Architecture("Qwen3MoeForCausalLM", ("Qwen3-MoE",), "MoE (softmax router, top-k), per-head QK-norm",
+                 "every point", _T + ", `test_finder.py`, `test_replay_finder.py`", lacks=_SHARED),
+    Architecture("Qwen2MoeForCausalLM", ("Qwen2-MoE",), "MoE with a sigmoid-gated shared expert, q/k/v bias",
+                 "every point", _T + ", `test_replay.py`", lacks=_QK),
+    # MixtralTopKRouter renormalises the top-k weights whatever the config says (it has no norm_topk_prob)
+    Architecture("MixtralForCausalLM", ("Mixtral",), "MoE (softmax router, top-k always renormalised)",
+                 "the checkpoint names its router and experts `block_sparse_moe.*`, which the replay does not "
+                 "read (the A-B rule alone judges them)", _T, lacks=_QK + _SHARED,
+                 replay_gaps=("moe.router_logits", "moe.experts_out"), defaults={"norm_topk_prob": True}),
+    Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
+                 "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
+                 "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
+)}
+
+REFUSED = {
+    "Gemma2ForCausalLM": "sandwich norms: `post_attention_layernorm` normalises the attention branch before the "
+                         "residual add (the table would call it `mlp_norm` and its input `mid`), "
+                         "`pre/post_feedforward_layernorm` are not mapped",
+    "Gemma3ForCausalLM": "sandwich norms as Gemma2 (`post_attention_layernorm` is not the pre-MLP norm), "
+                         "per-layer-type RoPE (sliding and full attention)",
+    "DeepseekV3ForCausalLM": "multi-latent attention (`q_a/q_b/kv_a/kv_b` projections: no q, k, v), sigmoid "
+                             "router with a score-correction bias and group-limited top-k, dense first layers",
+    "Glm4MoeForCausalLM": "sigmoid router with a score-correction bias, shared experts and dense first layers, "
+                          "partial RoPE: not verified",
+    "GptOssForCausalLM": "the router is `mlp.router` (not `mlp.gate`), attention sinks, YaRN RoPE: not verified",
+    "Phi3ForCausalLM": "fused `qkv_proj` and `gate_up_proj`: no q, k, v records",
+    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention (`linear_attn`) besides gated "
+                            "full attention",
+}
+
+
 class HFAdapter(Adapter):
     name = "hf"
     points = POINTS
+    architectures = ARCHITECTURES
+    refused = REFUSED
+
+    def architecture_of(self, models: list) -> str | None:
+        return type(models[0]).__name__
 
     def prepare(self, tracer: Any, models: list) -> None:
         tapped = set()
@@ -64,7 +120,13 @@ class HFAdapter(Adapter):
             return {}
         text = getattr(cfg, "get_text_config", lambda: cfg)()
         heads = text.num_attention_heads
-        return {
+        attn0 = next((m for n, m in models[0].named_modules() if n.endswith("self_attn")), None)
+        # The same fact under other names: DeepSeek/GLM `n_routed_experts`, Mixtral `num_local_experts`;
+        # shared experts as a size (Qwen2-MoE) or a count (DeepSeek/GLM).
+        n_exp = (getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+                 or getattr(text, "n_routed_experts", None) or 0)
+        out = {
+            **self.architecture_facts(models),
             "model_type": getattr(text, "model_type", None),
             "num_layers": text.num_hidden_layers,
             "hidden_size": text.hidden_size,
@@ -72,9 +134,11 @@ class HFAdapter(Adapter):
             "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
             "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
             "vocab_size": text.vocab_size,
-            "num_experts": getattr(text, "num_experts", 0) or 0,
-            "num_experts_per_tok": getattr(text, "num_experts_per_tok", 0) or 0,
-            "shared_experts": bool(getattr(text, "shared_expert_intermediate_size", 0)),
+            "qk_norm": attn0 is not None and getattr(attn0, "q_norm", None) is not None,
+            "num_experts": int(n_exp),
+            "num_experts_per_tok": (getattr(text, "num_experts_per_tok", 0) or 0) if n_exp else 0,
+            "shared_experts": bool(getattr(text, "shared_expert_intermediate_size", 0)
+                                   or getattr(text, "n_shared_experts", 0)),
             "rms_norm_eps": getattr(text, "rms_norm_eps", None),
             "rope_theta": _rope_theta(text),
             "rope_scaling": _rope_scaling(text),
@@ -83,6 +147,10 @@ class HFAdapter(Adapter):
             "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
             "dtype": str(getattr(models[0], "dtype", "")).removeprefix("torch."),
         }
+        arch = self.architecture(out)
+        if arch is not None:
+            out.update(arch.defaults)
+        return out
 
     def numerics(self, models: list) -> dict:
         cfg = getattr(models[0], "config", None)
@@ -119,6 +187,11 @@ class HFAdapter(Adapter):
                 out_pos.append(pos_l[i][j])
                 out_tok.append(ids_l[i][j])
         return out_keys, out_pos, out_tok
+
+    def applies(self, pm: PointMap, config: dict) -> bool:
+        if pm.point in _QK and not config.get("qk_norm", True):
+            return False                    # the attention has no QK-norm module (read off the model)
+        return super().applies(pm, config)
 
     def kept_rows(self, record_name: str, shape: tuple, n_rows: int) -> list[int] | None:
         """The logits of `logits_to_keep=k` (an int: what `generate()` passes, k=1): `[B, k, V]` for a pass of
@@ -201,14 +274,9 @@ def _rope_theta(cfg) -> float | None:
 
 
 def _rope_scaling(cfg) -> dict | None:
-    """RoPE kind and scaling parameters as the config states them (None for plain RoPE)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return None
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    return {k: v for k, v in params.items() if k != "rope_theta" and isinstance(v, (int, float, str, bool))}
+    """RoPE kind and scaling parameters as the config states them (None for plain RoPE), in the contract's
+    one spelling (`rope_scaling_of`)."""
+    return rope_scaling_of(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None))
 
 
 ADAPTER = HFAdapter

@@ -62,10 +62,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tic_trace.adapter import (Adapter, PointMap, TransformContext, register_adapter, register_merge,
-                               register_transform)
-from tic_trace.adapter import as_ints as _ints
-from tic_trace.adapter import plain_settings
+from tic_trace.graph.adapter import (Adapter, Architecture, ArchitectureCheck, PointMap, TransformContext,
+                               register_adapter, register_merge, register_transform)
+from tic_trace.graph.adapter import as_ints as _ints
+from tic_trace.graph.adapter import plain_settings
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
 NUMERICS_FIELDS = (
@@ -277,10 +277,62 @@ def _torch_dtype_name(dt: Any) -> str:
     return str(dt).removeprefix("torch.") if dt is not None else ""
 
 
+# ---------------------------------------------------------------- architectures
+
+def architecture_name(roots: Sequence[Any]) -> str:
+    """A GPTModel cannot say which model family it was configured as; what the table relies on is its module
+    structure: ``{model}/{decoder layer classes}/{self_attention classes}/{mlp classes}`` (``+`` joins the
+    classes of different layers), and ``/cross_attention`` when a layer has one (not a GPT layer). Every rank
+    writes the one shared manifest, so the name must not depend on the pipeline stage: the layers of all of
+    this rank's chunks are read, and the MLP part of a plain dense/MoE stack comes from the config's layer
+    pattern (``moe_layer_freq``), which every stage has whole."""
+    layers = [lay for r in roots for lay in (getattr(getattr(r, "decoder", None), "layers", []) or [])]
+
+    def part(get) -> str:
+        return "+".join(sorted({_cls(get(lay)) for lay in layers})) or "-"
+    mlp = part(lambda x: getattr(x, "mlp", None))
+    cfg = getattr(roots[0], "config", None) if roots else None
+    if cfg is not None and set(mlp.split("+")) <= {"MLP", "MoELayer"}:
+        mlp = "+".join(sorted({"MoELayer" if x else "MLP" for x in _moe_pattern(cfg)})) or mlp
+    name = (f"{_cls(roots[0]) if roots else None}/{part(lambda x: x)}/"
+            f"{part(lambda x: getattr(x, 'self_attention', None))}/{mlp}")
+    if any(not _is_identity(getattr(lay, "cross_attention", None)) for lay in layers):
+        name += "/cross_attention"
+    return name
+
+
+_MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
+_SPEC = ("local spec run on CPU (TP, SP, EP, pipeline chunks, packed THD); Transformer Engine spec by module "
+         "names on a TE-shaped tree, its fused norms not produced")
+# Structures, not families: the HF or SGLang side of a pair names the family. The families listed are those
+# whose configs ran through each structure in the tests.
+ARCHITECTURES = {a.name: a for a in (
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3",), f"dense; {_SPEC}",
+                 "every point the trace holds", "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`",
+                 lacks=_MOE),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE",),
+                 f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}",
+                 "every point the trace holds",
+                 "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE",),
+                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above",
+                 "as the two above (this mix is not replayed in the tests)", "`tests/test_megatron_adapter.py`"),
+)}
+# Components whose presence makes the table map the wrong modules (named in the refusal).
+REFUSED = {
+    "MLASelfAttention": "multi-latent attention (DeepSeek-V2/V3, Kimi-K2): no `linear_qkv`, so no q, k, v, and "
+                        "its core attention runs on latent-space heads",
+    "MambaModel": "hybrid Mamba / attention stacks: the Mamba mixers are no canonical point",
+    "cross_attention": "an encoder-decoder layer: the cross-attention is no canonical point",
+}
+
+
 class MegatronAdapter(Adapter):
     """``adapter="megatron"``, or ``MegatronAdapter(vocab_size=V)`` when the model's vocabulary is padded."""
     name = "megatron"
     points = POINTS
+    architectures = ARCHITECTURES
+    refused = REFUSED
 
     def __init__(self, vocab_size: int | None = None):
         self.true_vocab_size = vocab_size
@@ -334,6 +386,7 @@ class MegatronAdapter(Adapter):
         n_exp = int(getattr(cfg, "num_moe_experts", 0) or 0)
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) is not None
         return {
+            **self.architecture_facts(models),
             "model_type": "megatron-gpt",
             "spec": "te" if te else "local",
             "num_layers": int(cfg.num_layers),
@@ -363,6 +416,20 @@ class MegatronAdapter(Adapter):
             "pipeline_model_parallel_size": int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1),
             "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
         }
+
+    def architecture_of(self, models: list) -> str | None:
+        return architecture_name([_unwrap(m) for m in models])
+
+    def check_architecture(self, config: dict) -> ArchitectureCheck:
+        """As the base, naming the components known to be mapped wrongly when the structure has any."""
+        c = super().check_architecture(config)
+        if c.verified or not c.name:
+            return c
+        bad = [f"`{p}`: {REFUSED[p]}" for p in c.name.replace("+", "/").split("/") if p in REFUSED]
+        if not bad:
+            return c
+        return ArchitectureCheck(c.adapter, c.name, False, "known to be mapped wrongly by the megatron table: "
+                                 + "; ".join(bad))
 
     def numerics(self, models: list) -> dict:
         cfg = getattr(_unwrap(models[0]), "config", None)

@@ -13,7 +13,7 @@ mapping rests on (SGLang 0.5.23, checked on real model code in ``tests/test_sgla
   residual)`` returns ``(normed, mid)``; ``model.norm(mlp_out_last, residual)`` returns ``(final_normed,
   stream leaving the last layer)``. So ``L{N}.input`` and ``L{N-1}.output`` are the same record
   (``opts={"layer_offset": -1}``), ``L0.input`` is the embedding and the last layer's ``output`` is
-  ``model.norm:out[1]`` (``opts={"layer": -1}``; both opts are read by ``tic_trace.align``).
+  ``model.norm:out[1]`` (``opts={"layer": -1}``; both opts are read by ``tic_trace.view.align``).
 * **Attention.** ``qkv_proj`` returns ``(qkv, None)``; per TP rank ``qkv`` is ``[q_local | k_local |
   v_local]`` (``sgl_qkv`` merge rebuilds the global ``[q | k | v]``, de-duplicating KV heads replicated when
   ``num_kv_heads < tp``; the ``sgl_qkv`` transform splits it). QK-norm is the function ``apply_qk_norm``
@@ -55,7 +55,10 @@ RoPE, optional QK-norm, shared experts) and DeepSeek-V2/V3 (MLA: ``self_attn`` h
 in absorbed-MLA decode the q/k/v live in the latent space and do not correspond to any other framework's,
 so only the block points are promised for MLA: norms, ``attn.out``, residuals, router, top-k, experts,
 shared experts, MLP, head). ``ARCH_MODULES`` lists, per architecture, the module paths every table row
-relies on; the tests check them on module trees built on the ``meta`` device.
+relies on; the tests check them on module trees built on the ``meta`` device. Verified (``ARCHITECTURES``
+in :mod:`.sglang_names`: run against another framework) are only Qwen2, Qwen3 and Qwen3-MoE; a trace of any
+other class is marked unverified and refused at compare time, the name-table-only ones with the reason in
+``REFUSED`` (docs/adapters.md).
 
 Split by job: the point table and shard merges in :mod:`.sglang_names`, ForwardBatch rows and parallel
 coordinates in :mod:`.sglang_rows`, tracing inside a server in :mod:`.sglang_server`; this module is the
@@ -67,8 +70,9 @@ import logging
 import sys
 from typing import Any, Callable
 
-from tic_trace.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
-from tic_trace.adapters.sglang_names import ARCH_OF_CLASS, MHA_POINTS, PARTIAL_POINTS, POINTS, tp_copies_equal
+from tic_trace.graph.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
+from tic_trace.adapters.sglang_names import (ARCH_OF_CLASS, ARCHITECTURES, MHA_POINTS, PARTIAL_POINTS, POINTS,
+                                            REFUSED, tp_copies_equal)
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows
 from tic_trace.adapters.sglang_rows import parse_sample_rid, row_rids  # noqa: F401 - part of this adapter's API
@@ -100,6 +104,8 @@ class SGLangAdapter(Adapter):
     requests get no key (not joined, not compared); the hook session uses it to trace chosen samples."""
     name = "sglang"
     points = POINTS
+    architectures = ARCHITECTURES
+    refused = REFUSED
 
     def __init__(self, input_logprobs: bool = False, rid_filter: Callable[[str], bool] | None = None):
         self.input_logprobs = input_logprobs
@@ -164,8 +170,8 @@ class SGLangAdapter(Adapter):
             params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
             theta = params.get("rope_theta") if isinstance(params, dict) else None
         return {
+            **self.architecture_facts(models),
             "model_type": getattr(text, "model_type", None),
-            "architecture": _cls(model),
             "arch_table": ARCH_OF_CLASS.get(_cls(model)),
             "attention": "mla" if mla else "mha",
             "num_layers": int(text.num_hidden_layers),
@@ -184,6 +190,9 @@ class SGLangAdapter(Adapter):
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
         }
+
+    def architecture_of(self, models: list) -> str | None:
+        return _cls(models[0])      # the *ForCausalLM class SGLang's ModelRunner built
 
     def rank_coords(self) -> dict:
         out: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from tic_trace.adapter import PointMap, TransformContext, register_merge, register_transform
+from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_merge, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -90,6 +90,35 @@ ARCH_OF_CLASS = {
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
+}
+
+
+_QK = ("attn.q_norm", "attn.k_norm")
+_MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
+_RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
+#: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
+#: (a name table alone, checked on the meta device, is not a verification: those classes are in REFUSED).
+ARCHITECTURES = {a.name: a for a in (
+    Architecture("Qwen3ForCausalLM", ("Qwen3",), f"dense, QK-norm (tapped `apply_qk_norm`); {_RUN}",
+                 "every point the trace holds",
+                 "`tests/test_sglang_adapter.py`, `test_replay_finder_mgsg.py`",
+                 lacks=_MOE),
+    Architecture("Qwen3MoeForCausalLM", ("Qwen3-MoE",), f"MoE: router, top-k, experts; {_RUN}",
+                 "every point the trace holds", "`tests/test_sglang_adapter.py`, `test_replay_sglang.py`",
+                 lacks=("moe.shared_out",)),
+    Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows (TP=1)",
+                 "not run against a checkpoint in the tests", "`tests/test_supported_archs.py`",
+                 lacks=_QK + _MOE),
+)}
+_META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
+REFUSED = {
+    "Qwen2MoeForCausalLM": _META + ": its fused shared-expert gate is a Triton kernel that does not run on CPU",
+    "Glm4MoeForCausalLM": _META,
+    "DeepseekV2ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
+    "DeepseekV3ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
+    "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
+    "Gemma2ForCausalLM": "sandwich norms: `post_attention_layernorm` normalises the attention branch, "
+                         "`pre_feedforward_layernorm` returns the residual",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tic_trace.adapter import as_ints as _ints
+from tic_trace.graph.adapter import as_ints as _ints
 
 # ---------------------------------------------------------------- rows of a forward batch
 

@@ -25,7 +25,7 @@ def trace_forwards(model: Any, out_dir: Any, **kwargs: Any):
         with trace_forwards(model, "traces/sglang", points_mode="full") as t:
             engine.generate(...)
     """
-    from tic_trace.tracer import Tracer
+    from tic_trace import Tracer
     kwargs.setdefault("adapter", "sglang")
     kwargs["auto_step"] = True
     t = Tracer(model, out_dir, **kwargs).start()
@@ -218,8 +218,7 @@ class _HookSession:
         t = self.tracers.get(rollout)
         if t is not None:
             return t
-        from tic_trace.filters import Filters
-        from tic_trace.tracer import Tracer
+        from tic_trace import Filters, Tracer
         out = self.out_dir if rollout is None else self.out_dir / f"rollout_{rollout:05d}" / "sglang"
         filters = Filters(modules=self.config["filters"]) if self.config.get("filters") else None
         root = self.root

@@ -101,7 +101,7 @@ def bare_pass(a: Path, b: Path, chunk: int = 1 << 20) -> dict:
 def value_items(a: Path, b: Path) -> list[tuple]:
     """(blob A, offset A, blob B, offset B, shape, storage dtype, dtype) for every record stored on both sides."""
     import tic_trace
-    from tic_trace.dtypes import dtype_info
+    from tic_trace.store.dtypes import dtype_info
     items = []
     for pa, pb in zip(tic_trace.open_trace(a).passes(), tic_trace.open_trace(b).passes()):
         for ra in pa.records:
@@ -115,8 +115,8 @@ def value_items(a: Path, b: Path) -> list[tuple]:
 def compare_item(item: tuple) -> tuple[int, float]:
     """compare_values on one record pair, both sides memory-mapped from their blobs (a worker's unit)."""
     import numpy as np
-    from tic_trace.compare import compare_values
-    from tic_trace.dtypes import to_float
+    from tic_trace.compare.metrics import compare_values
+    from tic_trace.store.dtypes import to_float
     blob_a, off_a, blob_b, off_b, shape, storage, dtype = item
     va, vb = (to_float(np.memmap(blob, dtype=storage, mode="r", offset=off, shape=tuple(shape)), dtype)
               for blob, off in ((blob_a, off_a), (blob_b, off_b)))
@@ -125,7 +125,7 @@ def compare_item(item: tuple) -> tuple[int, float]:
 
 
 def values_pass(a: Path, b: Path, workers: int) -> dict:
-    from tic_trace.parallel import fork_is_safe, map_ordered
+    from tic_trace.compare.parallel import fork_is_safe, map_ordered
     items = value_items(a, b)
     t0 = time.perf_counter()
     out = map_ordered(compare_item, items, workers=workers, start_method="fork" if fork_is_safe() else "spawn")
@@ -137,7 +137,7 @@ def child(kind: str, a: str, b: str, trace_mem: bool) -> None:
     import tracemalloc
 
     import numpy as np  # noqa: F401  (imported before the baseline)
-    from tic_trace.diverge import find_divergence
+    from tic_trace import find_divergence
     if trace_mem:
         tracemalloc.start()
     rss0 = _status_kib("VmRSS")
@@ -271,7 +271,7 @@ def main() -> None:
                  f"{(v1['bytes'] / v1['cpu_seconds']) / (both / bare['cpu_seconds']):.2f}×") if v1 else "- | - | -"
         print(f"| {size} | {fin['cpu_seconds']:.2f} | {both / mb / fin['cpu_seconds']:.0f} | {bare['cpu_seconds']:.3f} | "
               f"{both / mb / bare['cpu_seconds']:.0f} | {fin['cpu_seconds'] / bare['cpu_seconds']:.0f}× | {cells} |")
-    print("\ncompare_values on every record stored on both sides, memory-mapped, through tic_trace.parallel "
+    print("\ncompare_values on every record stored on both sides, memory-mapped, through tic_trace.compare.parallel "
           "(forked workers where parallel.fork_is_safe(); wall time, includes starting the workers):\n")
     print("| layers×tokens | records | bytes (both sides) | " + " | ".join(
         f"{w} worker{'s' if w > 1 else ''}: s / MB/s / ÷ bare" for w in args.workers)

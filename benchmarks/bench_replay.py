@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tic_trace  # noqa: E402
-from tic_trace.align import CanonicalView  # noqa: E402
-from tic_trace.intrinsic import SideReplayer  # noqa: E402
-from tic_trace.reference import ExactReference  # noqa: E402
+from tic_trace.view.align import CanonicalView  # noqa: E402
+from tic_trace.replay.intrinsic import SideReplayer  # noqa: E402
+from tic_trace.replay.reference import ExactReference  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config  # noqa: E402
 
 

@@ -67,9 +67,9 @@ def _map_subpackages() -> None:
 
 
 _map_subpackages()
-from tic_trace import stats as stats_mod  # noqa: E402
-from tic_trace.dtypes import torch_dtype_name  # noqa: E402
-from tic_trace.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
+from tic_trace.record import stats as stats_mod  # noqa: E402
+from tic_trace.store.dtypes import torch_dtype_name  # noqa: E402
+from tic_trace.record.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
 
 
 class Skip(Exception):
@@ -136,7 +136,7 @@ def check_stats_hash_agree(ctx: Ctx) -> dict:
             views = [t] + ([t[: (n // 1000) * 1000].view(-1, 1000).t()] if n >= 2000 else [])
             for v in views:
                 n_checked += 1
-                from tic_trace.host_copy import as_storage
+                from tic_trace.record.host_copy import as_storage
                 raw = as_storage(v.cpu().contiguous())
                 h = int(device_hash(v))
                 got = stats_dict(device_stats(v).cpu().numpy())

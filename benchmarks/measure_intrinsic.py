@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tic_trace  # noqa: E402
-from tic_trace.align import CanonicalView  # noqa: E402
-from tic_trace.intrinsic import IntrinsicError, replay_side  # noqa: E402
-from tic_trace.reference import ExactReference  # noqa: E402
+from tic_trace.view.align import CanonicalView  # noqa: E402
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side  # noqa: E402
+from tic_trace.replay.reference import ExactReference  # noqa: E402
 from tic_trace.testing.hf_models import (build_hf_model_stable, sample_tokens, tiny_qwen2_moe_config,  # noqa: E402
                                          tiny_qwen3_config)
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS  # noqa: E402
@@ -138,7 +138,7 @@ def _excess(d: dict) -> float:
 def tables(results: list[dict]) -> str:
     """Markdown: per point, the largest excess of a clean implementation and the largest clean A/B ratio;
     per fault, both sides at the fault's point and what the rule says there."""
-    from tic_trace.intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
+    from tic_trace.replay.intrinsic_verdict import DEFAULT_MARGINS, intrinsic_verdict
     env: dict[str, float] = {}
     ratio: dict[str, float] = {}
     for r in results:

@@ -114,7 +114,7 @@ def _samples(rollout_id: int, lengths, *, response_length=0, seed=0):
 
 
 def _passes(d: Path) -> list[dict]:
-    from tic_trace.format import open_trace
+    from tic_trace import open_trace
     tr = open_trace(d)
     out = []
     for r in tr.ranks:

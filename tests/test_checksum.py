@@ -1,11 +1,11 @@
-"""The format's CRC-32 (tic_trace/format.py): ISA-L's when installed, the same checksum as zlib's."""
+"""The format's CRC-32 (tic_trace/store/format.py): ISA-L's when installed, the same checksum as zlib's."""
 from __future__ import annotations
 
 import zlib
 
 import numpy as np
 
-from tic_trace import format as fmt
+from tic_trace.store import format as fmt
 
 
 def test_format_crc_is_zlibs_crc32_on_every_buffer_kind_it_is_given(tmp_path):

@@ -1,16 +1,16 @@
-"""The contract diff (tic_trace/contract.py) and parameter hashes (tic_trace/weights.py) on real HF pairs:
-no tensor value is read, and each planted difference is named in its section at its point."""
+"""The contract diff (tic_trace/compare/contract.py) and parameter hashes (tic_trace/record/weights.py) on real HF
+pairs: no tensor value is read, and each planted difference is named in its section at its point."""
 import pytest
 import torch
 
 import tic_trace
 
-from tic_trace.align import CanonicalView
-from tic_trace.checkpoint import HFCheckpoint
-from tic_trace.contract import diff_contract
+from tic_trace.view.align import CanonicalView
+from tic_trace.replay.checkpoint import HFCheckpoint
+from tic_trace.compare.contract import diff_contract
 from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import PRECISION_FAULTS
-from tic_trace.weights import weight_hashes_by_point
+from tic_trace.view.weight_map import weight_hashes_by_point
 
 from conftest import bf16_model, checkpointed_trace, trace_hf
 
@@ -69,7 +69,7 @@ def test_weight_hashes_name_the_point_and_the_side_that_differs_from_the_checkpo
 
 
 def test_weights_rehashed_only_when_changed():
-    from tic_trace.weights import ParameterHasher
+    from tic_trace.record.weights import ParameterHasher
     model = bf16_model()
     h = ParameterHasher()
     first = h([model])
@@ -85,8 +85,8 @@ def test_weights_hashed_beside_the_forward_equal_the_pass_end_hashes_and_follow_
     """`begin` hashes CPU parameters on a background thread; the pass-end call joins it. The hashes equal
     those of a hasher that never began; a parameter changed in place between `begin` and the call is hashed
     again (its version moved), not reported with the value the thread read."""
-    from tic_trace.stats import numpy_hash
-    from tic_trace.weights import ParameterHasher
+    from tic_trace.record.stats import numpy_hash
+    from tic_trace.record.weights import ParameterHasher
     model = bf16_model()
     plain = ParameterHasher()([model])
     h = ParameterHasher()
@@ -105,7 +105,7 @@ def test_weights_hashed_beside_the_forward_equal_the_pass_end_hashes_and_follow_
 
 def test_weights_traced_on_the_cpu_are_hashed_beside_the_forward(tmp_path):
     """Through the tracer: a CPU model's pass records every parameter's hash, equal to numpy's of its bits."""
-    from tic_trace.stats import numpy_hash
+    from tic_trace.record.stats import numpy_hash
     model = bf16_model()
     with tic_trace.trace(model, tmp_path / "t", adapter="hf") as t, torch.no_grad():
         model(sample_tokens(1, 6))

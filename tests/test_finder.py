@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import tic_trace
-from tic_trace.align import CanonicalView
-from tic_trace.diverge import Tolerance, find_divergence, rejudge
+from tic_trace.view.align import CanonicalView
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import Tolerance, rejudge
 from tic_trace.testing.faults import FAULTS, hf_faults, plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli
@@ -302,8 +303,8 @@ def test_workers_give_the_same_report(tmp_path, clean_moe):
 
 _FORKED_FINDER = """
 import json, sys
-from tic_trace import measure_workers, parallel
-from tic_trace.diverge import find_divergence
+from tic_trace.compare import measure_workers, parallel
+from tic_trace import find_divergence
 assert parallel.fork_is_safe(), "a process with only numpy and tic-trace loaded may fork"
 starts = []
 pool = measure_workers.imap_ordered
@@ -344,8 +345,8 @@ def test_measurements_sent_back_by_workers_are_small(clean_moe):
     fraction of the logits."""
     import pickle
 
-    from tic_trace.align import common_points
-    from tic_trace.measure_workers import measure_all
+    from tic_trace.view.align import common_points
+    from tic_trace.compare.measure_workers import measure_all
     va, vb = CanonicalView(str(clean_moe)), CanonicalView(str(clean_moe))
     both, _, _ = common_points(va, vb)
     sizes = {}
@@ -358,7 +359,7 @@ def test_measurements_sent_back_by_workers_are_small(clean_moe):
 def test_one_worker_stays_in_process_and_workers_need_a_nameable_adapter(clean_moe, monkeypatch):
     """workers=1 measures with the caller's views (no pool: an adapter defined in a function is fine); more
     workers must reopen each side by its adapter's name, and say so when it has none."""
-    from tic_trace import measure_workers
+    from tic_trace.compare import measure_workers
     from tic_trace.adapters.hf import HFAdapter
 
     class LocalHF(HFAdapter):
@@ -404,7 +405,7 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
 
     import ray
 
-    from tic_trace.parallel import ItemFailed
+    from tic_trace.compare.parallel import ItemFailed
     model = build_hf_model(tiny_qwen3_config(moe=True))
     plant(model, "hf", "qk_norm_weight", 1)
     trace_hf(model, tmp_path / "b", IDS)

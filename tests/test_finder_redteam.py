@@ -18,8 +18,9 @@ import json
 import pytest
 import torch
 
-from tic_trace.canonical import key_name
-from tic_trace.diverge import find_divergence, rejudge
+from tic_trace.graph.canonical import key_name
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
 from tic_trace.testing.faults import FAULTS, plant, redteam_faults
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 
@@ -89,7 +90,7 @@ def test_topk_width_is_routing_not_an_operator(tmp_path, clean_moe):
 def _bf16_pair_with_reference(tmp_path, change_b):
     """The tiny bf16 MoE saved as an HF checkpoint and traced as side A; the same weights with `change_b`
     applied traced as side B; the report with the checkpoint as reference."""
-    from tic_trace.reference import ExactReference
+    from tic_trace.replay.reference import ExactReference
     ids = sample_tokens(2, 16)
     ck, a = checkpointed_trace(tmp_path, bf16_model(), ids)
     b = bf16_model()

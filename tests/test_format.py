@@ -12,7 +12,7 @@ import torch
 
 import tic_trace
 from tic_trace import TraceFormatError, open_trace
-from tic_trace.format import _HEADER, KIND_INDEX, MAGIC, SCHEMA_VERSION, write_framed
+from tic_trace.store.format import _HEADER, KIND_INDEX, MAGIC, SCHEMA_VERSION, write_framed
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens
 
 from conftest import trace_hf
@@ -159,7 +159,7 @@ def test_a_closed_pass_is_readable_at_once_and_fsynced_before_or_after_close(tmp
     pass is complete and readable as soon as the `with` block ends."""
     import threading
 
-    from tic_trace import format as fmt
+    from tic_trace.store import writer as fmt
     fmt.wait_for_disk()           # passes of earlier tests are not this test's
     synced: list[str] = []
     real_fsync = os.fsync
@@ -195,7 +195,7 @@ def test_a_process_forked_while_the_fsync_thread_runs_syncs_and_closes_its_own_p
     its own passes are fsynced and closed (no descriptor left open) and `wait_for_disk` returns."""
     import threading
 
-    from tic_trace import format as fmt
+    from tic_trace.store import writer as fmt
 
     def one_pass(index: int) -> None:
         w = fmt.PassWriter(tmp_path, index, {})
@@ -229,7 +229,7 @@ def test_a_blob_whose_close_fails_neither_stops_the_fsync_thread_nor_blocks_wait
     passes closed after it are fsynced and closed as usual."""
     import threading
 
-    from tic_trace import format as fmt
+    from tic_trace.store import writer as fmt
 
     class FailingClose:
         def __init__(self, f):

@@ -1,13 +1,13 @@
-"""The fused CPU kernels (tic_trace/host_kernels.py) give the same bits as the torch-op path and numpy."""
+"""The fused CPU kernels (tic_trace/record/host_kernels.py) give the same bits as the torch-op path and numpy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tic_trace import host_copy, host_kernels
-from tic_trace import stats as stats_mod
-from tic_trace.stats import device_hash, numpy_hash, numpy_stats, stats_dict
+from tic_trace.record import host_copy, host_kernels
+from tic_trace.record import stats as stats_mod
+from tic_trace.record.stats import device_hash, numpy_hash, numpy_stats, stats_dict
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -179,8 +179,8 @@ def test_a_thread_asking_while_another_loads_the_kernels_waits_for_them(monkeypa
 def test_stat_slots_match_stats_and_hash_across_paths_and_growth():
     """A pass's slots: fused CPU rows written in place, other dtypes kept as tensors until `fetch`, the arrays
     grown past their capacity; every slot equals `stats_and_hash` of its tensor, in slot order."""
-    from tic_trace.stat_slots import StatSlots
-    from tic_trace.stats import stats_and_hash
+    from tic_trace.record.stat_slots import StatSlots
+    from tic_trace.record.stats import stats_and_hash
     torch.manual_seed(0)
     base = torch.randn(6, 5)
     tensors = [torch.randn(7), torch.randn(3, 4).bfloat16(), torch.arange(9), torch.randn(4, dtype=torch.float64),

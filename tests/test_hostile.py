@@ -20,15 +20,16 @@ import torch
 
 import tic_trace
 from tic_trace import TraceDirectoryInUse, TraceFormatError, open_trace
-from tic_trace import format as fmt
-from tic_trace.adapter import get_adapter, load_adapter, register_adapter
-from tic_trace.align import CanonicalView
-from tic_trace.canonical import feeds_of
-from tic_trace.diverge import Tolerance, find_divergence, rejudge
-from tic_trace.html import render_html
-from tic_trace.report import write_json
+from tic_trace.store import format as fmt
+from tic_trace.graph.adapter import get_adapter, load_adapter, register_adapter
+from tic_trace.view.align import CanonicalView
+from tic_trace.graph.canonical import feeds_of
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import Tolerance, rejudge
+from tic_trace.report.html import render_html
+from tic_trace.report.files import write_json
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
-from tic_trace.text import visible
+from tic_trace.report.text import visible
 from tic_trace.tools.cli import main as cli
 from tic_trace.testing.deadline import deadline
 
@@ -104,7 +105,7 @@ def _plant_module(tmp_path: Path, monkeypatch, name: str) -> Path:
     marker = tmp_path / f"{name}.imported"
     (tmp_path / f"{name}.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-        "from tic_trace.adapter import Adapter\nclass Evil(Adapter):\n    name = 'evil'\n")
+        "from tic_trace.graph.adapter import Adapter\nclass Evil(Adapter):\n    name = 'evil'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return marker
 
@@ -453,7 +454,8 @@ def _cli_cases(dense: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "--html to a directory": (["diff", d, d, "--html", str(tmp / "dir")], "--html"),
         "--json to a directory": (["diff", d, d, "--json", str(tmp / "dir")], "--json"),
-        "--json to /dev/full": (["diff", d, d, "--json", "/dev/full"], "regular file"),
+        # a character device is a stream to write (/dev/stdout must work): /dev/full fails at the write, in one line
+        "--json to /dev/full": (["diff", d, d, "--json", "/dev/full"], "cannot write the JSON report to /dev/full"),
         "--json in a missing directory": (["diff", d, d, "--json", str(tmp / "nope/r.json")], "does not exist"),
         "--from-json not JSON": (["report", "x", "--from-json", str(tmp / "bad.json")], "not a JSON file"),
         "--from-json a list": (["report", "x", "--from-json", str(tmp / "list.json")], "not a tic-trace JSON report"),

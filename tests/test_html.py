@@ -1,4 +1,4 @@
-"""The self-contained HTML report (`tic_trace.html.render_html`) on real reports of tiny HF models.
+"""The self-contained HTML report (`tic_trace.report.html.render_html`) on real reports of tiny HF models.
 
 (a) Unit tests of the page text: the answer comes first, every string from the report is escaped, nothing
     is loaded from outside the page, the SVG is well formed, and odd reports (consistent, no token errors, no
@@ -25,9 +25,10 @@ import torch
 import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
-from tic_trace.canonical import CURVE_POINTS  # noqa: E402
-from tic_trace.diverge import Tolerance, find_divergence, rejudge, sort_points  # noqa: E402
-from tic_trace.html import render_html, write_html  # noqa: E402
+from tic_trace.graph.canonical import CURVE_POINTS  # noqa: E402
+from tic_trace import find_divergence  # noqa: E402
+from tic_trace.compare.diverge import Tolerance, rejudge, sort_points  # noqa: E402
+from tic_trace.report.html import render_html, write_html  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import tic_trace
-from tic_trace.format import open_trace
+from tic_trace import open_trace
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 
 from conftest import trace_hf

@@ -22,14 +22,14 @@ import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudl
 import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
-from tic_trace.adapter import get_adapter  # noqa: E402
+from tic_trace.graph.adapter import get_adapter  # noqa: E402
 from tic_trace.adapters.megatron import (  # noqa: E402
     POINTS, MegatronAdapter, rows_from_packed, rows_from_sbhd, zigzag_position)
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
-from tic_trace.align import CanonicalView  # noqa: E402
-from tic_trace.canonical import key_name  # noqa: E402
-from tic_trace.diverge import find_divergence, rejudge  # noqa: E402
-from tic_trace.filters import Filters  # noqa: E402
+from tic_trace.view.align import CanonicalView  # noqa: E402
+from tic_trace.graph.canonical import key_name  # noqa: E402
+from tic_trace import Filters, find_divergence  # noqa: E402
+from tic_trace.compare.diverge import rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing.faults import FAULTS, hf_faults, megatron_faults, plant, prepare  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
@@ -644,7 +644,7 @@ def test_te_spec_names_on_a_te_shaped_tree(tmp_path, hf_models, tokens, single_r
 def test_qkv_split_and_kv_head_merge_units():
     """megatron_qkv against megatron_weights' own interleave (with and without the output gate), and the
     KV-head de-duplication when query groups < TP ranks."""
-    from tic_trace.adapter import TransformContext, merge, transform
+    from tic_trace.graph.adapter import TransformContext, merge, transform
     from tic_trace.adapters.megatron_weights import _interleave_qkv
 
     n, nq, ng, hd = 5, 8, 2, 3

@@ -1,10 +1,10 @@
-"""tic_trace.parallel: ordered results from worker processes, errors that name the item."""
+"""tic_trace.compare.parallel: ordered results from worker processes, errors that name the item."""
 import os
 
 import numpy as np
 import pytest
 
-from tic_trace.parallel import ItemFailed, map_ordered
+from tic_trace.compare.parallel import ItemFailed, map_ordered
 
 
 def _square_and_pid(x: int) -> tuple[int, int]:
@@ -18,7 +18,7 @@ def _fails_on_three(x: int) -> int:
 
 
 def _compare_memmaps(item: tuple[str, str, str]) -> float:
-    from tic_trace.compare import compare_values
+    from tic_trace.compare.metrics import compare_values
     a, b, dtype = item
     return compare_values(np.load(a, mmap_mode="r"), np.load(b, mmap_mode="r"), dtype).rel_l2
 
@@ -61,7 +61,7 @@ def test_forked_workers_inherit_the_callers_state_and_fork_needs_one_thread():
     import sys
     import threading
 
-    from tic_trace.parallel import fork_is_safe
+    from tic_trace.compare.parallel import fork_is_safe
     _INHERITED_STATE[:] = [x * 10 for x in range(8)]
     try:
         out = map_ordered(_read_inherited, range(8), workers=2, start_method="fork")

@@ -42,8 +42,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 import tic_trace  # noqa: E402
 from tic_trace import TraceFormatError, open_trace  # noqa: E402
-from tic_trace import format as fmt  # noqa: E402
-from tic_trace.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
+from tic_trace.store import format as fmt  # noqa: E402
+from tic_trace.record.stats import device_hash, device_stats, numpy_hash, numpy_stats, stats_dict  # noqa: E402
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config  # noqa: E402
 from tic_trace.testing.deadline import deadline
 
@@ -149,8 +149,8 @@ def materialize(files: dict[str, bytes], root: Path) -> Path:
 
 def compare_everything(root: Path) -> str:
     """Read a trace the way the finder does: its canonical view, every point, and a full comparison."""
-    from tic_trace.align import CanonicalView
-    from tic_trace.diverge import find_divergence
+    from tic_trace.view.align import CanonicalView
+    from tic_trace import find_divergence
     v = CanonicalView(str(root))
     return find_divergence(v, v).verdict
 
@@ -434,7 +434,7 @@ def _declared(td: type, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
 def test_fuzz_wrong_types_name_the_field(pristine, scratch, data):
     """Any declared field of the manifest, rank file, pass index or a record, set to a value of the wrong type
     (or out of its bounds): a TraceFormatError naming that file and that field, never anything else."""
-    from tic_trace import schema
+    from tic_trace.store import schema
     name = data.draw(st.sampled_from(sorted(n for n in pristine if kind_of(n) is not None)), label="file")
     kind = kind_of(name)
     obj = msgpack.unpackb(pristine[name][fmt._HEADER.size:], raw=False)
@@ -748,7 +748,7 @@ def test_sigkill_mid_pass_leaves_complete_passes_readable(tmp_path):
 # ================================================================================================ disk full
 
 class _Disk:
-    """A byte budget shared by every file tic_trace.format opens under `root`; writes beyond it raise ENOSPC."""
+    """A byte budget shared by every file tic_trace.store.format opens under `root`; writes beyond it raise ENOSPC."""
 
     def __init__(self, root: Path, budget: int):
         self.root, self.left, self.hits = str(root), budget, 0
@@ -1109,8 +1109,8 @@ def _values(dtype, n: int, case: str, seed: int) -> torch.Tensor:
 
 
 def _agree(t: torch.Tensor, dev_stats: torch.Tensor | None = None) -> None:
-    from tic_trace.dtypes import dtype_info, torch_dtype_name
-    from tic_trace.tracer import _as_storage
+    from tic_trace.store.dtypes import dtype_info, torch_dtype_name
+    from tic_trace.record.capture import _as_storage
     name = torch_dtype_name(t.dtype)
     raw = _as_storage(t.contiguous(), dtype_info(name).storage)
     assert int(device_hash(t)) == numpy_hash(raw)
@@ -1133,7 +1133,7 @@ def test_stats_and_hash_agree_between_device_and_numpy(monkeypatch, dtype, case,
     different orders, before and after the stats.py optimisation alike). Paths: the CPU fast path / CPU
     masked fallback ("default"), the branch-free masked path accelerators always take ("masked"), and hashing
     in many chunks without the cached index table and scratch buffers ("tiny-chunks")."""
-    from tic_trace import stats as stats_mod
+    from tic_trace.record import stats as stats_mod
     if path == "tiny-chunks":
         monkeypatch.setattr(stats_mod, "_CHUNK", 97)
         monkeypatch.setattr(stats_mod, "_TABLE_MAX", 50)

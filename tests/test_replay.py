@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from tic_trace.align import CanonicalView
-from tic_trace.checkpoint import CheckpointError, HFCheckpoint
-from tic_trace.intrinsic import IntrinsicError, NotReplayed, grid_spacing, intrinsic_error, replay_side, round_to
-from tic_trace.intrinsic_verdict import first_intrinsic_divergence, intrinsic_walk
-from tic_trace.reference import ExactReference
+from tic_trace.view.align import CanonicalView
+from tic_trace.replay.checkpoint import CheckpointError, HFCheckpoint
+from tic_trace.replay.intrinsic import IntrinsicError, NotReplayed, grid_spacing, intrinsic_error, replay_side, round_to
+from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence, intrinsic_walk
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS
 
@@ -239,13 +239,13 @@ def _err(point="attn_norm", dtype="bfloat16", excess=1.4, numel=2048, nonfinite=
      ("B", "intrinsic")),
 ])
 def test_intrinsic_verdict_rule(a, b, want):
-    from tic_trace.intrinsic_verdict import intrinsic_verdict
+    from tic_trace.replay.intrinsic_verdict import intrinsic_verdict
     v = intrinsic_verdict(a, b)
     assert (v.side, v.kind if v.side else None) == want, v.reason
 
 
 def test_not_replayed_side_gets_no_verdict():
-    from tic_trace.intrinsic_verdict import intrinsic_verdict
+    from tic_trace.replay.intrinsic_verdict import intrinsic_verdict
     v = intrinsic_verdict(NotReplayed("attn.q", 1, "checkpoint has no q_proj"), _err("attn.q", excess=9.0))
     assert v.side is None and "q_proj" in v.reason
 

@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from tic_trace.diverge import find_divergence, rejudge
-from tic_trace.reference import ExactReference
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS
 from tic_trace.tools.cli import main as cli
@@ -109,7 +110,7 @@ def test_not_replayed_points_are_said_and_judged_by_the_a_minus_b_rule(tmp_path,
 
 
 def test_rejudge_with_other_margins_changes_only_the_replay_verdict(tmp_path, clean):
-    from tic_trace.intrinsic_verdict import Margins
+    from tic_trace.replay.intrinsic_verdict import Margins
     ck, a, ref = clean
     _no_upcast_side(tmp_path / "b")
     doc = _round_trip(find_divergence(str(a), str(tmp_path / "b"), reference=ref))

@@ -29,8 +29,9 @@ import tic_trace
 from tic_trace.adapters import sglang as sga
 from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-from tic_trace.diverge import find_divergence, rejudge
-from tic_trace.reference import ExactReference
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing import sglang_cpu as sc
 from tic_trace.testing.hf_models import build_hf_model_stable, tiny_qwen3_config

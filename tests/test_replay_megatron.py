@@ -11,10 +11,10 @@ import torch
 import tic_trace
 from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-from tic_trace.align import CanonicalView
-from tic_trace.intrinsic import IntrinsicError, replay_side
-from tic_trace.intrinsic_verdict import abnormal, first_intrinsic_divergence, intrinsic_walk
-from tic_trace.reference import ExactReference
+from tic_trace.view.align import CanonicalView
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+from tic_trace.replay.intrinsic_verdict import abnormal, first_intrinsic_divergence, intrinsic_walk
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
 from tic_trace.testing.precision_faults import PRECISION_FAULTS

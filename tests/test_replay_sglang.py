@@ -12,10 +12,10 @@ import transformers
 
 import tic_trace
 from tic_trace.adapters import sglang as sga
-from tic_trace.align import CanonicalView
-from tic_trace.intrinsic import IntrinsicError, replay_side
-from tic_trace.intrinsic_verdict import abnormal, intrinsic_walk
-from tic_trace.reference import ExactReference
+from tic_trace.view.align import CanonicalView
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+from tic_trace.replay.intrinsic_verdict import abnormal, intrinsic_walk
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import sglang_cpu as sc
 from tic_trace.testing.hf_models import build_hf_model_stable, tiny_qwen3_config
 from tic_trace.testing.precision_faults import PRECISION_FAULTS

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 import tic_trace
-from tic_trace.align import CanonicalView
-from tic_trace.diverge import find_divergence, rejudge
-from tic_trace.html import render_html
-from tic_trace.report import headline
+from tic_trace.view.align import CanonicalView
+from tic_trace.compare.diverge import find_divergence, rejudge
+from tic_trace.report.html import render_html
+from tic_trace.report.terminal import headline
 from tic_trace.testing.faults import plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 

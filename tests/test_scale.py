@@ -10,11 +10,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tic_trace
-from tic_trace import host_copy
-from tic_trace import stats as stats_mod
-from tic_trace.diverge import find_divergence
-from tic_trace.format import open_trace
-from tic_trace.stats import (TRANSIENT_BYTES_MAX, device_hash, device_stats, numpy_hash, numpy_stats, stats_and_hash,
+from tic_trace.record import host_copy
+from tic_trace.record import stats as stats_mod
+from tic_trace import find_divergence, open_trace
+from tic_trace.record.stats import (TRANSIENT_BYTES_MAX, device_hash, device_stats, numpy_hash, numpy_stats, stats_and_hash,
                              stats_dict)
 from tic_trace.testing.faults import plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
@@ -96,7 +95,7 @@ def test_forced_device_path_in_many_blocks_matches_numpy(monkeypatch, dtype):
     else:
         t = base.to(dtype)
     t = t.permute(1, 2, 0)                         # strided: cut into slabs along the leading dimensions
-    from tic_trace.dtypes import torch_dtype_name
+    from tic_trace.store.dtypes import torch_dtype_name
     raw = host_copy.as_storage(t.contiguous())
     assert int(device_hash(t)) == numpy_hash(raw)
     dev, host = stats_dict(device_stats(t).numpy()), numpy_stats(raw, torch_dtype_name(t.dtype))
@@ -353,7 +352,7 @@ def test_writer_error_disables_tracing_not_the_forward(tmp_path, staged, monkeyp
     output is untouched and no half-written pass is left as complete."""
     model = build_hf_model(tiny_qwen3_config(moe=True))
     ref = model(IDS).logits
-    from tic_trace import format as fmt
+    from tic_trace.store import writer as fmt
 
     def boom(self, data):
         raise OSError(28, "No space left on device")
@@ -418,7 +417,7 @@ def _reference_metrics(a, b, mant):
 @pytest.mark.parametrize("block", [1 << 20, 37, 5])
 @pytest.mark.parametrize("case", ["close", "equal-rows", "nonfinite", "rows-longer-than-a-block"])
 def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, case):
-    from tic_trace import compare
+    from tic_trace.compare import metrics as compare
     monkeypatch.setattr(compare, "BLOCK_ELEMS", block)
     rng = np.random.default_rng(1)
     shape = (40, 3, 16) if case != "rows-longer-than-a-block" else (3, 200)
@@ -439,7 +438,7 @@ def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, 
 
 
 def test_routing_comparison_matches_per_row_sets():
-    from tic_trace.compare import compare_routing
+    from tic_trace.compare.metrics import compare_routing
     rng = np.random.default_rng(2)
     n, k, e = 300, 4, 16
     A = np.stack([rng.permutation(e)[:k] for _ in range(n)])
@@ -463,7 +462,7 @@ def test_comparator_heap_is_bounded_by_blocks_not_the_tensor(tmp_path):
     """compare_values on two memory-mapped 128 MiB float32 arrays: the Python heap peak (tracemalloc sees
     numpy's allocations) stays within a few float64 blocks plus the per-row results, far below one input."""
     import tracemalloc
-    from tic_trace.compare import BLOCK_ELEMS, compare_values
+    from tic_trace.compare.metrics import BLOCK_ELEMS, compare_values
     rows, cols = 8192, 4096
     paths = []
     for side in "ab":

@@ -28,7 +28,7 @@ import sglang  # noqa: E402,F401 - a required test dependency: fail loudly if mi
 import megatron.core  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
-from tic_trace.adapter import get_adapter  # noqa: E402
+from tic_trace.graph.adapter import get_adapter  # noqa: E402
 from tic_trace.adapters import sglang as sga  # noqa: E402
 from tic_trace.adapters import sglang_server as sgs  # noqa: E402
 from tic_trace.adapters.megatron import MegatronAdapter  # noqa: E402
@@ -36,9 +36,10 @@ from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_
 from tic_trace.adapters.sglang import (  # noqa: E402
     ARCH_MODULES, ARCH_OF_CLASS, POINTS, SGLangAdapter, close_sessions, forward_hooks_spec, record_module,
     tracing_problems)
-from tic_trace.align import CanonicalView, align_rows  # noqa: E402
-from tic_trace.canonical import key_name  # noqa: E402
-from tic_trace.diverge import DEFAULT_TOL, find_divergence, rejudge  # noqa: E402
+from tic_trace.view.align import CanonicalView, align_rows  # noqa: E402
+from tic_trace.graph.canonical import key_name  # noqa: E402
+from tic_trace import find_divergence  # noqa: E402
+from tic_trace.compare.diverge import DEFAULT_TOL, rejudge  # noqa: E402
 from tic_trace.testing import megatron_cpu as mc  # noqa: E402
 from tic_trace.testing import sglang_cpu as sc  # noqa: E402
 from tic_trace.testing.faults import FAULTS, hf_faults, plant, prepare, sglang_faults  # noqa: E402
@@ -609,8 +610,8 @@ def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
 
     from rich.console import Console
 
-    from tic_trace.html import render_html
-    from tic_trace.report import render_terminal
+    from tic_trace.report.html import render_html
+    from tic_trace.report.terminal import render_terminal
     buf = StringIO()
     render_terminal(rep.to_json(), Console(file=buf, width=200))
     assert "2 rank merge(s) disagree with what the model declares" in buf.getvalue()
@@ -618,7 +619,7 @@ def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
 
 
 def test_sglang_merges_units():
-    from tic_trace.adapter import TransformContext, merge, transform
+    from tic_trace.graph.adapter import TransformContext, merge, transform
 
     cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3}
     rng = np.random.default_rng(0)

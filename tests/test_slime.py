@@ -232,11 +232,11 @@ def test_flags_off_leave_slime_defaults_and_import_nothing():
     assert ours == {"tic_trace": False, "tic_trace_dir": None, "tic_trace_rollout_ids": "0",
                     "tic_trace_max_samples": 4, "tic_trace_mode": "rows", "tic_trace_filter": None}
     assert {k: v for k, v in vars(args).items() if not k.startswith("tic_trace")} == plain
-    assert ts.MODES == __import__("tic_trace.filters", fromlist=["MODES"]).MODES
+    assert ts.MODES == __import__("tic_trace.record.filters", fromlist=["MODES"]).MODES
     # importing the flag module pulls in no framework adapter and no framework
     code = ("import sys; import tic_trace.integrations.slime; "
             "bad = [m for m in ('tic_trace.adapters.megatron', 'tic_trace.adapters.sglang', 'megatron', 'sglang', "
-            "'tic_trace.align', 'tic_trace.diverge') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+            "'tic_trace.view.align', 'tic_trace.compare.diverge') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -118,7 +118,7 @@ def test_real_flow_slime_report(flow, tmp_path):
     assert rep0["verdict"] == "consistent" and rep0["rows"]["matched"] == 20   # (9 + 3) + (5 + 3) rows
     # the Megatron side recorded slime's --hf-checkpoint; that folder holds no weights here (config and
     # tokenizer only), so slime-report says the replay is off and answers with the A-B rule
-    from tic_trace.align import CanonicalView
+    from tic_trace.view.align import CanonicalView
     recorded = CanonicalView(rep0["slime"]["a"]).trace.manifest["slime"]["hf_checkpoint"]
     assert recorded and Path(recorded, "config.json").is_file() and rep0["slime"]["reference"] is None
     bad = tmp_path / "r1.json"

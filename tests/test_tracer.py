@@ -8,8 +8,8 @@ from torch import nn
 
 import tic_trace
 from tic_trace import Filters, open_trace
-from tic_trace.canonical import BY_NAME
-from tic_trace.stats import numpy_hash, numpy_stats
+from tic_trace.graph.canonical import BY_NAME
+from tic_trace.record.stats import numpy_hash, numpy_stats
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens
 
 from conftest import trace_hf
@@ -178,7 +178,7 @@ def test_failure_mid_forward_disables_tracing_once(tmp_path, hf_moe_config, capl
     with torch.no_grad():
         ref = model(ids).logits
     calls = {"n": 0}
-    from tic_trace.stat_slots import StatSlots
+    from tic_trace.record.stat_slots import StatSlots
     real = StatSlots.add
 
     def flaky(self, x):
@@ -303,7 +303,7 @@ def test_activation_recompute_is_skipped_by_default(tmp_path):
 
 
 def test_hf_adapter_finds_every_promised_point(tmp_path, hf_moe_config, hf_dense_config):
-    from tic_trace.align import CanonicalView
+    from tic_trace.view.align import CanonicalView
     for name, cfg in (("moe", hf_moe_config), ("dense", hf_dense_config)):
         trace_hf(build_hf_model(cfg), tmp_path / name, sample_tokens(2, 5))
         v = CanonicalView(tmp_path / name)
@@ -358,8 +358,8 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
     inside the tracer is not recorded, and the pass says so (before: lost without a word)."""
     import threading
 
-    from tic_trace.filters import Filters
-    from tic_trace.tracer import CONCURRENT_THREADS_NOTE
+    from tic_trace import Filters
+    from tic_trace.record.guard import CONCURRENT_THREADS_NOTE
     entered, released = threading.Event(), threading.Event()
 
     class HoldInsideTheTracer(Filters):
@@ -383,7 +383,7 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
 
 
 def test_a_single_threaded_forward_has_no_concurrency_note(tmp_path):
-    from tic_trace.tracer import CONCURRENT_THREADS_NOTE
+    from tic_trace.record.guard import CONCURRENT_THREADS_NOTE
     model = _Side()
     with torch.no_grad(), tic_trace.trace(model, tmp_path / "t") as t:
         model(torch.randn(3, 4))

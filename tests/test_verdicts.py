@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import tic_trace
-from tic_trace.compare import compare_values
-from tic_trace.diverge import find_divergence, rejudge
-from tic_trace.judge import FlipFacts, SettingsError, Tolerance, judge
-from tic_trace.report import render_terminal
-from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, Report, encode, num
+from tic_trace.compare.metrics import compare_values
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
+from tic_trace.compare.judge import FlipFacts, SettingsError, Tolerance, judge
+from tic_trace.report.terminal import render_terminal
+from tic_trace import Report
+from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, encode, num
 from tic_trace.testing.faults import FAULTS, plant, prepare
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli
@@ -270,7 +272,7 @@ def test_cli_crash_is_no_answer_never_divergence(tmp_path, capsys, monkeypatch):
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash in the finder")
-    monkeypatch.setattr("tic_trace.diverge.find_divergence", boom)
+    monkeypatch.setattr("tic_trace.compare.diverge.find_divergence", boom)
     assert cli(["first-divergence", a, a]) == EXIT_ERROR == 2
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("error: first-divergence failed: RuntimeError: simulated crash in the finder")

@@ -2,7 +2,11 @@
 
 Exit codes: 0 consistent (or command succeeded), 1 divergence found, 2 error: no answer (bad input,
 unreadable trace, a crash), 3 not comparable (nothing, or not every point both sides record, could be
-compared). A failure prints one line naming what failed (the traceback with --debug) and never exits 1.
+compared; or the --reference checkpoint is not the traces' model or weights). A failure prints one line
+naming what failed (the traceback with --debug) and never exits 1.
+`--json -` / `--html -` write that report alone to stdout; the terminal report then goes to stderr. A reader
+that closes stdout early (`| head -1`) never changes the exit code. Outputs never land on inputs
+(tools/outputs.py).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from tic_trace.text import visible
+from tic_trace.report.text import visible
 from tic_trace.tools.options import Parser as _Parser
 from tic_trace.tools.options import checkpoint_dir as _checkpoint_dir
 from tic_trace.tools.options import count as _count
@@ -26,6 +30,7 @@ from tic_trace.tools.options import record_pattern as _record_pattern
 from tic_trace.tools.options import tol_item as _tol_item
 from tic_trace.tools.options import tolerance as _tolerance
 from tic_trace.tools.options import torch_device as _torch_device
+from tic_trace.tools.options import GROWTH_HELP, HTML_HELP, JSON_HELP, TOL_HELP, WORST_TOKENS_HELP
 from tic_trace.tools.options import WORKERS_HELP as _WORKERS_HELP
 from tic_trace.tools.options import workers as _workers
 
@@ -35,8 +40,9 @@ _MAX_REPORT_BYTES = 256 << 20
 
 def _load_report(path: str) -> dict:
     """A saved JSON report, checked against the report schema before anything renders it."""
-    from tic_trace.format import TraceFormatError, read_bounded
-    from tic_trace.schema import ReportDoc, validate
+    from tic_trace import TraceFormatError
+    from tic_trace.store.format import read_bounded
+    from tic_trace.store.schema import ReportDoc, validate
     p = Path(path)
     try:
         raw = read_bounded(p, p.parent, _MAX_REPORT_BYTES, "JSON report")
@@ -49,45 +55,39 @@ def _load_report(path: str) -> dict:
 
 
 def _views(args, console):
-    from tic_trace.align import CanonicalView
+    from tic_trace.view.align import CanonicalView
     va = CanonicalView(args.a, args.adapter_a)
     vb = CanonicalView(args.b, args.adapter_b)
     return va, vb
 
 
 def _run_compare(args, console: Console) -> dict:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from tic_trace.diverge import find_divergence
+    from tic_trace import find_divergence
+    from tic_trace.tools.progress import progress
     va, vb = _views(args, console)
     reference = None
     if getattr(args, "reference", None):
-        from tic_trace.reference import ExactReference
+        from tic_trace.replay.reference import ExactReference
         reference = ExactReference(args.reference, device=args.reference_device)
     total = len(set(va.points()) & set(vb.points())) * (2 if reference is not None else 1)
-    with Progress(TextColumn("comparing {task.fields[key]:<24}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                  disable=not sys.stderr.isatty()) as prog:
-        task = prog.add_task("cmp", total=total, key="")
-        rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens,
-                              progress=lambda k: prog.update(task, advance=1, key=k),
+    with progress(total) as step:
+        rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens, progress=step,
                               accept_near_tie=args.accept_near_tie_routing, reference=reference,
-                              backend=args.workers[0], workers=args.workers[1])
+                              backend=args.workers[0], workers=args.workers[1],
+                              allow_unverified=getattr(args, "allow_unverified", False))
     return rep.to_json()
 
 
 def _emit(report: dict, args, console: Console, all_points: bool) -> int:
     """Write the JSON/HTML first (a rendering failure must not lose them), then the terminal report."""
-    from tic_trace.report import render_terminal, write_reports
-    from tic_trace.report_schema import EXIT_ERROR, VERDICT_EXIT
+    from tic_trace.report.terminal import render_terminal
+    from tic_trace.report.schema import EXIT_ERROR, VERDICT_EXIT
+    from tic_trace.tools.outputs import is_stdout, write_reports
     with open(os.devnull, "w") as devnull:
-        try:
-            write_reports(report, Console(file=devnull), getattr(args, "json", None), getattr(args, "html", None))
-        except OSError as e:
-            raise SystemExit(f"cannot write the report to {e.filename or 'its file'}: {e.strerror or e}") from None
+        write_reports(report, Console(file=devnull), getattr(args, "json", None), getattr(args, "html", None))
     render_terminal(report, console, all_points=all_points)
     for what, path in (("JSON", getattr(args, "json", None)), ("HTML", getattr(args, "html", None))):
-        if path:
+        if path and not is_stdout(path):
             console.print(Text(f"{what} report: {visible(path)}"))
     return VERDICT_EXIT.get(report.get("verdict"), EXIT_ERROR)
 
@@ -100,12 +100,41 @@ def cmd_first(args, console):
     return _emit(_run_compare(args, console), args, console, all_points=False)
 
 
+def _contradiction(saved: dict, again: dict) -> str | None:
+    """How a saved report's judgement differs from its points' re-judgement with its own settings (None: it
+    does not): the verdict, the first divergence, or the first point whose status differs."""
+    def first(d):
+        fd = d.get("first_divergence")
+        return fd.get("key") if isinstance(fd, dict) else None
+
+    def says(d):
+        return f"{d.get('verdict')}" + (f" at {first(d)}" if first(d) else "")
+    if saved.get("verdict") != again.get("verdict") or first(saved) != first(again):
+        return f"its saved verdict is {says(saved)}, its own points say {says(again)}"
+    for p, q in zip(saved.get("points") or [], again.get("points") or []):
+        if p.get("status") != q.get("status"):
+            return (f"point {p.get('key')} is saved as {p.get('status')}, its own numbers make it "
+                    f"{q.get('status')} (the saved verdict {says(saved)} rests on it)")
+    return None
+
+
 def cmd_report(args, console):
     if args.from_json:
-        from tic_trace.diverge import rejudge
-        report = _load_report(args.from_json)
+        from tic_trace.compare.diverge import rejudge
+        from tic_trace.report.schema import EXIT_NOT_COMPARABLE
+        from tic_trace.report.text import error_line
+        saved = _load_report(args.from_json)
+        # Never print a saved verdict on trust: re-judge the saved points with the saved settings first. A file
+        # whose verdict its own points contradict was edited (or written by another judge): no answer from it.
+        report = rejudge(saved)
+        why = _contradiction(saved, report)
+        if why is not None:
+            console.print(error_line(f"{args.from_json}: {why}: the file was edited or written by another "
+                                     "tic-trace; make the report again from the traces (tic-trace report A B "
+                                     "--json FILE)"), soft_wrap=True)
+            return EXIT_NOT_COMPARABLE
         if args.tol or args.growth is not None or args.accept_near_tie_routing:
-            report = rejudge(report, _tolerance(args) if args.tol or args.growth is not None else None,
+            report = rejudge(saved, _tolerance(args) if args.tol or args.growth is not None else None,
                              accept_near_tie=True if args.accept_near_tie_routing else None)
     else:
         if not args.b:
@@ -115,7 +144,7 @@ def cmd_report(args, console):
 
 
 def cmd_inspect(args, console):
-    from tic_trace.inspect import inspect_trace
+    from tic_trace.report.inspect import inspect_trace
     inspect_trace(args.trace, console, rank=args.rank, pass_index=args.pass_index, pattern=args.filter,
                   records=args.records, points=args.points, limit=args.limit)
     return 0
@@ -127,8 +156,11 @@ def cmd_demo(args, console):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import tic_trace
     p = _Parser(prog="tic-trace", description=__doc__.splitlines()[0],
                 epilog="--debug (anywhere): print the traceback of a failure")
+    p.add_argument("--version", action="version", version=f"tic-trace {tic_trace.__version__}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def compare_args(sp, two=True):
@@ -136,10 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("b", nargs=None if two else "?", help="trace directory to check (e.g. the rollout side)")
         sp.add_argument("--adapter-a", help="adapter for A (default: the framework named in A's manifest)")
         sp.add_argument("--adapter-b", help="adapter for B (default: the framework named in B's manifest)")
-        sp.add_argument("--growth", type=_positive, default=None,
-                        help="a point diverges when its error exceeds its inputs' error by this factor (default 10)")
-        sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item,
-                        help="relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3)")
+        sp.add_argument("--growth", type=_positive, default=None, help=GROWTH_HELP)
+        sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=_tol_item, help=TOL_HELP)
         sp.add_argument("--accept-near-tie-routing", action="store_true",
                         help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
                              "still shown): for runs that replay routing or accept near ties")
@@ -148,11 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "from each side's own inputs and name the side whose op is less exact (docs/replay.md)")
         sp.add_argument("--reference-device", type=_torch_device, default="cpu",
                         help="torch device for the float64 replay (default cpu)")
-        sp.add_argument("--worst-tokens", type=_count, default=8)
+        sp.add_argument("--allow-unverified", action="store_true",
+                        help="compare a side whose architecture is not in its adapter's table (refused by "
+                             "default, exit 3), every report marked UNVERIFIED MAPPING (README: supported "
+                             "architectures)")
+        sp.add_argument("--worst-tokens", type=_count, default=8, help=WORST_TOKENS_HELP)
         sp.add_argument("--workers", type=_workers, default=("processes", 1), metavar="N|ray:N",
                         help=_WORKERS_HELP)
-        sp.add_argument("--json", type=_output_file, help="also write the JSON report here")
-        sp.add_argument("--html", type=_output_file, help="also write a self-contained HTML report here")
+        sp.add_argument("--json", type=_output_file, metavar="FILE|-", help=JSON_HELP)
+        sp.add_argument("--html", type=_output_file, metavar="FILE|-", help=HTML_HELP)
 
     sp = sub.add_parser("diff", help="compare two traces over every canonical point")
     compare_args(sp)
@@ -162,18 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_first)
     sp = sub.add_parser("report", help="write JSON/HTML reports; re-judge a saved JSON with new tolerances")
     compare_args(sp, two=False)
-    sp.add_argument("--from-json", type=_input_file, help="re-render (and with --tol/--growth re-judge) a saved JSON report; A is ignored")
+    sp.add_argument("--from-json", type=_input_file, metavar="FILE",
+                    help="re-judge a saved JSON report from its points (with its own settings, or --tol/--growth/"
+                         "--accept-near-tie-routing) and render it; a file whose verdict its own points contradict "
+                         "is refused (exit 3); A is ignored")
     sp.add_argument("--all", action="store_true", help="print every point, not only the curve")
     sp.set_defaults(fn=cmd_report)
 
     sp = sub.add_parser("inspect", help="what a trace holds: passes, records, sizes, canonical points")
-    sp.add_argument("trace")
-    sp.add_argument("--rank", type=_count)
-    sp.add_argument("--pass", dest="pass_index", type=_count)
+    sp.add_argument("trace", help="the trace directory to describe")
+    sp.add_argument("--rank", type=_count, help="only this rank (default: every rank)")
+    sp.add_argument("--pass", dest="pass_index", type=_count, help="only this pass (forward) of each rank")
     sp.add_argument("--filter", type=_record_pattern, help="glob (or re:regex) over record names")
     sp.add_argument("--records", action="store_true", help="list records")
     sp.add_argument("--points", action="store_true", help="list the canonical points the adapter finds")
-    sp.add_argument("--limit", type=_count, default=200)
+    sp.add_argument("--limit", type=_count, default=200, help="list at most this many records or points (default 200)")
     sp.set_defaults(fn=cmd_inspect)
 
     sp = sub.add_parser("demo", help="trace a built-in tiny model twice (once with a planted fault) and find it")
@@ -181,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="which two implementations to compare (default hf-hf)")
     sp.add_argument("--fault", default="router_bf16",
                     help="planted fault (see tic_trace/testing/faults.py), e.g. routing_near_tie; 'none' for a clean pair")
-    sp.add_argument("--layer", type=_count, default=1)
+    sp.add_argument("--layer", type=_count, default=1, help="the layer the fault is planted in (default 1)")
     sp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16: a bf16 pair judged with the exact reference (a checkpoint saved in --out); "
                          "faults from tic_trace/testing/precision_faults.py, e.g. rmsnorm_no_upcast")
@@ -197,12 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(console: Console, what: str, debug: bool) -> int:
+def _fail(console: Console, what: str, debug: bool, label: str = "error: ") -> int:
     """One line naming what failed (plus the traceback under --debug); the no-answer exit code."""
     from rich.text import Text
 
-    from tic_trace.report_schema import EXIT_ERROR
-    line = Text("error: ", style="bold red") + Text(visible(what))
+    from tic_trace.report.schema import EXIT_ERROR
+    line = Text(label, style="bold red") + Text(visible(what))
     if not debug:
         line += Text("  (--debug prints the traceback)", style="dim")
     console.print(line, soft_wrap=True)
@@ -213,27 +250,47 @@ def _fail(console: Console, what: str, debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tic_trace.format import TraceFormatError
-    from tic_trace.judge import SettingsError
-    from tic_trace.parallel import ItemFailed
-    from tic_trace.report_schema import EXIT_DIVERGENT, EXIT_ERROR
+    from tic_trace.replay.checkpoint import ReferenceMismatch
+    from tic_trace import TraceFormatError
+    from tic_trace.compare.judge import SettingsError
+    from tic_trace.compare.parallel import ItemFailed
+    from tic_trace.report.schema import EXIT_DIVERGENT, EXIT_ERROR
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    from tic_trace.tools.outputs import OutputRefused, PipeSafe, check_outputs, wants_stdout
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as e:   # a usage error: _Parser printed its one line
+    except SystemExit as e:   # a usage error: _Parser printed its one line (or --help / --version their text)
         return e.code if isinstance(e.code, int) else EXIT_ERROR
+    try:
+        check_outputs(args)
+    except OutputRefused as e:
+        sys.stderr.write(f"tic-trace {args.cmd}: error: {visible(e)}\n")
+        return EXIT_ERROR
+    # A report on stdout (--json -) leaves stdout to it: the terminal report goes to stderr. Either stream may be
+    # closed by its reader (| head -1): PipeSafe drops what is left, and the verdict's exit code stands.
+    stream = PipeSafe(sys.stderr if wants_stdout(args) else sys.stdout)
     # Reports are read in CI logs as often as in terminals: never squeeze tables into 80 columns.
     # emoji=False: a trace string like ":thumbs_up:" stays text; trace strings are printed as Text (text.py).
-    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 140)
+    console = Console(file=stream, highlight=False, emoji=False, width=None if stream.isatty() else 140)
     try:
         code = int(args.fn(args, console) or 0)
     except TraceFormatError as e:
         return _fail(console, f"unreadable trace: {e}", debug)
+    except ReferenceMismatch as e:      # the checkpoint is not the traces' model or weights: no exact answer
+        from tic_trace.report.schema import EXIT_NOT_COMPARABLE
+        _fail(console, f"{e}", debug, label="NOT COMPARABLE with the reference: ")
+        return EXIT_NOT_COMPARABLE
     except SettingsError as e:
         return _fail(console, f"bad setting: {e}", debug)
-    except ItemFailed as e:     # a point failed in a worker: the message names it
+    except ItemFailed as e:     # a point failed in a worker: one line names it; others are counted, listed with --debug
+        more = f" ({len(e.others)} more work item(s) failed too; --debug lists them)" if e.others and not debug else ""
+        code = _fail(console, f"{args.cmd}: {e}{more}", debug)
+        for other in e.others if debug else ():
+            console.print(Text("error: also: ", style="bold red") + Text(visible(other)), soft_wrap=True)
+        return code
+    except OutputRefused as e:  # an output found to land on an input once the command knew all its inputs
         return _fail(console, f"{args.cmd}: {e}", debug)
     except (FileNotFoundError, ValueError, KeyError) as e:
         return _fail(console, f"{args.cmd}: {type(e).__name__}: {e}", debug)

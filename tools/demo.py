@@ -73,7 +73,7 @@ def prepare_out(out: Path) -> None:
 def demo_out_dir(out: str | None, console: Console) -> Path:
     """Where the demo writes, made ready: ``--out``, or a new temporary directory (so a checkout stays clean);
     says which."""
-    from tic_trace.text import text
+    from tic_trace.report.text import text
     path = Path(out) if out else Path(tempfile.mkdtemp(prefix="tic-trace-demo-"))
     prepare_out(path)
     console.print(text(f"the demo writes its traces and reports under {path}"), soft_wrap=True)  # a path to copy
@@ -81,11 +81,12 @@ def demo_out_dir(out: str | None, console: Console) -> Path:
 
 
 def run_demo(args, console: Console) -> int:
-    from tic_trace.diverge import find_divergence
-    from tic_trace.html import render_html
-    from tic_trace.inspect import inspect_trace
-    from tic_trace.report import render_terminal, write_json
-    from tic_trace.text import text
+    from tic_trace import find_divergence
+    from tic_trace.report.html import render_html
+    from tic_trace.report.inspect import inspect_trace
+    from tic_trace.report.files import write_json
+    from tic_trace.report.terminal import render_terminal
+    from tic_trace.report.text import text
     from tic_trace.tools import demo_precision
     if demo_precision.wanted(args):           # bf16 with the exact reference (docs/replay.md)
         return demo_precision.run(args, console)
@@ -112,7 +113,7 @@ def run_demo(args, console: Console) -> int:
     (out / "report.html").write_text(render_html(report), encoding="utf-8")
     console.print(text(f"reports: {out / 'report.json'}  {out / 'report.html'}"))
     # the demo's own exit code: 0 when it found what it planted (or, clean, nothing), 2 when it did not
-    from tic_trace.report_schema import EXIT_ERROR
+    from tic_trace.report.schema import EXIT_ERROR
     from tic_trace.testing.faults import FAULTS
     expected = FAULTS[fault].cause if fault in FAULTS else None
     got = (report.get("first_divergence") or {}).get("cause") if report["verdict"] == "divergent" else None

@@ -56,12 +56,13 @@ def _trace(out: Path, fault: str | None, layer: int, ckpt: Path | None) -> None:
 def run(args, console: Console) -> int:
     """Trace, compare with the reference, render; exit 0 when the report names what was planted (or, clean,
     nothing), 2 when it does not."""
-    from tic_trace.diverge import find_divergence
-    from tic_trace.html import render_html
-    from tic_trace.report import render_terminal, write_json
-    from tic_trace.report_schema import EXIT_ERROR
+    from tic_trace import find_divergence
+    from tic_trace.report.html import render_html
+    from tic_trace.report.files import write_json
+    from tic_trace.report.terminal import render_terminal
+    from tic_trace.report.schema import EXIT_ERROR
     from tic_trace.testing.precision_faults import PRECISION_FAULTS
-    from tic_trace.text import text
+    from tic_trace.report.text import text
     from tic_trace.tools.demo import demo_out_dir
     _check(args)
     out = demo_out_dir(args.out, console)

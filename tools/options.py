@@ -10,7 +10,7 @@ import stat
 import sys
 from pathlib import Path
 
-from tic_trace.text import visible
+from tic_trace.report.text import visible
 
 
 
@@ -48,8 +48,8 @@ def positive(s: str) -> float:
 
 def tol_item(item: str) -> tuple[str, float]:
     """NAME=VALUE, NAME a dtype (bfloat16) or a canonical point (attn.core, L3.mid)."""
-    from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import SettingsError, check_point_key
+    from tic_trace.store.dtypes import known_dtype
+    from tic_trace.compare.judge import SettingsError, check_point_key
     name, eq, value = item.partition("=")
     if not eq or not name or not value:
         raise argparse.ArgumentTypeError(
@@ -67,6 +67,13 @@ def tol_item(item: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{item!r}: the tolerance must be a finite number, 0 or more")
     return name, v
 
+
+GROWTH_HELP = "a point diverges when its error exceeds its inputs' error by this factor (default 10)"
+TOL_HELP = "relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3); repeatable"
+WORST_TOKENS_HELP = "how many tokens with the largest |Δ logprob| to report, with where each one's divergence starts (default 8)"
+JSON_HELP = ("also write the JSON report here (every point and token, unbounded); '-': the JSON alone on stdout, "
+             "the terminal report then goes to stderr")
+HTML_HELP = "also write a self-contained HTML report here; '-': the page alone on stdout, the terminal report to stderr"
 
 WORKERS_HELP = ("measure the points in N processes, or as Ray tasks with ray:N (on the cluster ray.init "
                 "connects to, else a local Ray of N CPUs); the report is the same (default 1: in this process)")
@@ -91,18 +98,26 @@ def record_pattern(s: str) -> str:
 
 
 def output_file(s: str) -> str:
-    """A report file to write: a regular file or a new name, in an existing writable directory."""
-    p = Path(s)
-    if p.exists() or p.is_symlink():
-        try:
-            mode = p.stat().st_mode
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
+    """A report file to write: `-` (stdout), a regular file or a new name in an existing writable directory, or a
+    character device or pipe (/dev/stdout, /dev/null). A symlink is judged by its target, which gets the report
+    (the link stays). Whether it lands on an input is checked once all arguments are known (tools/outputs.py)."""
+    if s == "-":
+        return s
+    try:
+        mode = os.stat(s).st_mode         # a symlink's target
+    except FileNotFoundError:
+        mode = None                       # a new name, or a link to one
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{s}: {e.strerror}") from None
+    real = Path(os.path.realpath(s))
+    if mode is not None:
         if stat.S_ISDIR(mode):
-            raise argparse.ArgumentTypeError(f"{s} is a directory; give a file name, e.g. {p / 'report'}")
+            raise argparse.ArgumentTypeError(f"{s} is a directory; give a file name, e.g. {Path(s) / 'report'}")
+        if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+            return s                  # a stream: written in place (a pipe, /dev/stdout, /dev/null)
         if not stat.S_ISREG(mode):
-            raise argparse.ArgumentTypeError(f"{s} is not a regular file (a device or pipe)")
-    parent = p.parent if str(p.parent) else Path(".")
+            raise argparse.ArgumentTypeError(f"{s} is not a regular file, a character device or a pipe")
+    parent = real.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{s}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -117,7 +132,7 @@ def checkpoint_dir(s: str) -> str:
     if not p.is_dir():
         raise argparse.ArgumentTypeError(f"{s} is not a directory: give the HF checkpoint directory "
                                          "(config.json + *.safetensors), e.g. slime's --hf-checkpoint")
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").exists():     # what kind of file it is, HFCheckpoint checks (without blocking)
         raise argparse.ArgumentTypeError(f"{s} has no config.json: give the HF checkpoint directory "
                                          "(config.json + *.safetensors)")
     return s
@@ -158,8 +173,8 @@ def input_file(s: str) -> str:
 
 def tolerance(args):
     """The Tolerance of --tol/--growth (parsed by tol_item/positive); Tolerance refuses what it cannot judge with."""
-    from tic_trace.dtypes import known_dtype
-    from tic_trace.judge import DEFAULT_GROWTH, Tolerance
+    from tic_trace.store.dtypes import known_dtype
+    from tic_trace.compare.judge import DEFAULT_GROWTH, Tolerance
     per_dtype, per_point = {}, {}
     for name, value in args.tol or []:
         (per_dtype if known_dtype(name) else per_point)[name] = value

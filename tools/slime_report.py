@@ -8,28 +8,32 @@ from pathlib import Path
 
 from rich.text import Text
 
-from tic_trace.text import error_line, text
-from tic_trace.tools.options import (WORKERS_HELP, checkpoint_dir, count, output_file, positive, tol_item,
-                                     torch_device, workers)
+from tic_trace.report.text import error_line, text
+from tic_trace.tools.options import (GROWTH_HELP, HTML_HELP, JSON_HELP, TOL_HELP, WORKERS_HELP, WORST_TOKENS_HELP,
+                                     checkpoint_dir, count, output_file, positive, tol_item, torch_device, workers)
 
 
 def add_parser(sub) -> None:
     """Register the ``slime-report`` subcommand on the CLI's subparsers."""
     sp = sub.add_parser("slime-report", help="first-divergence report for one slime rollout traced with --tic-trace")
     sp.add_argument("dir", help="the --tic-trace-dir of the slime run")
-    sp.add_argument("--rollout-id", type=count, required=True)
-    sp.add_argument("--growth", type=positive, default=None)
-    sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=tol_item)
-    sp.add_argument("--worst-tokens", type=count, default=8)
+    sp.add_argument("--rollout-id", type=count, required=True,
+                    help="the rollout to report (one of the run's --tic-trace-rollout-ids)")
+    sp.add_argument("--growth", type=positive, default=None, help=GROWTH_HELP)
+    sp.add_argument("--tol", action="append", metavar="NAME=VALUE", type=tol_item, help=TOL_HELP)
+    sp.add_argument("--worst-tokens", type=count, default=8, help=WORST_TOKENS_HELP)
     sp.add_argument("--workers", type=workers, default=("processes", 1), metavar="N|ray:N",
                     help=WORKERS_HELP)
-    sp.add_argument("--json", type=output_file)
-    sp.add_argument("--html", type=output_file)
+    sp.add_argument("--json", type=output_file, metavar="FILE|-", help=JSON_HELP)
+    sp.add_argument("--html", type=output_file, metavar="FILE|-", help=HTML_HELP)
     sp.add_argument("--reference", type=checkpoint_dir, metavar="HF_DIR",
                     help="HF checkpoint to replay both sides against (default: the run's --hf-checkpoint, as the "
                          "Megatron side recorded it; docs/replay.md)")
     sp.add_argument("--no-reference", action="store_true", help="do not replay, even if the run names a checkpoint")
-    sp.add_argument("--reference-device", type=torch_device, default="cpu")
+    sp.add_argument("--reference-device", type=torch_device, default="cpu",
+                    help="torch device for the float64 replay (default cpu)")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="compare a side whose architecture is not in its adapter's table (refused by default)")
     sp.set_defaults(fn=slime_report)
 
 
@@ -39,10 +43,12 @@ def slime_report(args, console) -> int:
     Prints the tokens with the largest |Δ logprob| and where each one's divergence starts, then the first
     divergence and the rest. Exit codes as the CLI's: 0 consistent, 1 divergent, 2 error (a side is
     missing), 3 not comparable (no row in common)."""
-    from tic_trace.align import CanonicalView
-    from tic_trace.diverge import find_divergence
-    from tic_trace.report import render_terminal, write_reports
-    from tic_trace.report_schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT
+    from tic_trace.view.align import CanonicalView
+    from tic_trace import find_divergence
+    from tic_trace.report.terminal import render_terminal
+    from tic_trace.tools.outputs import refuse_inside, write_reports
+    from tic_trace.tools.progress import progress
+    from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT, architecture_refusal
     from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance
 
@@ -77,13 +83,31 @@ def slime_report(args, console) -> int:
             return 2
     va, vb = CanonicalView(str(sides["megatron"])), CanonicalView(str(sides["sglang"]))
     ref_dir, ref_note = _reference_dir(args, va)
+    # the run's own checkpoint is an input too (the CLI checked the inputs named on the command line)
+    refuse_inside([(o, getattr(args, a, None)) for a, o in (("json", "--json"), ("html", "--html"))],
+                  [("the run's --hf-checkpoint", ref_dir)])
     reference = None
     if ref_dir is not None:
-        from tic_trace.reference import ExactReference
+        from tic_trace.replay.checkpoint import ReferenceMismatch
+        from tic_trace.compare.contract import check_reference
+        from tic_trace.replay.reference import ExactReference
         reference = ExactReference(ref_dir, device=getattr(args, "reference_device", "cpu"))
+        try:
+            check_reference(reference.ckpt, {"A": va, "B": vb})
+        except ReferenceMismatch as e:
+            if getattr(args, "reference", None):     # named by the user: not comparable (the CLI: exit 3)
+                raise
+            # the run's --hf-checkpoint holds the initial weights: a later rollout ran trained ones
+            reference, ref_dir = None, None
+            ref_note = (f"exact replay: off (the run's --hf-checkpoint is not the weights this rollout ran: {e}; "
+                        "pass --reference HF_DIR with this step's weights)")
     backend, n = getattr(args, "workers", ("processes", 1))
-    rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
-                          reference=reference, workers=n, backend=backend)
+    from tic_trace.view.align import common_points
+    steps = len(common_points(va, vb)[0]) * (2 if reference is not None else 1)
+    with progress(steps) as step:
+        rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
+                              reference=reference, workers=n, backend=backend, progress=step,
+                              allow_unverified=getattr(args, "allow_unverified", False))
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
@@ -92,6 +116,8 @@ def slime_report(args, console) -> int:
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
     write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
+    if report["verdict"] == "not_comparable" and architecture_refusal(report):
+        return EXIT_NOT_COMPARABLE           # the headline names the architecture
     if report["verdict"] == "not_comparable" or not (report.get("rows") or {}).get("matched"):
         console.print(Text("nothing compared: ", style="bold yellow") + Text("the two sides share no (sample, position) row. Rows are "
                       "keyed '<rollout>-<sample index>': check that SGLang requests carried that rid (tic_trace"
@@ -113,9 +139,9 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
     if not isinstance(recorded, str) or not recorded:
         return None, ("exact replay: off (the run recorded no --hf-checkpoint; pass --reference HF_DIR to name "
                       "the side whose op is less exact)")
-    from tic_trace.checkpoint import CheckpointError, HFCheckpoint
+    from tic_trace.replay.checkpoint import CheckpointError, HFCheckpoint
     try:
-        HFCheckpoint(recorded)
+        HFCheckpoint(recorded)      # regular files only: a FIFO named there cannot hang the report
     except (CheckpointError, OSError) as e:
         return None, (f"exact replay: off (the run's --hf-checkpoint {recorded} cannot serve as the reference "
                       f"here: {e}; pass --reference HF_DIR)")
@@ -123,7 +149,7 @@ def _reference_dir(args, megatron_view) -> tuple[str | None, str]:
 
 
 def _print_worst(console, report: dict) -> None:
-    from tic_trace.report import render_worst_tokens
+    from tic_trace.report.terminal import render_worst_tokens
     if not render_worst_tokens(console, report, "tokens with the largest |Δ logprob| (A Megatron, B SGLang; logprob "
                                                 "of the next token, before temperature) and where each one's "
                                                 "divergence starts"):

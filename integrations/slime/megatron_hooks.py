@@ -58,7 +58,7 @@ class _Session:
         import torch
 
         import tic_trace
-        from tic_trace.filters import Filters
+        from tic_trace import Filters
         a = self.args
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.tracer = tic_trace.trace(

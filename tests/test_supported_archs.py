@@ -1,0 +1,366 @@
+"""Supported architectures are a list: each adapter names the architectures its table maps, a trace of any
+other is refused by name (not comparable, exit 3) unless unverified mappings are accepted, and then every
+report says so. The README's table is the code's.
+
+Every model here is a tiny random one of a real transformers 5.24 class, built locally (no hub access); the
+SGLang side runs SGLang's own model code on the CPU.
+"""
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+import tic_trace
+from tic_trace.graph.adapter import PointMap, get_adapter, supported_architectures_markdown
+from tic_trace.adapters import hf as hf_adapter
+from tic_trace.adapters import megatron as mg_adapter
+from tic_trace.adapters import sglang_names
+from tic_trace.view.align import CanonicalView
+from tic_trace.compare.contract import CONFIG_KEYS, _diff_dicts, checkpoint_config
+from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
+from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
+from tic_trace.tools.cli import main as cli
+
+from conftest import trace_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = sample_tokens(2, 10)
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_NO_HEAD_DIM = {k: v for k, v in COMMON.items() if k != "head_dim"}
+_MLA = {**_NO_HEAD_DIM, "num_key_value_heads": 4}        # MLA: every head has its own k and v
+_DEEPSEEK_MOE = dict(**MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+
+# One tiny config per row of the HF adapter's table (test_every_hf_table_row_is_run checks they are the same set).
+VERIFIED = {
+    "LlamaForCausalLM": lambda: T.LlamaConfig(**COMMON),
+    "Qwen2ForCausalLM": lambda: T.Qwen2Config(**COMMON),
+    "Qwen3ForCausalLM": lambda: T.Qwen3Config(**COMMON),
+    "Qwen3MoeForCausalLM": lambda: T.Qwen3MoeConfig(**COMMON, **MOE, num_experts=4, norm_topk_prob=True),
+    "Qwen2MoeForCausalLM": lambda: T.Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=64),
+    "MixtralForCausalLM": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "OlmoeForCausalLM": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+}
+# Architectures the red team found mapped wrongly (or with false contract differences): refused by name.
+REFUSED = {
+    "Gemma2ForCausalLM": lambda: T.Gemma2Config(**COMMON),
+    "Gemma3ForCausalLM": lambda: T.Gemma3TextConfig(**COMMON),
+    "DeepseekV3ForCausalLM": lambda: T.DeepseekV3Config(**_MLA, **_DEEPSEEK_MOE, kv_lora_rank=32, q_lora_rank=24,
+                                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "Glm4MoeForCausalLM": lambda: T.Glm4MoeConfig(**COMMON, **_DEEPSEEK_MOE),
+    "GptOssForCausalLM": lambda: T.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "Phi3ForCausalLM": lambda: T.Phi3Config(**_NO_HEAD_DIM),
+    "Qwen3NextForCausalLM": lambda: T.Qwen3NextConfig(**COMMON, **MOE, num_experts=4,
+                                                      layer_types=["linear_attention", "full_attention"]),
+}
+
+
+def _config(factory):
+    cfg = factory()
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _pair(tmp_path: Path, factory, dtype=torch.float32, stable=False):
+    """A clean pair: one tiny random model of the class traced twice (A, B), and the model."""
+    cfg = _config(factory)
+    model = (build_hf_model_stable if stable else build_hf_model)(cfg, dtype=dtype)
+    trace_hf(model, tmp_path / "a", IDS)
+    trace_hf(model, tmp_path / "b", IDS)
+    return tmp_path / "a", tmp_path / "b", model
+
+
+def _arch_notes(rep):
+    notes = rep["notes"] if isinstance(rep, dict) else [n.__dict__ for n in rep.notes]
+    return [n for n in notes if n["kind"] == "unverified_mapping"]
+
+
+# ------------------------------------------------------------------------------------------------ the tables
+
+def test_every_hf_table_row_is_run():
+    """A row added to the table without a model here is a row nobody verified; a refused class in the table
+    is a contradiction."""
+    assert set(VERIFIED) == set(hf_adapter.ARCHITECTURES)
+    assert not set(REFUSED) & set(hf_adapter.ARCHITECTURES)
+    assert set(REFUSED) <= set(hf_adapter.REFUSED)
+
+
+def test_readme_table_is_the_code_table():
+    """The README's supported-architectures block is exactly what the adapters' tables render."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- supported-architectures:begin.*?-->\n(.*?)<!-- supported-architectures:end -->", readme, re.S)
+    assert m, "README.md has no supported-architectures block"
+    assert m.group(1).strip() == supported_architectures_markdown().strip(), (
+        "README's table is not the code's: paste the output of `python -c 'from tic_trace.graph.adapter import "
+        "supported_architectures_markdown as f; print(f())'` between the markers")
+    for ad in ("hf", "megatron", "sglang"):      # every verified and every refused name is in it
+        a = get_adapter(ad)
+        for name in list(a.architectures) + list(a.refused):
+            assert f"`{name}`" in m.group(1), (ad, name)
+
+
+# ------------------------------------------------------------------------------------------------ verified: HF
+
+@pytest.mark.parametrize("name", sorted(VERIFIED))
+def test_verified_hf_architecture_clean_pair(tmp_path, name):
+    """A clean pair of the class is consistent with no unverified note, lists no point as missing, records
+    every point the table promises and none it says the class lacks, and its residual stream adds up."""
+    a, b, model = _pair(tmp_path, VERIFIED[name])
+    assert type(model).__name__ == name
+    v = CanonicalView(str(a))
+    assert v.config["architecture"] == name and v.config["architecture_verified"] is True
+    rep = find_divergence(str(a), str(b))
+    assert rep.verdict == "consistent", [(p.key, p.status) for p in rep.points if p.status != "ok"]
+    assert not _arch_notes(rep) and rep.sides["a"]["architecture"] == {"name": name, "verified": True, "why": ""}
+    assert rep.not_comparable == []          # a dense model without QK-norm lists no attn.q_norm as missing
+    promised = set(v.adapter.promised_points(v.config))
+    assert {p for p, _ in v.points()} == promised | {"logprobs"}
+    arch = hf_adapter.ARCHITECTURES[name]
+    assert not promised & set(arch.lacks)
+    names = {r.name for r in v.trace.open_pass(0, 0).records}
+    for pm in hf_adapter.POINTS:             # what the table says the class lacks, it really does not run
+        if pm.point in arch.lacks:
+            assert not [n for n in names if pm.regex().match(n)], (name, pm.point)
+    # the points are what their names say: the residual stream around attention and MLP adds up
+    for layer in range(2):
+        inp, att, mid, mlp, out = (v.load(p, layer).values for p in ("input", "attn.out", "mid", "mlp.out", "output"))
+        np.testing.assert_allclose(inp + att, mid, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(mid + mlp, out, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIED))
+def test_verified_hf_architecture_replay_covers_what_the_table_says(tmp_path, name):
+    """A bf16 clean pair replayed against its own checkpoint: no divergence, no contract difference (config
+    keys under other names, RoPE spelling, Mixtral's renormalised top-k agree with the checkpoint), and the
+    replay judges every point but exactly the table's `replay_gaps`."""
+    a, b, model = _pair(tmp_path, VERIFIED[name], dtype=torch.bfloat16, stable=True)
+    model.save_pretrained(tmp_path / "ck")
+    rep = find_divergence(str(a), str(b), reference=str(tmp_path / "ck"))
+    assert rep.verdict == "consistent", [(f.cause, f.key, f.summary) for f in rep.findings if f.divergent]
+    # no difference; the "reference" section only says what the replay used (Mixtral: its fused expert
+    # parameters' hashes confirm only some of the checkpoint's per-expert tensors)
+    assert [d for d in rep.contract if d["section"] != "reference"] == []
+    assert all(d["key"] in ("hashes", "weights") for d in rep.contract)
+    gaps = next((n.detail["points"] for n in rep.notes if n.kind == "not_replayed"), {})
+    assert {k.split(".", 1)[1] for k in gaps} == set(hf_adapter.ARCHITECTURES[name].replay_gaps), gaps
+    # each side within the envelope of clean implementations at every replayed point: "equally far from exact"
+    # on both sides is a consistent pair, and also what a replay of the wrong op looks like
+    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
+           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    assert not far, far
+
+
+def test_dense_pairs_without_qk_norm_do_not_list_it_missing_but_qwen3_has_it(tmp_path):
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        a, b, _ = _pair(tmp_path / name, VERIFIED[name])
+        rep = find_divergence(str(a), str(b))
+        assert not [x for x in rep.not_comparable if x["key"].endswith(("q_norm", "k_norm"))], rep.not_comparable
+        assert "attn.q_norm" not in CanonicalView(str(a)).adapter.promised_points(CanonicalView(str(a)).config)
+    a, _, model = _pair(tmp_path / "qwen3", VERIFIED["Qwen3ForCausalLM"])
+    v = CanonicalView(str(a))
+    assert v.config["qk_norm"] and ("attn.q_norm", 0) in set(v.points())
+    assert "attn.q_norm" in v.adapter.promised_points(v.config)
+    # Qwen3 has it: a trace without its records (filtered out here) lists it as missing
+    trace_hf(model, tmp_path / "qwen3" / "c", IDS, filters=tic_trace.Filters(exclude_modules=["*q_norm*"]))
+    rep = find_divergence(str(a), str(tmp_path / "qwen3" / "c"))
+    assert {"attn.q_norm"} <= {x["key"] for x in rep.not_comparable if "promises it" in x["reason"]}
+
+
+# ------------------------------------------------------------------------------------------------ refused: HF
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unverified_hf_architecture_is_refused_by_name(tmp_path, name):
+    """The trace records the class and marks itself unverified; the comparator refuses the pair before
+    measuring anything: not_comparable, naming the class and what the table would get wrong."""
+    a, b, model = _pair(tmp_path, REFUSED[name])
+    assert type(model).__name__ == name
+    m = CanonicalView(str(a)).config
+    assert m["architecture"] == name and m["architecture_verified"] is False
+    rep = find_divergence(str(a), str(b))
+    assert rep.verdict == "not_comparable" and rep.exit_code == 3 and rep.points == []
+    notes = _arch_notes(rep)
+    assert [n["detail"]["side"] for n in notes] == ["a", "b"]
+    for n in notes:
+        assert name in n["summary"] and hf_adapter.REFUSED[name] in n["summary"] and n["detail"]["refused"]
+    assert {x["key"] for x in rep.not_comparable} == {"architecture"}
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc               # a saved refusal stays one
+
+
+def _mid_is_not_the_residual(v: CanonicalView) -> bool:
+    inp, att, mid = (v.load(p, 1).values for p in ("input", "attn.out", "mid"))
+    return not np.allclose(inp + att, mid, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["Gemma2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_cli_refuses_then_traces_with_the_opt_in_saying_unverified_everywhere(tmp_path, capsys, name):
+    a, b, _ = _pair(tmp_path, REFUSED[name])
+    capsys.readouterr()
+    assert cli(["first-divergence", str(a), str(b)]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("NOT COMPARABLE: unverified architecture mapping") and name in out.splitlines()[0]
+    assert "--allow-unverified" in out
+    j, h = tmp_path / "r.json", tmp_path / "r.html"
+    assert cli(["first-divergence", str(a), str(b), "--allow-unverified", "--json", str(j), "--html", str(h)]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("CONSISTENT") and "UNVERIFIED MAPPING" in first and name in first
+    doc = json.loads(j.read_text())
+    notes = _arch_notes(doc)
+    assert len(notes) == 2 and all(name in n["summary"] and not n["detail"]["refused"] for n in notes)
+    assert doc["settings"]["allow_unverified"] is True and doc["sides"]["b"]["architecture"]["verified"] is False
+    html = h.read_text()
+    assert "Unverified mapping" in html and name in html
+    assert rejudge(doc) == doc               # re-judged, the note stays: it is a fact of the traces
+    assert cli(["report", "x", "--from-json", str(j)]) == 0
+    assert "UNVERIFIED MAPPING" in capsys.readouterr().out.splitlines()[0]
+    assert cli(["inspect", str(a)]) == 0
+    assert f"UNVERIFIED MAPPING: architecture {name}" in capsys.readouterr().out
+    rep = find_divergence(str(a), str(b), allow_unverified=True)
+    assert rep.verdict == "consistent" and len(_arch_notes(rep)) == 2
+
+
+def test_gemma2_is_refused_because_the_table_maps_it_wrongly(tmp_path):
+    """Why the refusal: traced anyway, Gemma2's `mid` (the input of post_attention_layernorm) is the attention
+    branch, not the residual stream, so input + attn.out != mid; a verified class satisfies the identity
+    (test_verified_hf_architecture_clean_pair)."""
+    a, _, _ = _pair(tmp_path, REFUSED["Gemma2ForCausalLM"])
+    assert _mid_is_not_the_residual(CanonicalView(str(a)))
+
+
+# ------------------------------------------------------------------------------------------------ contract
+
+def _ckpt(tmp_path: Path, factory, edit=None):
+    model = build_hf_model(_config(factory))
+    model.save_pretrained(tmp_path / "ck")
+    if edit is not None:
+        p = tmp_path / "ck" / "config.json"
+        cfg = json.loads(p.read_text())
+        edit(cfg)
+        p.write_text(json.dumps(cfg))
+    # the facts of config.json alone: the reference refuses these architectures' tensors (MLA's o_proj, GPT-OSS's
+    # expert layout are ops it does not model), and what is tested here is how config keys are named
+    from types import SimpleNamespace
+
+    from tic_trace.replay.checkpoint import read_config
+    from tic_trace.replay.model_spec import model_spec
+    cfg = read_config(tmp_path / "ck" / "config.json")
+    return get_adapter("hf").describe([model]), checkpoint_config(SimpleNamespace(spec=model_spec(cfg), config=cfg))
+
+
+def test_config_keys_under_other_names_are_no_contract_difference(tmp_path):
+    """DeepSeek-V3 names its experts `n_routed_experts` / `n_shared_experts`, Mixtral `num_local_experts`: the
+    HF side describes them as the checkpoint and the SGLang adapter do (refused or not, never a false
+    `num_experts 0 vs 4`)."""
+    desc, ck = _ckpt(tmp_path / "ds", REFUSED["DeepseekV3ForCausalLM"])
+    assert desc["num_experts"] == 4 and desc["shared_experts"] is True and desc["num_experts_per_tok"] == 2
+    assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
+    desc, ck = _ckpt(tmp_path / "mx", VERIFIED["MixtralForCausalLM"])
+    assert desc["num_experts"] == 4 and desc["norm_topk_prob"] is True
+    assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
+
+
+def test_rope_scaling_spelled_differently_is_no_difference_but_another_factor_is(tmp_path):
+    """GPT-OSS's YaRN as the loaded config states it (defaults filled in) against its checkpoint, and against
+    a config.json that spells the kind `type` and leaves the defaults out: no difference. Another factor is."""
+    desc, ck = _ckpt(tmp_path / "same", REFUSED["GptOssForCausalLM"])
+    assert desc["rope_scaling"]["rope_type"] == "yarn"
+    assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
+
+    def old_spelling(cfg):
+        rope = cfg.pop("rope_parameters", None) or cfg.pop("rope_scaling")
+        cfg["rope_theta"] = rope.pop("rope_theta", cfg.get("rope_theta"))
+        cfg["rope_scaling"] = {"type": rope.pop("rope_type"), "factor": rope["factor"],
+                               "original_max_position_embeddings": rope["original_max_position_embeddings"]}
+    desc, ck = _ckpt(tmp_path / "old", REFUSED["GptOssForCausalLM"], old_spelling)
+    assert ck["rope_scaling"] != desc["rope_scaling"]            # spelled differently, really
+    assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
+
+    def other_factor(cfg):
+        (cfg.get("rope_parameters") or cfg["rope_scaling"])["factor"] = 8.0
+    desc, ck = _ckpt(tmp_path / "other", REFUSED["GptOssForCausalLM"], other_factor)
+    assert [d.key for d in _diff_dicts("config", desc, ck, CONFIG_KEYS)] == ["rope_scaling"]
+
+
+# ------------------------------------------------------------------------------------------------ Megatron, SGLang
+
+def test_megatron_structures_are_named_and_mla_is_refused():
+    """A real megatron-core GPTModel (local spec) is named by its module structure and verified; a structure
+    with multi-latent attention is refused naming the component."""
+    from tic_trace.testing import megatron_cpu as mc
+    from tic_trace.testing.hf_models import tiny_qwen3_config
+    ad = get_adapter("megatron")
+    with mc.single_rank():
+        for moe, want in ((False, "GPTModel/TransformerLayer/SelfAttention/MLP"),
+                          (True, "GPTModel/TransformerLayer/SelfAttention/MoELayer")):
+            model = mc.build_gpt_model(tiny_qwen3_config(moe=moe))
+            facts = ad.architecture_facts([model])
+            assert facts == {"architecture": want, "architecture_verified": True}
+            assert ad.check_architecture(ad.describe([model])).verified
+        # every rank writes the one manifest: a pipeline stage holding only the dense first layer of a
+        # dense+MoE stack names the whole stack's structure (taken from the config's layer pattern)
+        mixed = mc.build_gpt_model(tiny_qwen3_config(moe=True, mlp_only_layers=[0]))
+        want = "GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer"
+        assert ad.architecture_of([mixed]) == want
+        mixed.decoder.layers = torch.nn.ModuleList([mixed.decoder.layers[0]])
+        assert type(mixed.decoder.layers[0].mlp).__name__ == "MLP" and ad.architecture_of([mixed]) == want
+    c = ad.check_architecture({"architecture": "GPTModel/TransformerLayer/MLASelfAttention/MoELayer"})
+    assert not c.verified and "MLASelfAttention" in c.why and "multi-latent" in c.why
+    assert not ad.check_architecture({}).verified       # a trace that names no architecture is not verified
+
+
+def test_sglang_table_only_holds_classes_run_against_another_framework():
+    ad = get_adapter("sglang")
+    assert set(ad.architectures) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+    for name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"):
+        c = ad.check_architecture({"architecture": name})
+        assert not c.verified and "meta device" in c.why, c
+    assert set(sglang_names.ARCH_OF_CLASS) >= set(ad.architectures)   # every verified class has a name table
+
+
+def test_sglang_qwen2_against_hf_qwen2(tmp_path):
+    """The SGLang Qwen2 row: SGLang's own Qwen2 model code (prefill + decode rollout) against HF's Qwen2 with
+    the same weights: consistent, both verified, every promised point recorded, none listed missing."""
+    from tic_trace.tools.demo_pairs import SAMPLE_KEYS, trace_sglang_rollout
+    cfg = _config(VERIFIED["Qwen2ForCausalLM"])
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    model = build_hf_model(cfg)
+    ids = sample_tokens(2, 12)
+    trace_hf(model, tmp_path / "hf", ids, sample_keys=SAMPLE_KEYS)
+    trace_sglang_rollout(tmp_path / "sg", model, ids)
+    vb = CanonicalView(str(tmp_path / "sg"))
+    assert vb.config["architecture"] == "Qwen2ForCausalLM" and vb.config["architecture_verified"] is True
+    assert {p for p, _ in vb.points()} == set(vb.adapter.promised_points(vb.config)) | {"logprobs"}
+    rep = find_divergence(str(tmp_path / "hf"), vb)
+    assert rep.verdict == "consistent", [(p.key, p.status, p.error) for p in rep.points if p.status != "ok"]
+    assert rep.not_comparable == [] and not _arch_notes(rep) and rep.contract == []
+
+
+def test_a_custom_adapter_without_a_table_is_unverified():
+    """An adapter that declares no architectures cannot vouch for any: its traces are unverified."""
+    from tic_trace.graph.adapter import Adapter
+
+    class Bare(Adapter):
+        name = "bare"
+        points = (PointMap("embed", r"emb:out"),)
+    c = Bare().check_architecture({"architecture": "Whatever"})
+    assert not c.verified and "declares no table" in c.why
+
+
+def test_tracing_an_unverified_model_never_breaks_the_forward(tmp_path, caplog):
+    """The architecture is recorded at trace start: a loud log line, the forward's output untouched."""
+    model = build_hf_model(_config(REFUSED["Gemma2ForCausalLM"]))
+    with torch.no_grad():
+        want = model(IDS).logits
+    with caplog.at_level("WARNING", logger="tic_trace.adapter"):
+        with tic_trace.trace(model, tmp_path / "t", adapter="hf", points_mode="full") as t, torch.no_grad():
+            got = model(IDS).logits
+    assert t.failed is None and torch.equal(got, want)
+    assert any("UNVERIFIED MAPPING" in r.getMessage() and "Gemma2ForCausalLM" in r.getMessage() for r in caplog.records)

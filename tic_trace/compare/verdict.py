@@ -1,0 +1,480 @@
+"""Steps 2 and 3 of the finder: judge every point in dataflow order, name the causes, decide the verdict.
+
+`assess()` works on the report's own points (`report.schema.Point`), which hold every fact the rule needs
+(the error, the error inherited from the inputs, the routing facts of each MoE layer, per-token errors of
+the worst tokens). The finder calls it on freshly measured points and `rejudge` on a saved report's points,
+so both give the same answer for the same settings.
+
+Verdict: `not_comparable` when the two models differ in structure (another number of layers) or a side names
+a row more than once (`_identity_notes`); else `divergent` when some finding counts (an operator jump,
+NaN/Inf on one side only, routers that compute differently, or near-tie flips that carry error over tolerance
+to the output, unless near ties are accepted); `not_comparable` when rows of one side match no row of the
+other inside the positions the other traced for the same sample (the sides number the rows differently),
+when some point both sides record could not be compared on any row, or nothing was; `consistent` otherwise:
+earned, never by default. Rows whose tokens differ are left out of the judgement and counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
+from ..graph.canonical import order_key, parse_key
+from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
+                    FlipFacts, Tolerance, growth_of, judge, judge_point, judge_replay, point_kind)
+from ..report.schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
+
+ALWAYS, UNLESS_DIVERGENT = "always", "unless_divergent"     # Note.detail["blocks"] (report_schema.IDENTITY_NOTES)
+ROWS_IN_LINE = 3        # rows named in a headline sentence (the note's detail holds more)
+
+NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
+                   "and reduction order), or routing replay (training reuses the rollout's expert choice) "
+                   "removes them; --accept-near-tie-routing accepts them")
+ROUTER_REMEDY = ("the routers compute differently: make the router computation the same on both sides "
+                 "(router weights, dtype, score function, expert bias / score correction, top-k)")
+
+
+@dataclass
+class Assessment:
+    verdict: str
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    first: Finding | None = None
+
+
+def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool = False,
+           worst_tokens: list[WorstToken] | None = None, token_errors: dict | None = None,
+           routing: dict | None = None, contract: list[dict] | None = None, margins=None,
+           rows: dict | None = None, identity: dict | None = None, structure: dict | None = None) -> Assessment:
+    """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict.
+
+    With replay facts (a reference) or different effective dtypes at a point, `judge.judge_replay` decides
+    whether one side's op is intrinsically (or by precision) the less exact one; the first such finding in
+    dataflow order is the first divergence, ahead of the A-B rule. `contract` (report.contract) adds a
+    `weights` finding per point whose parameters differ. `rows`, `identity` and `structure` (the report's)
+    give the notes on the rows and the models' structure, which lead the notes and can make the verdict
+    not comparable (`_identity_notes`)."""
+    judge_points(points, tolerance, accept_near_tie, margins)
+    for w in worst_tokens or []:
+        w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
+                                               accept_near_tie)
+    if routing is not None:
+        routing["layers"] = {str(p.layer): _layer_summary(p.routing) for p in points
+                             if is_ids(p.point) and p.routing is not None}
+    findings = [f for p in points if (f := _finding(p)) is not None]
+    findings = _with_weights(findings, contract or [])
+    computational = [f for f in findings if f.divergent and f.computational]
+    leading = [f for f in computational if f.cause in LEADING_CAUSES]
+    counted = leading or computational or [f for f in findings if f.divergent]
+    first = counted[0] if counted else None
+    identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
+    notes = identity_notes + [n for n in (_not_replayed(points), _accumulated_noise(points, findings),
+                                          _shared_nonfinite(points)) if n is not None]
+    compared = [p for p in points if p.status != NOT_COMPARABLE]
+    blocks = {n.detail.get("blocks") for n in identity_notes}
+    if ALWAYS in blocks:
+        verdict = "not_comparable"
+    elif first is not None:
+        verdict = "divergent"
+    elif UNLESS_DIVERGENT in blocks or not compared or len(compared) < len(points):
+        verdict = "not_comparable"
+    else:
+        verdict = "consistent"
+    return Assessment(verdict, findings, notes, first)
+
+
+# ------------------------------------------------------------------------------------------------ rows, structure
+
+def layers_text(la: int, lb: int) -> str:
+    return f"side B has {lb} layers, side A {la}" if lb > la else f"side A has {la} layers, side B {lb}"
+
+
+def _count(d: dict, key: str) -> int:
+    v = d.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _listed(items: list, fmt, total: int) -> str:
+    shown = [fmt(x) for x in items[:ROWS_IN_LINE]]
+    return ", ".join(shown) + (" …" if total > len(shown) else "")
+
+
+def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
+    """Notes on what the sides' rows and models are, from the report's `rows`, `identity` and `structure`
+    (so a saved report re-judges the same). Each note's detail holds `short` (its headline sentence) and
+    `blocks` (ALWAYS / UNLESS_DIVERGENT / absent: see report_schema.IDENTITY_NOTES)."""
+    out = []
+    layers = (structure.get("layers") if isinstance(structure, dict) else None) or {}
+    la, lb = layers.get("a"), layers.get("b")
+    if isinstance(la, int) and isinstance(lb, int) and la != lb:
+        short = f"the models differ in structure: {layers_text(la, lb)}"
+        out.append(Note("structure", short + ": the points after the layers (final norm, logits, log-probs) follow "
+                        "another layer on each side and are not compared — compare models with the same number of "
+                        "layers (num_hidden_layers, or the checkpoint each side loaded)",
+                        {"short": short, "blocks": ALWAYS, "layers": {"a": la, "b": lb}}))
+    dup_named = identity.get("duplicates") if isinstance(identity.get("duplicates"), dict) else {}
+    for side in ("a", "b"):
+        n = _count(rows, f"duplicates_{side}")
+        if not n:
+            continue
+        named = [d for d in dup_named.get(side) or [] if isinstance(d, dict)]
+        listed = _listed(named, lambda d: f"{d.get('sample')}@{d.get('position')} ({d.get('times')} times)", n)
+        short = f"side {side.upper()} holds {n} (sample, position) rows more than once: {listed}"
+        out.append(Note("duplicate_rows", short + " — each row must be traced once: give every sample of every "
+                        "pass its own key (tracer.sample_keys, set before each forward) and trace each forward "
+                        "once; these rows are not compared", {"short": short, "blocks": ALWAYS, "side": side,
+                                                             "rows": named}))
+    excluded, n_diff = _count(rows, "excluded"), _count(rows, "different_tokens")
+    if n_diff:
+        diff = [d for d in identity.get("different_tokens") or [] if isinstance(d, dict)]
+        listed = _listed(diff, lambda d: f"{d.get('sample')}@{d.get('position')} (A {d.get('token_a')}, "
+                                         f"B {d.get('token_b')})", n_diff)
+        common = max(_count(rows, "a") - _count(rows, "unmatched_a"), 0)
+        none_left = excluded >= common
+        short = (f"no row is comparable: different tokens at {listed}" if none_left else
+                 f"{excluded} rows left out: different tokens at {listed}")
+        out.append(Note("different_tokens", short + f" ({n_diff} row(s) both sides have hold different tokens; "
+                        "a causal model's later rows of such a sample are left out too) — the sides did not compute "
+                        "the same rows: feed both the same tokens in the same order under the same sample keys (a "
+                        "batch in another order, positions shifted, padding without its attention mask look like "
+                        "this)", {"short": short, "blocks": ALWAYS if none_left else None, "rows": diff}))
+    um = identity.get("unmatched") if isinstance(identity.get("unmatched"), dict) else {}
+    inside_of = {s: _count(um.get(s) if isinstance(um.get(s), dict) else {}, "inside") for s in ("a", "b")}
+    for side, other in (("b", "a"), ("a", "b")):
+        n = _count(rows, f"unmatched_{side}")
+        if not n:
+            continue
+        u = um.get(side) if isinstance(um.get(side), dict) else {}
+        inside = _count(u, "inside")
+        first = [str(x) for x in u.get("first") or []]
+        short = f"{n} of {_count(rows, side)} rows of side {side.upper()} match no row of {other.upper()}"
+        if inside:
+            short += (f" ({inside} at positions inside those side {other.upper()} traced for their sample, e.g. "
+                      f"{_listed(first, str, inside)}: the sides number these rows differently)")
+            why = (" — check the positions each side's model ran these rows at (HF: position_ids, cache_position; "
+                   "a decode step at the wrong position looks like this)")
+        elif inside_of[other]:
+            why = (f" — not compared; with side {other.upper()}'s rows inside this side's span, likely the same "
+                   "rows numbered differently")
+        else:
+            parts = [f"{_count(u, 'other_samples')} of samples side {other.upper()} did not trace"
+                     if _count(u, "other_samples") else "",
+                     f"{_count(u, 'outside')} before or after the positions side {other.upper()} traced for their "
+                     "sample (a cached prefix, a last token never fed back)" if _count(u, "outside") else ""]
+            why = " — not compared: " + "; ".join(x for x in parts if x) if any(parts) else " — not compared"
+        out.append(Note("unmatched_rows", short + why, {"short": short, "side": side,
+                                                        "blocks": UNLESS_DIVERGENT if inside else None, **u}))
+    return out
+
+
+def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None) -> None:
+    by_key = {p.key: p for p in points}
+    for p in points:
+        if p.error is None:
+            p.status, p.cause = NOT_COMPARABLE, None
+            continue
+        if point_kind(p.point) == "ids" and p.routing is not None:
+            p.tol = 0.0
+            facts = _flip_facts(p, by_key, tolerance, accept_near_tie)
+            j = judge(p.error, 0.0, 0.0, tolerance.growth, "ids", flips=facts)
+            router = by_key.get((p.routing or {}).get("router_key") or "")
+            if router is not None and facts.flipped and router.status == DIVERGENT:
+                router.cause = ROUTING      # the router diverges and tokens pick other experts
+        else:
+            p.tol = tolerance.tol(p.dtype, p.point, p.key)
+            rows = [(_n(r.get("error")), _n(r.get("input_error"))) for r in p.worst_rows or []]
+            j, each, by_row = judge_point(p.error, p.input_error or 0.0, p.tol, tolerance.growth,
+                                          nonfinite=p.nonfinite > 0, rows=rows)
+            for r, rj in zip(p.worst_rows or [], each):
+                r["status"], r["cause"] = rj.status, rj.cause
+            p.decided_by_row = p.worst_rows[by_row]["row"] if by_row is not None else None
+        p.status, p.cause = j.status, j.cause
+        p.growth = growth_of(p.error, p.input_error) if p.routing is None else None
+        if p.intrinsic is not None or p.dtypes:
+            r = judge_replay(p.intrinsic, p.dtypes, margins)
+            p.replay = {"side": r.side, "kind": r.kind, "reason": r.reason}
+            if r.side is not None:          # the replay names a side: this point diverges for that reason
+                p.status, p.cause = DIVERGENT, PRECISION if r.kind == PRECISION else INTRINSIC
+
+
+def _n(v) -> float:
+    """A saved row number (untrusted): NaN or unreadable reads as inf, the judge's reading of NaN."""
+    x = num(v)
+    return math.inf if x is None or math.isnan(x) else x
+
+
+def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> FlipFacts:
+    r = p.routing or {}
+    flipped = int(r.get("flipped") or 0)
+    router = by_key.get(r.get("router_key") or "")
+    router_div = router is not None and router.status == DIVERGENT
+    explained = int(r.get("explained") or 0)
+    unexplained = flipped if router_div else flipped - explained
+    near = 0 if router_div else explained
+    reach = 0
+    if not router_div:
+        for key, err in r.get("explained_outputs") or []:
+            out, err = by_key.get(key), num(err)     # a saved report holds "inf"/"nan" strings
+            if out is not None and err is not None and err > tolerance.tol(out.dtype, out.point, out.key):
+                reach += 1
+    r.update(router_divergent=router_div, router_status=router.status if router is not None else None,
+             unexplained=unexplained, near_tie=near, near_tie_to_output=reach,
+             accepted=bool(accept and near and not unexplained))
+    return FlipFacts(flipped, unexplained, reach, accept)
+
+
+def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: Tolerance,
+                     accept: bool) -> str | None:
+    """The first point where this token's own error is judged divergent (same judge, per-token errors)."""
+    prev: dict[str, float] = {}
+    flipped_layers = {str(k) for k in (w.flips or {})}
+    out_key = next((k for k in OUTPUT_POINTS if k in errs), None)
+    out_pt = next((p for p in points if p.key == out_key), None)
+    out_over = (out_pt is not None and errs[out_key] is not None
+                and errs[out_key] > tolerance.tol(out_pt.dtype, out_pt.point, out_pt.key))
+    for p in points:
+        e = errs.get(p.key)
+        if e is None or p.status == NOT_COMPARABLE:
+            continue
+        if is_ids(p.point):
+            how = (w.flips or {}).get(str(p.layer))
+            if how is None:
+                continue
+            unexpl = how == "unexplained" or bool((p.routing or {}).get("router_divergent"))
+            facts = FlipFacts(1, int(unexpl), int(not unexpl and out_over), accept)
+            j = judge(1.0, 0.0, 0.0, tolerance.growth, "ids", flips=facts)
+        else:
+            ie = max((prev[k] for k in p.inputs if k in prev), default=0.0)
+            if is_routed(p.point) and str(p.layer) in flipped_layers:
+                ie = math.inf              # this token ran other experts in this layer: inherited, not born here
+            j = judge(e, ie, p.tol if p.tol is not None else 0.0, tolerance.growth, nonfinite=math.isinf(e))
+            prev[p.key] = e
+        if j.status == DIVERGENT:
+            return p.key
+    return None
+
+
+def _layer_summary(r: dict) -> dict:
+    keys = ("rows", "k", "k_b", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
+            "set_agreement", "dlogprob_share", "accepted")
+    return {k: r.get(k) for k in keys}
+
+
+def _finding(p: Point) -> Finding | None:
+    if p.status == DIVERGENT and p.cause in (INTRINSIC, PRECISION):
+        return _replay_finding(p)
+    if is_ids(p.point):
+        r = p.routing or {}
+        if not r.get("flipped"):
+            return None
+        return _routing_finding(p, r)
+    rows = _rows_detail(p)
+    row = next((r for r in p.worst_rows or [] if r.get("row") == p.decided_by_row), None)
+    if p.status == DIVERGENT and p.cause == OPERATOR:
+        if row is not None:
+            ie = num(row.get("input_error"))
+            grew = ("its own inputs agree exactly" if ie == 0 else
+                    f"{_g(num(row.get('growth')))} its own inputs' {_f(ie)}")
+            head = (f"{p.key}: token {row['row']}'s relative error {_f(num(row.get('error')))} over tolerance "
+                    f"{_f(p.tol)}, {grew} ({len(rows['rows'])} divergent row(s) among the worst shown; over all "
+                    f"{p.rows} rows {_f(p.error)})")
+        else:
+            head = (f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, {_g(p.growth)} its "
+                    f"inputs' {_f(p.input_error)}" + _worst_text(p))
+        return Finding(OPERATOR, p.key, p.layer, True, True,
+                       head + ": the operator(s) between this point's inputs and its output compute differently",
+                       "compare the dispatcher ops of both sides in this region (first differing op below)", rows)
+    if p.status == DIVERGENT and p.cause == NONFINITE:
+        if row is not None:
+            head = f"{p.key}: token {row['row']} NaN/Inf on one side only, its own inputs finite"
+        else:
+            head = f"{p.key}: {p.nonfinite} element(s) NaN/Inf on one side only, its inputs finite" + _worst_text(p)
+        return Finding(NONFINITE, p.key, p.layer, True, True, head,
+                       "look for an overflow (a dtype too narrow), a division by zero or uninitialised memory "
+                       "in this region", {"nonfinite": p.nonfinite, **rows})
+    return None
+
+
+def _rows_detail(p: Point) -> dict:
+    """A finding's rows: the divergent ones among the worst rows (`rows`) and every worst row kept."""
+    shown = list(p.worst_rows or [])
+    return {"rows": [r for r in shown if r.get("status") == DIVERGENT], "worst_rows": shown}
+
+
+def _worst_text(p: Point) -> str:
+    r = (p.worst_rows or [None])[0]
+    if r is None:
+        return ""
+    return f"; worst token {r['row']}: {_f(num(r.get('error')))} ({_g(num(r.get('growth')))} its own inputs')"
+
+
+def _side_numbers(e: dict | None) -> str:
+    """One side's intrinsic error in a line: excess vs limit, ULPs, share correctly rounded, relative L2."""
+    if not isinstance(e, dict):
+        return "not replayed"
+    if "not_replayed" in e:
+        return f"not replayed ({e['not_replayed']})"
+    dt = e.get("dtype") + (f" in a {e['recorded_dtype']} record" if e.get("recorded_dtype") else "")
+    if e.get("kind") == "ids":
+        return f"{dt}: top-k equals the exact choice in {100 * (num(e.get('share_rounded')) or 0):.1f}% of rows"
+    limit = num(e.get("limit"))
+    lim = f" (limit {limit:.2f})" if limit is not None and math.isfinite(limit) else ""
+    return (f"{dt}: excess {_x(e.get('excess'))}{lim}, mean {_x(e.get('mean_ulp'), 3)} / max "
+            f"{_x(e.get('max_ulp'))} ULP, {100 * (num(e.get('share_rounded')) or 0):.1f}% correctly rounded, "
+            f"rel error {_f(num(e.get('rel_l2')))}"
+            + (f", {e['nonfinite']} non-finite" if e.get("nonfinite") else ""))
+
+
+def _x(v, digits: int = 2) -> str:
+    v = num(v)
+    return "-" if v is None else ("inf" if math.isinf(v) else f"{v:.{digits}f}")
+
+
+def _replay_finding(p: Point) -> Finding:
+    """A point where one side's op is the less exact one (intrinsic) or runs in a coarser dtype (precision)."""
+    r, i = p.replay or {}, p.intrinsic or {}
+    side = r.get("side")
+    ea, eb = i.get("a"), i.get("b")
+    if p.cause == PRECISION:
+        da, db = (p.dtypes or {}).get("a") or (ea or {}).get("dtype"), (p.dtypes or {}).get("b") or (eb or {}).get("dtype")
+        head = f"{p.key}: A computes it in {da}, B in {db}; side {side} is the less exact"
+        remedy = ("compute this op's output in the same precision on both sides (or accept the difference "
+                  "knowingly: it is a precision choice, e.g. an fp32 router or lm_head on one side only)")
+    else:
+        head = f"{p.key}: side {side}'s op is further from the exact op on its own inputs than clean implementations are"
+        remedy = (f"side {side}'s implementation of this op rounds more (or computes something else) than a "
+                  "clean one: compare its kernel with the other side's (fp32 upcast in norms and softmax, "
+                  "accumulation dtype, weights); `tic-trace replay` measures one side alone")
+    measured = ea is not None or eb is not None
+    summary = head + ((f" — A {_side_numbers(ea)}; B {_side_numbers(eb)}" if measured
+                       else " (by recorded dtype; --reference measures each side against the exact op)"))
+    detail = {"side": side, "kind": r.get("kind"), "reason": r.get("reason"), "a": ea, "b": eb,
+              "dtypes": p.dtypes}
+    return Finding(p.cause, p.key, p.layer, True, True, summary, remedy, detail)
+
+
+def _with_weights(findings: list[Finding], contract: list[dict]) -> list[Finding]:
+    """Findings plus one `weights` finding per point whose parameters differ (side vs side, or a side vs the
+    checkpoint), in dataflow order; at one point the measured finding comes first."""
+    by_key: dict[str, dict] = {}
+    for d in contract:
+        if d.get("section") != "weights":
+            continue
+        w = by_key.setdefault(d.get("key"), {"names": set(), "sides": set()})
+        w["names"].update(d.get("a") or [])
+        if d.get("against") == "checkpoint" and d.get("side"):
+            w["sides"].add(d["side"])
+    if not by_key:
+        return findings
+    extra = []
+    for key, w in by_key.items():
+        point, layer = parse_key(key)
+        who = (f"; side {' and '.join(sorted(w['sides']))} differ(s) from the checkpoint" if w["sides"] else "")
+        # shown, not counted: hashes compare storage bits, and a layout the adapters do not see (a TP shard,
+        # a fused or re-packed parameter) changes them without changing what is computed. The tensors and the
+        # replay (which blames the side whose output is off the checkpoint's op) decide the verdict.
+        extra.append(Finding(WEIGHTS, key, layer, False, True,
+                             f"{key}: parameters differ bit for bit: {', '.join(sorted(w['names'])[:6])}{who}",
+                             "push the trainer's weights to the engine again (a weight-sync bug) or load the same "
+                             "checkpoint on both sides", {"parameters": sorted(w["names"]), "sides": sorted(w["sides"])}))
+    rank = {WEIGHTS: 1}
+    return sorted(findings + extra, key=lambda f: (order_key(*parse_key(f.key)), rank.get(f.cause, 0)))
+
+
+def _routing_finding(p: Point, r: dict) -> Finding:
+    router_div = bool(r.get("router_divergent"))
+    key = r.get("router_key") if router_div and r.get("router_key") else p.key
+    flipped, rows = r.get("flipped"), r.get("rows")
+    near, unexpl, reach = r.get("near_tie") or 0, r.get("unexplained") or 0, r.get("near_tie_to_output") or 0
+    parts = [f"layer {p.layer}: {flipped} of {rows} tokens chose other experts"]
+    if r.get("k_b") not in (None, r.get("k")):
+        parts.append(f"side A selects {r.get('k')} experts per token, side B {r.get('k_b')}: the top-k setting "
+                     "differs, so every flip is computational")
+    elif router_div:
+        parts.append(f"the router logits diverge at {r.get('router_key')}, so every flip is computational")
+    elif not r.get("router_key"):
+        parts.append("the router logits were not compared, so no margin is known: every flip counts as "
+                     "computational")
+    else:
+        parts.append(f"{near} on near ties (router-logit margin within twice the token's router-logit error), "
+                     f"{unexpl} with a margin larger than the router-logit error")
+        if r.get("router_status") == OVER:
+            parts.append(f"the router-logit error is inherited from upstream ({r.get('router_key')} is over "
+                         "tolerance without a jump): these flips follow an earlier difference")
+        if near:
+            parts.append(f"{reach} near-tie token(s) carry error over tolerance to the output")
+    share = r.get("dlogprob_share")
+    if share is not None:
+        parts.append(f"flipped tokens carry {100 * share:.0f}% of the final |Δ logprob|")
+    if r.get("accepted"):
+        parts.append("near ties accepted (--accept-near-tie-routing)")
+    remedy = ROUTER_REMEDY if (router_div or unexpl) else NEAR_TIE_REMEDY
+    detail = {k: r.get(k) for k in ("rows", "k", "k_b", "flipped", "near_tie", "unexplained",
+                                    "near_tie_to_output", "router_divergent", "dlogprob_share", "flips")}
+    return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
+                   remedy, detail)
+
+
+def _shared_nonfinite(points: list[Point]) -> Note | None:
+    """Points where both sides hold NaN/Inf at the same elements: the sides agree there (no finding), but
+    the values are unusable; a pair whose log-probs are NaN on both sides must not read as plainly clean."""
+    hit = [(p.key, int((p.metrics or {}).get("nonfinite_shared") or 0)) for p in points]
+    hit = [(k, n) for k, n in hit if n]
+    if not hit:
+        return None
+    return Note("nonfinite_shared", f"{len(hit)} point(s) hold NaN/Inf on both sides at the same elements (first "
+                                    f"{hit[0][0]}: {hit[0][1]} element(s)): the sides agree there, but both "
+                                    "compute non-finite values", {"points": dict(hit)})
+
+
+def _not_replayed(points: list[Point]) -> Note | None:
+    """Points the exact replay could not judge (no weights, rows or inputs, an op outside the reference):
+    the A-B rule alone decides there."""
+    out = {}
+    for p in points:
+        for side in ("a", "b"):
+            e = (p.intrinsic or {}).get(side)
+            if isinstance(e, dict) and "not_replayed" in e and not str(e["not_replayed"]).startswith("derived"):
+                out.setdefault(p.key, f"{side.upper()}: {e['not_replayed']}")
+    if not out:
+        return None
+    shown = "; ".join(f"{k} ({v})" for k, v in list(out.items())[:4])
+    return Note("not_replayed", f"{len(out)} point(s) not replayed against the reference, judged by the A-B rule "
+                                f"alone: {shown}" + (" …" if len(out) > 4 else ""), {"points": out})
+
+
+def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:
+    """Points over tolerance with no jump before them: noise that accumulated along the graph."""
+    stop = next((f.key for f in findings if f.divergent and f.computational), None)
+    over = []
+    for p in points:
+        if p.key == stop:
+            break
+        if p.status == OVER and not is_ids(p.point):
+            over.append(p)
+    if not over:
+        return None
+    curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
+    largest = max(over, key=lambda p: p.error if p.error is not None else -1)
+    text = (f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
+            f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the graph, "
+            "what a clean low-precision pair looks like; not a divergence")
+    order = [p.key for p in points]
+    flips = [f.key for f in findings if f.cause == ROUTING]
+    if flips and order.index(flips[0]) < order.index(over[-1].key):
+        text += f"; points after {flips[0]} also carry the error of the tokens whose experts flipped"
+    return Note("accumulated_noise", text, {"points": [p.key for p in over], "curve": curve})
+
+
+def _f(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x:.2e}" if x else "0"
+
+
+def _g(x) -> str:
+    if x is None:
+        return "-"
+    return "∞×" if math.isinf(x) else f"{x:.1f}×"

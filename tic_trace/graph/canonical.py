@@ -1,0 +1,180 @@
+"""The canonical op graph of a decoder-only transformer (dense or MoE), as data.
+
+Every adapter maps its framework's records onto these points; the comparator and the finder walk them in
+dataflow order. A point is either global (`embed`, `final_norm`, `logits`, `logprobs`) or per layer
+(`attn.q`, ...), written `L{i}.attn.q` once a layer is attached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    name: str
+    layered: bool
+    feeds: tuple[str, ...]      # points whose values this point is computed from (same layer unless global)
+    features: str               # shape of one row, for documentation and checks
+    kind: str = "float"         # "float" | "ids" (top-k expert ids: compared as sets)
+    meaning: str = ""
+    # How the finder and the renderers treat the point (the only place this knowledge lives):
+    role: str = ""              # "embedding" | "residual" (the stream leaving a layer) | "router_logits" |
+                                # "expert_ids" | "logprob" (what the model finally emits, per token)
+    routed: bool = False        # computed from the layer's expert choice: judged without tokens whose
+                                # top-k set flipped in that layer (those ran other experts)
+    curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
+    head: int | None = None     # position among the global points after the layers (final norm, logits, ...)
+    per_head: bool = False      # a row is head-major (heads x head_dim): the replay measures per-head segments
+    mixes_positions: bool = False   # a row is computed from its feeds' rows at this and earlier positions of
+                                    # its sample (causal attention), not from the same row only
+
+
+_L = True
+SCHEMA: tuple[PointSpec, ...] = (
+    PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding"),
+    PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer"),
+    PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True),
+    PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", per_head=True,
+              meaning="q projection, before QK-norm and RoPE"),
+    PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True,
+              meaning="k projection, before QK-norm and RoPE"),
+    PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True, meaning="v projection"),
+    PointSpec("attn.q_norm", _L, ("attn.q",), "heads x head_dim", per_head=True, meaning="q after QK-norm"),
+    PointSpec("attn.k_norm", _L, ("attn.k",), "kv_heads x head_dim", per_head=True, meaning="k after QK-norm"),
+    PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", per_head=True,
+              meaning="q after rotary embedding"),
+    PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
+              meaning="k after rotary embedding"),
+    PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
+              meaning="attention output before the output projection", per_head=True, curve=True,
+              mixes_positions=True),
+    PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True),
+    PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention", curve=True),
+    PointSpec("mlp_norm", _L, ("mid",), "H", meaning="pre-MLP norm output"),
+    PointSpec("moe.router_logits", _L, ("mlp_norm",), "E", meaning="router scores before top-k",
+              role="router_logits", curve=True),
+    PointSpec("moe.topk_ids", _L, ("moe.router_logits",), "k", kind="ids", meaning="selected experts, sorted",
+              role="expert_ids"),
+    PointSpec("moe.topk_weights", _L, ("moe.router_logits",), "k", meaning="weights of the sorted selected experts",
+              routed=True),
+    PointSpec("moe.experts_out", _L, ("mlp_norm", "moe.topk_ids", "moe.topk_weights"), "H",
+              meaning="routed experts' combined output", routed=True, curve=True),
+    PointSpec("moe.shared_out", _L, ("mlp_norm",), "H", meaning="shared experts' output"),
+    PointSpec("mlp.out", _L, ("moe.experts_out", "moe.shared_out", "mlp_norm"), "H", meaning="MLP or MoE block output",
+              curve=True),
+    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer", curve=True,
+              role="residual"),
+    PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output", head=0),
+    PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary", head=1),
+    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2),
+)
+
+BY_NAME = {p.name: p for p in SCHEMA}
+_LAYERED = [p for p in SCHEMA if p.layered]
+_ORDER_IN_LAYER = {p.name: i for i, p in enumerate(_LAYERED)}
+HEAD_POINTS: tuple[str, ...] = tuple(p.name for p in sorted((p for p in SCHEMA if p.head is not None),
+                                                            key=lambda p: p.head))
+CURVE_POINTS: tuple[str, ...] = tuple(p.name for p in SCHEMA if p.curve)
+ROUTED_POINTS: frozenset[str] = frozenset(p.name for p in SCHEMA if p.routed)
+EMBEDDING = next(p.name for p in SCHEMA if p.role == "embedding")
+RESIDUAL = next(p.name for p in SCHEMA if p.role == "residual")
+LOGPROBS = next(p.name for p in SCHEMA if p.role == "logprob")
+ROUTER_LOGITS = next(p.name for p in SCHEMA if p.role == "router_logits")
+EXPERT_IDS = next(p.name for p in SCHEMA if p.role == "expert_ids")
+# The points whose per-token error says what reaches the user, best first: the log-prob of the sampled token,
+# else the logits.
+OUTPUT_POINTS: tuple[str, ...] = tuple(dict.fromkeys([LOGPROBS, *reversed(HEAD_POINTS)]))
+
+
+def is_ids(point: str) -> bool:
+    """Whether a point holds ids (compared as sets, never as numbers)."""
+    ps = BY_NAME.get(point)
+    return bool(ps and ps.kind == "ids")
+
+
+def is_routed(point: str) -> bool:
+    return point in ROUTED_POINTS
+
+
+def mixes_positions(point: str) -> bool:
+    ps = BY_NAME.get(point)
+    return bool(ps and ps.mixes_positions)
+
+
+def known_key(key: str) -> bool:
+    """Whether `key` names a canonical point, bare ("attn.core") or with a layer ("L3.attn.core")."""
+    point, layer = parse_key(key)
+    ps = BY_NAME.get(point)
+    return ps is not None and (layer is None or ps.layered)
+
+
+def spec(point: str) -> PointSpec:
+    try:
+        return BY_NAME[point]
+    except KeyError:
+        raise KeyError(f"{point!r} is not a canonical point; known: {[p.name for p in SCHEMA]}") from None
+
+
+def key_name(point: str, layer: int | None) -> str:
+    """('attn.q', 3) -> 'L3.attn.q'; ('embed', None) -> 'embed'."""
+    return f"L{layer}.{point}" if layer is not None else point
+
+
+def parse_key(key: str) -> tuple[str, int | None]:
+    if key.startswith("L") and "." in key:
+        head, rest = key.split(".", 1)
+        if head[1:].isdigit():
+            return rest, int(head[1:])
+    return key, None
+
+
+def order_key(point: str, layer: int | None) -> tuple:
+    """Sort key for dataflow order: embed, layers 0..N-1 (points in schema order), then the head."""
+    if layer is None:
+        ps = BY_NAME.get(point)
+        if ps is not None and ps.head is not None:
+            return (2, ps.head)
+        return (0,) if ps is not None and not ps.feeds else (3, point)
+    return (1, layer, _ORDER_IN_LAYER.get(point, 99))
+
+
+def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]],
+             n_layers: int | None) -> list[tuple[str, int | None]]:
+    """The points that feed (point, layer), resolved against those actually present: a missing feed is
+    replaced by its own feeds, so the finder always compares a point with the nearest measured inputs."""
+    # Depth-first, with an explicit stack: a chain of absent points may run back through every layer
+    # (thousands), deeper than Python's recursion limit.
+    out: list[tuple[str, int | None]] = []
+    seen: set = set()
+    stack = [iter(_raw_feeds(point, layer, n_layers))]
+    while stack:
+        f = next(stack[-1], None)
+        if f is None:
+            stack.pop()
+            continue
+        if f in seen:
+            continue
+        seen.add(f)
+        if f in present:
+            out.append(f)
+        else:
+            stack.append(iter(_raw_feeds(*f, n_layers)))
+    return out
+
+
+def _raw_feeds(point: str, layer: int | None, n_layers: int | None) -> list[tuple[str, int | None]]:
+    ps = BY_NAME.get(point)
+    if ps is None:
+        return []
+    out = []
+    for f in ps.feeds:
+        if f == "<prev>.output":
+            out.append(("output", layer - 1) if layer and layer > 0 else ("embed", None))
+        elif f == "<last>.output":
+            if n_layers:
+                out.append(("output", n_layers - 1))
+        elif BY_NAME[f].layered:
+            out.append((f, layer))
+        else:
+            out.append((f, None))
+    return out

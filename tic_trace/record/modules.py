@@ -1,0 +1,199 @@
+"""Module hooks: the boundaries of every module call (a frame per call, named by module path and call number),
+the root forward wrapped for engines that bypass hooks, module outputs (and chosen inputs) recorded at the
+boundary, and taps on plain functions and methods. Everything installed is undone at `stop()`."""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..store.writer import TraceWriter
+from .filters import Filters
+
+
+ROOT = "<root>"
+GLOBAL = "<global>"
+
+
+@dataclass
+class _Frame:
+    path: str
+    scope: str              # path, plus "#k" for the k-th call of the same module in this pass
+    call: int
+    ops: int = 0            # dispatcher ops directly in this frame (names op indices)
+    ops_region: int = 0     # dispatcher ops in this frame and its children
+    taps: dict = field(default_factory=dict)
+
+
+class ModuleHooks:
+    """Module and function hooks of `Tracer` (a mixin: the state lives on the tracer)."""
+
+    def tap_function(self, namespace: Any, attr: str, label: str | None = None) -> None:
+        """Record the outputs of a plain function (e.g. `apply_rotary_pos_emb` in a modeling module) under the
+        module scope that calls it. Restored at `stop()`."""
+        orig = getattr(namespace, attr)
+        wrapper = self._tap_wrapper(orig, label or attr)
+        setattr(namespace, attr, wrapper)
+        self._undo.append(lambda: setattr(namespace, attr, orig))
+
+    def tap_method(self, obj: Any, attr: str, label: str | None = None) -> None:
+        """Record the outputs of a bound method of one object (e.g. Megatron's `router.gating`)."""
+        had = attr in vars(obj)
+        orig = getattr(obj, attr)
+        setattr(obj, attr, self._tap_wrapper(orig, label or attr))
+
+        def undo():
+            if had:
+                setattr(obj, attr, orig)
+            else:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+        self._undo.append(undo)
+
+    def record_inputs_of(self, patterns: Iterable[str]) -> None:
+        """Also record the positional inputs of modules matching these globs (`re:` for regexes)."""
+        have = list(self.record_inputs.modules or []) if self.record_inputs is not None else []
+        self.record_inputs = Filters(modules=have + list(patterns))
+
+    def _install(self) -> None:
+        multi = len(self.models) > 1
+        for ci, model in enumerate(self.models):
+            prefix = f"chunk{ci}." if multi else ""
+            root_name = f"chunk{ci}" if multi else ROOT
+            for name, mod in model.named_modules():
+                if mod is model:
+                    continue
+                path = prefix + name
+                self._paths[id(mod)] = path
+                self._handles.append(mod.register_forward_pre_hook(
+                    functools.partial(self._pre_hook, path), with_kwargs=True))
+                self._handles.append(mod.register_forward_hook(
+                    functools.partial(self._post_hook, path), with_kwargs=True, always_call=True))
+            # Engines such as SGLang call the root's `forward` directly, bypassing hooks: wrap the method.
+            self._wrap_root(model, root_name)
+        if self.adapter is not None:
+            self.adapter.prepare(self, self.models)
+        if self._writer is None:
+            self._writer = TraceWriter(self.out_dir, self.rank, self._manifest(), self._rank_info(), self.run)
+
+    def _wrap_root(self, model: torch.nn.Module, path: str) -> None:
+        had = "forward" in vars(model)
+        orig = model.forward
+        tracer = self
+
+        @functools.wraps(orig)
+        def forward(*args, **kwargs):
+            tracer._guarded(tracer._enter, path, args, kwargs, True)
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException as e:
+                tracer._guarded(tracer._mark_incomplete, f"the forward of {path} raised {type(e).__name__}")
+                tracer._guarded(tracer._exit, path, None, True)
+                raise
+            tracer._guarded(tracer._exit, path, out, True)
+            return out
+
+        model.forward = forward
+
+        def undo():
+            if had:
+                model.forward = orig
+            else:
+                try:
+                    del model.forward
+                except AttributeError:
+                    pass
+        self._undo.append(undo)
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles.clear()
+        for undo in reversed(self._undo):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001
+                pass
+        self._undo.clear()
+
+    def _pre_hook(self, path, module, args, kwargs):
+        self._guarded(self._enter, path, args, kwargs, False)
+
+    def _post_hook(self, path, module, args, kwargs, output):
+        if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \
+                and torch._C._current_graph_task_id() == -1:
+            # torch calls always_call hooks with no output when the module raised: the outermost traced
+            # module (a model called without its root wrapper) did not return. Not in backward: activation
+            # recomputation stops itself early with an exception, by design.
+            self._guarded(self._mark_incomplete, f"{path} raised {type(sys.exc_info()[1]).__name__}")
+        self._guarded(self._exit, path, output, False)
+
+    def _mark_incomplete(self, why: str) -> None:
+        if self._incomplete is None:
+            self._incomplete = why
+
+    def _enter(self, path: str, args: tuple, kwargs: dict, is_root: bool) -> None:
+        if is_root and not self._stack and self.adapter is not None and self._rows is None:
+            rows = self.adapter.rows_from_forward(self, args, kwargs)
+            if rows is not None:
+                self.set_rows(*rows)
+        self._activity = True
+        call = self._calls.get(path, 0)
+        self._calls[path] = call + 1
+        frame = _Frame(path=path, scope=path if call == 0 else f"{path}#{call}", call=call)
+        self._stack.append(frame)
+        if self.record_inputs is not None and self.record_inputs.want_module(path) and self.filters.want_module(path):
+            # Positional inputs only: keyword inputs are masks, caches and rotary tables, rarely activations.
+            for i, a in enumerate(args):
+                self._capture_tree(f"{frame.scope}:in[{i}]", path, "in", None, call, a, self.points_mode)
+            for k in self.record_input_kwargs:
+                if k in kwargs:
+                    self._capture_tree(f"{frame.scope}:in.{k}", path, "in", None, call, kwargs[k], self.points_mode)
+
+    def _exit(self, path: str, output: Any, is_root: bool) -> None:
+        # Pop to the matching frame: an exception inside a child may have skipped its post-hook.
+        while self._stack and self._stack[-1].path != path:
+            self._stack.pop()
+        if not self._stack:
+            return
+        frame = self._stack.pop()
+        if self._stack:
+            self._stack[-1].ops_region += frame.ops_region
+        if self.filters.want_module(path) and output is not None:
+            self._capture_tree(f"{frame.scope}:out", path, "out", None, frame.call, output, self.points_mode,
+                               ops_in_region=frame.ops_region)
+        if frame.ops_region == 0 and self._pass is not None:
+            self._blind.append(frame.scope)
+        if is_root and not self._stack and self.auto_step:
+            self._end_pass()
+
+    def _tap_wrapper(self, orig: Callable, label: str) -> Callable:
+        tracer = self
+
+        @functools.wraps(orig)
+        def tapped(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            tracer._guarded(tracer._on_tap, label, out)
+            return out
+        return tapped
+
+    def _on_tap(self, label: str, out: Any) -> None:
+        frame = self._stack[-1] if self._stack else None
+        scope = frame.scope if frame else GLOBAL
+        path = frame.path if frame else GLOBAL
+        if not self.filters.want_module(path):
+            return
+        n = 0
+        if frame is not None:
+            n = frame.taps.get(label, 0)
+            frame.taps[label] = n + 1
+        name = f"{scope}/fn:{label}" + (f"#{n}" if n else "")
+        self._capture_tree(f"{name}:out", path, "tap", label, frame.call if frame else 0, out, self.points_mode)

@@ -1,0 +1,42 @@
+"""A float dtype's rounding grid in float64 numpy (no torch): the spacing (ULP) at a value, correct rounding
+onto the grid, and the dtype a wider record's values actually lie on. Used by the replay's intrinsic error
+and by the finder's measure step (in worker processes that import numpy only)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..store.dtypes import dtype_info
+
+# Smallest normal exponent per float dtype: below it the grid is uniform (subnormals).
+_MIN_EXP = {"float64": -1022, "float32": -126, "bfloat16": -126, "float16": -14,
+            "float8_e4m3fn": -6, "float8_e4m3fnuz": -7, "float8_e5m2": -14, "float8_e5m2fnuz": -15}
+
+
+def grid_spacing(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Spacing of `dtype`'s grid at x (ULP), exact via frexp: |x| in [2^(e-1), 2^e) -> 2^(e-1-mantissa)."""
+    mant = dtype_info(dtype).mantissa_bits
+    _, e = np.frexp(np.abs(x))
+    e = np.maximum(e - 1, _MIN_EXP.get(dtype, -126))
+    return np.ldexp(1.0, e - mant)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x (float64) correctly rounded (to nearest, ties to even) onto `dtype`'s grid; no overflow handling."""
+    sp = grid_spacing(x, dtype)
+    return np.rint(x / sp) * sp
+
+
+def effective_dtype(y: np.ndarray, dtype: str, block: int = 1 << 18) -> str:
+    """bfloat16 when a wider record holds only bf16 values (an engine that computes in bf16 and upcasts its
+    output, e.g. logits, to fp32): its precision is that of bf16, and its ULPs must be bf16's. Read `block`
+    elements at a time (widened to float64 one block at a time)."""
+    if dtype not in ("float32", "float64"):
+        return dtype
+    flat, any_finite = y.reshape(-1), False
+    for s in range(0, flat.size, block):
+        x = flat[s:s + block].astype(np.float64)
+        fin = x[np.isfinite(x)]
+        if fin.size and not np.array_equal(fin, round_to(fin, "bfloat16")):
+            return dtype
+        any_finite |= fin.size > 0
+    return "bfloat16" if any_finite else dtype

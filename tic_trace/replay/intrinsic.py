@@ -1,0 +1,288 @@
+"""Intrinsic error: how far one side's output of an op is from the exact op applied to that side's own inputs.
+
+For every canonical point a side recorded, `replay_side` loads the point and the points that feed it (from
+the same side), recomputes the op in float64 (`reference.ExactReference`) and measures the recorded output
+against it in the side's own dtype: mean and max ULP, the share of elements equal to the correctly rounded
+exact value, and relative L2. Unlike A-B, this error does not inherit upstream noise, and it names a side.
+The rule that turns two sides' numbers into a verdict is `intrinsic_verdict.intrinsic_verdict`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from ..graph.canonical import BY_NAME, key_name, order_key
+from ..store.dtypes import dtype_info, known_dtype
+from ..view.align import CanonicalTensor, CanonicalView
+from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
+from .reference import ExactReference, NotReplayable
+
+RowId = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class IntrinsicError:
+    """One side's output at one point against the exact op on that side's own inputs."""
+    point: str
+    layer: int | None
+    dtype: str                 # the dtype the side computed this point's output in: ULPs are of this dtype
+    rows: int
+    numel: int
+    mean_ulp: float            # float points: mean |y - exact| / ulp(exact); ids points: 0
+    max_ulp: float
+    share_rounded: float       # share of elements equal to the correctly rounded exact value (ids: rows equal)
+    rel_l2: float              # ||y - exact|| / ||exact||
+    rel_floor: float = 0.0     # rel L2 of the correctly rounded exact value: the error no output in `dtype` avoids
+    scale_err: float = 0.0     # RMS over rows of the error's component along the exact row, (e.r)/(r.r)
+    scale_floor: float = 0.0   # the same for the correctly rounded exact value
+    head_scale_err: float = 0.0    # the same over (row, head) segments of a per-head point (0: not per head)
+    head_scale_floor: float = 0.0  # the same for the correctly rounded exact value
+    nonfinite: int = 0         # elements non-finite in y but not in the exact value
+    kind: str = "float"        # canonical PointSpec.kind
+    recorded_dtype: str = ""   # the dtype of the record, when wider than `dtype` (fp32 holding bf16 values)
+    op: str = ""               # the op replayed where the point's op depends on the model (reference.op_of)
+
+    @property
+    def excess(self) -> float:
+        """rel_l2 in units of the unavoidable rounding error: 1.0 = correctly rounded, ~1.4 = two roundings."""
+        if self.kind == "ids":
+            return 1.0 if self.rel_l2 == 0 else math.inf
+        if self.rel_floor > 0:
+            return self.rel_l2 / self.rel_floor
+        return 1.0 if self.rel_l2 == 0 else math.inf
+
+    @property
+    def envelope_key(self) -> str:
+        """The key of the clean envelope that applies (intrinsic_verdict.ENVELOPE): the op, else the point."""
+        return self.op or self.point
+
+    @property
+    def head_scale_excess(self) -> float:
+        """head_scale_err in units of the correctly rounded value's (0: no head segments). Diagnostic only:
+        it does not separate a bf16 softmax from clean eager attention (docs/replay.md)."""
+        return self.head_scale_err / self.head_scale_floor if self.head_scale_floor > 0 else 0.0
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+    @property
+    def stderr_ulp(self) -> float:
+        """Standard error of mean_ulp, taking per-element ULP errors as roughly uniform on [0, max]: a
+        conservative bound used only to keep tiny samples from deciding a verdict."""
+        return self.max_ulp / math.sqrt(12 * max(self.numel, 1))
+
+
+@dataclass(frozen=True)
+class NotReplayed:
+    point: str
+    layer: int | None
+    reason: str
+
+    @property
+    def key(self) -> str:
+        return key_name(self.point, self.layer)
+
+
+def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndarray, dtype: str,
+                    head_dim: int | None = None, op: str = "") -> IntrinsicError:
+    """Measure a side's recorded output `y` against the exact values (float64), in ULPs of `dtype`; with
+    `head_dim`, also the scale error per (row, head) segment of that length."""
+    kind = BY_NAME[point].kind if point in BY_NAME else "float"
+    n = y.shape[0] if y.ndim else 1
+    y2 = y.reshape(n, -1).astype(np.float64)
+    r2 = exact.reshape(n, -1).astype(np.float64)
+    if kind == "ids":
+        same = (y2 == r2).all(axis=1)
+        share = float(same.mean()) if n else 1.0
+        return IntrinsicError(point, layer, dtype, n, int(y2.size), mean_ulp=0.0, max_ulp=0.0, share_rounded=share,
+                              rel_l2=1.0 - share, kind=kind)
+    if not (known_dtype(dtype) and dtype_info(dtype).is_float):
+        dtype = "float32"
+    recorded, dtype = dtype, effective_dtype(y2, dtype)
+    fin = np.isfinite(r2)
+    bad = fin & ~np.isfinite(y2)
+    ok = fin & ~bad
+    d = np.where(ok, y2 - r2, 0.0)
+    ulps = np.abs(d) / grid_spacing(np.where(ok, r2, 1.0), dtype)
+    rr = round_to(np.where(fin, r2, 0.0), dtype)
+    rounded = (y2 == rr) & ok
+    r0, f0 = np.where(ok, r2, 0.0), np.where(ok, rr - r2, 0.0)     # the exact value; the rounding floor's error
+    nf = float(np.sqrt((f0 ** 2).sum()))
+    m = int(ok.sum())
+    nr = float(np.sqrt((r0 ** 2).sum()))
+    nd = float(np.sqrt((d * d).sum()))
+    return IntrinsicError(
+        point, layer, dtype, n, m,
+        mean_ulp=float(ulps[ok].mean()) if m else 0.0, max_ulp=float(ulps[ok].max()) if m else 0.0,
+        share_rounded=float(rounded.sum() / m) if m else 1.0,
+        rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
+        scale_err=_row_scale(d, r0), scale_floor=_row_scale(f0, r0),
+        head_scale_err=_head_scale(d, r0, head_dim), head_scale_floor=_head_scale(f0, r0, head_dim),
+        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "", op=op)
+
+
+def _row_scale(d: np.ndarray, r: np.ndarray) -> float:
+    """RMS over rows of the error's projection on the exact row: a per-row scale error (a normalisation's
+    denominator rounded, e.g.) shows here at full size, independent rounding noise only at ~1/sqrt(row length)."""
+    rr = (r * r).sum(axis=1)
+    ok = rr > 0
+    if not ok.any():
+        return 0.0
+    s = (d[ok] * r[ok]).sum(axis=1) / rr[ok]
+    return float(np.sqrt((s * s).mean()))
+
+
+def _head_scale(d: np.ndarray, r: np.ndarray, head_dim: int | None) -> float:
+    """`_row_scale` over (row, head) segments of head-major rows [n, heads*head_dim]: a scale error shared
+    by one head's outputs (a softmax normaliser rounded, e.g.) shows at full size; 0 without head segments."""
+    if not head_dim or d.shape[1] % head_dim:
+        return 0.0
+    return _row_scale(d.reshape(-1, head_dim), r.reshape(-1, head_dim))
+
+
+# ---------------------------------------------------------------- replaying one side
+
+class SideReplayer:
+    """Replays the points of one side (a CanonicalView) against the exact reference, loading each point of
+    the current layer once; memory stays O(one layer's points)."""
+
+    def __init__(self, view: CanonicalView, reference: ExactReference):
+        self.view = view
+        # this side's weights: the checkpoint's rounded to the dtypes this side held them in
+        self.ref = reference.for_view(view)
+        self._cache: dict[tuple[str, int | None], CanonicalTensor] = {}
+        self._layer: object = object()
+        self.present = set(view.points())
+        # The side's own trace says whether it ran QK-norm (it recorded attn.q_norm): RoPE reads what the side
+        # computed, whatever tensor the checkpoint lacks.
+        self.has_qk_norm = reference.has_qk_norm or any(p == "attn.q_norm" for p, _ in self.present)
+
+    def _load(self, point: str, layer: int | None) -> CanonicalTensor:
+        key = (point, layer)
+        if key not in self._cache:
+            self._cache[key] = self.view.load(point, layer)
+        return self._cache[key]
+
+    def _enter(self, layer: int | None) -> None:
+        if layer != self._layer:      # keep the previous layer's output: the next layer's input reads it
+            prev = self._layer
+            self._cache = {k: v for k, v in self._cache.items()
+                           if k[1] == layer or k == ("output", prev) or k == ("embed", None)}
+            self._layer = layer
+
+    def _feed_key(self, feed: str, layer: int | None) -> tuple[str, int | None]:
+        n = self.view.n_layers
+        if feed == "<prev>.output":
+            return ("output", layer - 1) if layer else ("embed", None)
+        if feed == "<last>.output":
+            return ("output", (n or 1) - 1)
+        return (feed, layer if BY_NAME[feed].layered else None)
+
+    def replay(self, point: str, layer: int | None) -> IntrinsicError | NotReplayed:
+        self._enter(layer)
+        try:
+            return self._replay(point, layer)
+        except NotReplayable as e:
+            return NotReplayed(point, layer, str(e))
+
+    def _replay(self, point: str, layer: int | None) -> IntrinsicError:
+        out = self._load(point, layer)
+        if out.values is None:
+            raise NotReplayable("no values recorded (stats only)")
+        if point == "logprobs" and all(s.endswith("(log_softmax)") for s in out.sources):
+            raise NotReplayable("derived by tic-trace from the logits in float64, not computed by the side")
+        feeds = {}
+        for f in self.ref.inputs_of(point, self.has_qk_norm):
+            k = self._feed_key(f, layer)
+            if k not in self.present:
+                raise NotReplayable(f"input {key_name(*k)} not recorded")
+            feeds[k[0] if f[0] != "<" else f] = t = self._load(*k)
+            if t.values is None:
+                raise NotReplayable(f"input {key_name(*k)} has no values recorded (stats only)")
+        # Attention reads every earlier key/value row of a sample, not the query's row: those are gathered apart.
+        aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f == "attn.q_rope"}
+        rows, idx = _common_rows(out, list(aligned.values()))
+        if not rows:
+            raise NotReplayable("no row recorded in both the point and its inputs")
+        dev = self.ref.device
+        x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
+        if point == "attn.core":
+            x.update(_kv_feeds(feeds["attn.k_rope"], feeds["attn.v"], dev))
+        try:
+            exact = self.ref.compute(point, layer, x, rows, self.view.tokens).cpu().numpy()
+        except (RuntimeError, ValueError) as e:    # the side's inputs do not fit the checkpoint's op
+            raise NotReplayable(f"the exact op does not accept this side's inputs ({type(e).__name__}: "
+                                f"{str(e)[:160]}): the side computes another op than the checkpoint's config "
+                                "says") from None
+        if not np.isfinite(exact).all():
+            raise NotReplayable(self._nonfinite_reason(exact, x))
+        y = out.values[idx[0]]
+        if y.size != exact.size:
+            raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
+                                f"config gives {list(exact.shape[1:])}: the side computes another op (another "
+                                "top-k, head count or size)")
+        return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype,
+                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
+                               op=self.ref.op_of(point))
+
+    def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
+        """Why the exact op is non-finite: a tensor of the checkpoint, this side's own inputs, or the config.
+        Measuring against it would count every such element as "correctly rounded"."""
+        n, m = int((~np.isfinite(exact)).sum()), int(exact.size)
+        head = f"the exact op is non-finite at {n} of {m} element(s)"
+        weights = self.ref.nonfinite_weights()
+        if weights:
+            return f"{head}: {'; '.join(weights)} (fix or replace the checkpoint)"
+        bad = [f for f, t in feeds.items() if isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all())]
+        if bad:
+            return f"{head}: this side's recorded input(s) {', '.join(bad)} hold NaN/Inf (judged where they first appear)"
+        return f"{head}: the checkpoint's config (rms_norm_eps, RoPE) or weights overflow float64 here"
+
+    def replay_all(self, layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
+        keep = set(layers) if layers is not None else None
+        return [self.replay(p, lay) for p, lay in self.view.points()
+                if keep is None or lay in keep]
+
+
+def _common_rows(out: CanonicalTensor, feeds: list[CanonicalTensor]) -> tuple[list[RowId], list[list[int]]]:
+    """Rows of `out` present in every feed, in `out`'s order, with each tensor's index of them."""
+    where = [{r: i for i, r in enumerate(t.rows)} for t in feeds]
+    rows, idx = [], [[] for _ in range(len(feeds) + 1)]
+    for i, r in enumerate(out.rows):
+        js = [w.get(r) for w in where]
+        if any(j is None for j in js):
+            continue
+        rows.append(r)
+        idx[0].append(i)
+        for n, j in enumerate(js):
+            idx[n + 1].append(j)
+    return rows, idx
+
+
+def _tensor(a: np.ndarray, dev: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dev)
+
+
+def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str) -> dict:
+    """Every recorded key/value row (all passes), for attention over a sample's earlier positions."""
+    if k.values is None or v.values is None:
+        raise NotReplayable("attn.k_rope or attn.v has no values")
+    rows, idx = _common_rows(k, [v])
+    kt, vt = _tensor(k.values[idx[0]], dev), _tensor(v.values[idx[1]], dev)
+    return {"attn.k_rope": kt, "attn.v": vt, "__kv_rows__": {r: i for i, r in enumerate(rows)}}
+
+
+def replay_side(view: CanonicalView | str, reference: ExactReference,
+                layers: Iterable[int] | None = None) -> list[IntrinsicError | NotReplayed]:
+    """Every point of one trace against the exact reference, in dataflow order (the checkpoint checked first:
+    `contract.check_reference`)."""
+    from ..compare.contract import check_reference
+    v = view if isinstance(view, CanonicalView) else CanonicalView(view)
+    check_reference(reference.ckpt, {"the trace": v})     # raises ReferenceMismatch: not this trace's model
+    out = SideReplayer(v, reference).replay_all(layers)
+    return sorted(out, key=lambda r: order_key(r.point, r.layer))

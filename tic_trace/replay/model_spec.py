@@ -1,0 +1,258 @@
+"""The model facts of an HF checkpoint, read from its config.json under one typed schema (`model_spec`: an error
+names config.json, the key and what was expected), and the RoPE they imply (`yarn_inv_freq_and_scale`).
+
+`ModelSpec` is what the exact reference needs to know about the model; checkpoint.py reads the file
+(`read_config`: bounded, a regular file, UTF-8) and the tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# A real config.json is a few KB (multimodal ones tens of KB): anything this large is not one.
+CONFIG_MAX_BYTES = 4 << 20
+_BIG = 1 << 31            # bound of any count in config.json: a Python int, never an int64 wrap
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot serve as the reference; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float
+    kind: str = "default"                  # default | linear | yarn (HF's rope_type)
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the reference needs to know about the model, read from config.json."""
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    scoring_func: str = "softmax"          # softmax | sigmoid (DeepSeek-V3 style)
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1                       # DeepSeek group-limited routing (n_group > 1 is not replayed)
+    topk_group: int = 1
+    shared_expert_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    max_position_embeddings: int | None = None
+    intermediate_size: int = 0             # dense MLP width (0: not stated); for the tensors' shape check
+    moe_intermediate_size: int = 0         # one expert's width (0: not stated)
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- config.json: one typed schema
+
+_MISSING = object()
+
+
+def _shown(v: Any) -> str:
+    if v is _MISSING:
+        return "missing"
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+class _Config:
+    """Typed reads of one config object. Every read names its key; a wrong type or range is a CheckpointError
+    naming config.json, the key (dotted for nested objects) and what was expected. Keys the reference does not
+    read are not looked at (HF configs carry many)."""
+
+    def __init__(self, d: dict, where: str, prefix: str = ""):
+        self.d, self.where, self.prefix = d, where, prefix
+
+    def error(self, key: str, expected: str, value: Any = _MISSING) -> CheckpointError:
+        return CheckpointError(f"{self.where}: key '{self.prefix}{key}' must be {expected}, not {_shown(value)}")
+
+    def raw(self, key: str) -> Any:
+        return self.d.get(key, _MISSING)
+
+    def has(self, key: str) -> bool:
+        return self.d.get(key) is not None
+
+    def int(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> Any:
+        """An integer in [lo, hi] (JSON true/false and numbers with a fraction are not integers); a missing or
+        null key gives `default` (required when there is none)."""
+        v = self.raw(key)
+        if v is _MISSING or v is None:
+            if default is _MISSING:
+                raise self.error(key, f"an integer from {lo} to {hi}", v)
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.error(key, f"an integer from {lo} to {hi}", v)
+        return v
+
+    def num(self, key: str, lo: float, hi: float, default: Any = _MISSING, lo_open: bool = False) -> Any:
+        """A finite number in [lo, hi] (or (lo, hi] with `lo_open`)."""
+        v = self.raw(key)
+        what = f"a finite number {'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
+        if v is _MISSING or v is None:
+            if default is _MISSING:
+                raise self.error(key, what, v)
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not (lo < v if lo_open else lo <= v) or v > hi:
+            raise self.error(key, what, v)
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.raw(key)
+        if v is _MISSING or v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.error(key, "true or false", v)
+        return v
+
+    def str(self, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+        v = self.raw(key)
+        if v is _MISSING or v is None:
+            return default
+        if not isinstance(v, str) or len(v) > 200:
+            raise self.error(key, "a string", v)
+        if choices is not None and v not in choices:
+            raise self.error(key, f"one of {', '.join(choices)} (the kinds replayed)", v)
+        return v
+
+    def obj(self, key: str) -> "_Config | None":
+        v = self.raw(key)
+        if v is _MISSING or v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self.error(key, "a JSON object or null", v)
+        return _Config(v, self.where, f"{self.prefix}{key}.")
+
+
+def _rope_spec(c: _Config) -> RopeSpec:
+    key = "rope_parameters" if c.has("rope_parameters") else "rope_scaling"
+    p = c.obj(key) or _Config({}, c.where, f"{c.prefix}{key}.")
+    nested = sorted(k for k, v in p.d.items() if isinstance(v, dict))
+    if nested:      # Gemma3 style: one RoPE per layer type; the reference knows one RoPE per model
+        raise CheckpointError(f"{c.where}: key '{c.prefix}{key}' holds one RoPE per layer type "
+                              f"({', '.join(nested[:3])}; Gemma3 style), which the exact reference does not "
+                              "replay (nor that model's other ops): leave out --reference to compare A with B alone")
+    theta = p.num("rope_theta", 0.0, 1e12, default=None, lo_open=True)
+    if theta is None:
+        theta = c.num("rope_theta", 0.0, 1e12, default=10000.0, lo_open=True)
+    kind = p.str("rope_type", "", ("default", "linear", "yarn")) or p.str("type", "default", ("default", "linear", "yarn"))
+    prf = p.num("partial_rotary_factor", 0.0, 1.0, default=None, lo_open=True)
+    spec = RopeSpec(
+        theta=theta, kind=kind, factor=p.num("factor", 0.0, 1e6, default=1.0, lo_open=True),
+        partial_rotary_factor=prf if prf is not None else c.num("partial_rotary_factor", 0.0, 1.0, default=1.0,
+                                                                lo_open=True),
+        original_max_position_embeddings=p.int("original_max_position_embeddings", 1, _BIG, default=None),
+        beta_fast=p.num("beta_fast", -1e6, 1e6, default=32.0), beta_slow=p.num("beta_slow", -1e6, 1e6, default=1.0),
+        mscale=p.num("mscale", -1e6, 1e6, default=None), mscale_all_dim=p.num("mscale_all_dim", -1e6, 1e6, default=None),
+        attention_factor=p.num("attention_factor", 0.0, 1e6, default=None, lo_open=True),
+        truncate=p.bool("truncate", True))
+    if kind == "yarn" and spec.original_max_position_embeddings is None and not c.has("max_position_embeddings"):
+        raise p.error("original_max_position_embeddings", "given for yarn RoPE (or max_position_embeddings)")
+    return spec
+
+
+def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
+    """A ModelSpec from an HF config dict (a multimodal config's `text_config` is used when present), every
+    value checked by type and range."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: must hold a JSON object (the model's config), not {_shown(cfg)}")
+    c = _Config(cfg, where).obj("text_config") or _Config(cfg, where)
+    heads = c.int("num_attention_heads", 1, 1 << 16)
+    hidden = c.int("hidden_size", 1, 1 << 24)
+    kv = c.int("num_key_value_heads", 1, heads, default=heads)
+    if heads % kv:
+        raise c.error("num_key_value_heads", f"a divisor of num_attention_heads ({heads})", kv)
+    head_dim = c.int("head_dim", 1, 1 << 16, default=None)
+    if head_dim is None:
+        if hidden % heads:
+            raise c.error("head_dim", f"given where hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                                      f"({heads})")
+        head_dim = hidden // heads
+    experts = 0
+    for k in ("num_experts", "num_local_experts", "n_routed_experts"):   # the first one stated and non-zero
+        experts = experts or c.int(k, 0, 1 << 16, default=0)
+    topk = c.int("num_experts_per_tok", 0, 1 << 16, default=0)
+    if experts and not 1 <= topk <= experts:
+        raise c.error("num_experts_per_tok", f"an integer from 1 to the number of experts ({experts})", topk)
+    model_type = c.str("model_type", "")
+    return ModelSpec(
+        model_type=model_type, num_layers=c.int("num_hidden_layers", 1, 1 << 16),
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        vocab_size=c.int("vocab_size", 1, _BIG),
+        # eps >= 0: a negative one makes the normalisation's square root undefined (a non-finite reference)
+        rms_norm_eps=c.num("rms_norm_eps", 0.0, 1.0, default=1e-6),
+        rope=_rope_spec(c), hidden_act=c.str("hidden_act", "silu"),
+        attention_bias=c.bool("attention_bias", model_type == "qwen2"),
+        tie_word_embeddings=c.bool("tie_word_embeddings", False),
+        num_experts=experts, num_experts_per_tok=topk,
+        # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
+        norm_topk_prob=c.bool("norm_topk_prob", False) or model_type == "mixtral",
+        scoring_func=c.str("scoring_func", "softmax"),
+        routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
+        n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,
+        shared_expert_intermediate_size=c.int("shared_expert_intermediate_size", 0, 1 << 24, default=0),
+        n_shared_experts=c.int("n_shared_experts", 0, 1 << 16, default=0),
+        max_position_embeddings=c.int("max_position_embeddings", 1, _BIG, default=None),
+        intermediate_size=c.int("intermediate_size", 0, 1 << 24, default=0),
+        moe_intermediate_size=c.int("moe_intermediate_size", 0, 1 << 24, default=0))
+
+
+def yarn_inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_pos: int | None):
+    """YaRN's inverse frequencies and attention factor as HF's `_compute_yarn_parameters` states them, in
+    float64 (HF computes them in float32: that rounding is shared by every side and measured as theirs)."""
+    import torch
+    dim = int(head_dim * rope.partial_rotary_factor)
+    base, factor = rope.theta, rope.factor
+    omax = rope.original_max_position_embeddings or max_pos
+    if omax is None:       # model_spec refuses such a config; kept for a RopeSpec built by hand
+        raise CheckpointError("config.json: yarn RoPE needs original_max_position_embeddings")
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = rope.attention_factor
+    if att is None:
+        att = (mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+               if rope.mscale and rope.mscale_all_dim else mscale(factor))
+
+    def corr_dim(rot):
+        return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extra = 1.0 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(att)
