@@ -74,7 +74,9 @@ def _run_compare(args, console: Console) -> dict:
         rep = find_divergence(va, vb, tolerance=_tolerance(args), worst_tokens=args.worst_tokens, progress=step,
                               accept_near_tie=args.accept_near_tie_routing, reference=reference,
                               backend=args.workers[0], workers=args.workers[1],
-                              allow_unverified=getattr(args, "allow_unverified", False))
+                              allow_unverified=getattr(args, "allow_unverified", False),
+                              attribution=getattr(args, "attribution", False),
+                              attribution_tokens=getattr(args, "attribution_tokens", None))
     return rep.to_json()
 
 
@@ -178,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "from each side's own inputs and name the side whose op is less exact (docs/replay.md)")
         sp.add_argument("--reference-device", type=_torch_device, default="cpu",
                         help="torch device for the float64 replay (default cpu)")
+        sp.add_argument("--attribution", action="store_true",
+                        help="with --reference: which difference explains how much of the log-prob gap (first-order "
+                             "propagation through the exact model, on --reference-device; docs/attribution.md)")
+        sp.add_argument("--attribution-tokens", type=_count, default=None, metavar="N",
+                        help="at most N tokens through the exact model's forward and backward, worst samples first "
+                             "(default 1024)")
         sp.add_argument("--allow-unverified", action="store_true",
                         help="compare a side whose architecture is not in its adapter's table (refused by "
                              "default, exit 3), every report marked UNVERIFIED MAPPING (README: supported "

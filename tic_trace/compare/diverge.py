@@ -27,6 +27,7 @@ from ..view.rows import row_identity
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
+from .shares import attribution_of, recredited
 from .verdict import Assessment, assess, layers_text
 
 REPORT_SCHEMA = SCHEMA_ID
@@ -42,7 +43,8 @@ WORST_TOP = 3
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
                     accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
-                    backend: str = "processes", allow_unverified: bool = False) -> Report:
+                    backend: str = "processes", allow_unverified: bool = False, attribution: bool = False,
+                    attribution_tokens: int | None = None) -> Report:
     """Compare side B against reference side A over every canonical point both have.
 
     A side whose architecture is not in its adapter's table (`Adapter.check_architecture`) is refused before
@@ -54,6 +56,9 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     (or that computes in a coarser dtype) is named, and the first such point leads the report. The checkpoint
     is checked first (`contract.check_reference`): one that is not the traces' model or weights raises
     `checkpoint.ReferenceMismatch` (the CLI: not comparable, exit 3).
+    `attribution=True` (needs `reference`): which difference explains how much of the log-prob gap, by
+    first-order propagation through the exact model (`replay.attribution`; docs/attribution.md), at most
+    `attribution_tokens` tokens (worst samples first); each finding carries its `share`.
     `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
     the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
@@ -64,6 +69,8 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     if arch_notes and not allow_unverified:
         return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins)
     ref = _reference(reference)
+    if attribution and ref is None:
+        raise SettingsError("attribution needs the exact model: give the reference checkpoint (--reference)")
     if ref is not None:       # a checkpoint that is not the traces' model or weights: not comparable, raised
         from .contract import check_reference
         check_reference(ref.ckpt, {"A": va, "B": vb})
@@ -98,7 +105,8 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         worst_tokens=worst, routing=routing,
         settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
-        contract=contract, structure=structure, identity=ident)
+        contract=contract, structure=structure, identity=ident,
+        attribution=attribution_of(va, vb, ref, verdict.findings, attribution_tokens, progress) if attribution else None)
 
 
 def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, list]:
@@ -508,6 +516,8 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
+    if isinstance(rep.attribution, dict) and "unavailable" not in rep.attribution:
+        rep.attribution = recredited(rep.attribution, rep.findings)
     new = _settings(tol, accept, marg)
     rep.settings = {**saved, **new}
     return rep.to_json()

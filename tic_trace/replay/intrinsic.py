@@ -19,6 +19,7 @@ from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.dtypes import dtype_info, known_dtype
 from ..view.align import CanonicalTensor, CanonicalView
 from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
+from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
 
 RowId = tuple[str, int]
@@ -176,12 +177,7 @@ class SideReplayer:
             self._layer = layer
 
     def _feed_key(self, feed: str, layer: int | None) -> tuple[str, int | None]:
-        n = self.view.n_layers
-        if feed == "<prev>.output":
-            return ("output", layer - 1) if layer else ("embed", None)
-        if feed == "<last>.output":
-            return ("output", (n or 1) - 1)
-        return (feed, layer if BY_NAME[feed].layered else None)
+        return feed_key(feed, layer, self.view.n_layers)
 
     def replay(self, point: str, layer: int | None) -> IntrinsicError | NotReplayed:
         self._enter(layer)
@@ -191,6 +187,15 @@ class SideReplayer:
             return NotReplayed(point, layer, str(e))
 
     def _replay(self, point: str, layer: int | None) -> IntrinsicError:
+        rows, y, exact, dtype = self.exact_pair(point, layer)
+        return intrinsic_error(point, layer, y, exact, dtype,
+                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
+                               op=self.ref.op_of(point))
+
+    def exact_pair(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str]:
+        """(rows, this side's output at them, the exact op on this side's own inputs, the output's dtype):
+        the output shaped like the exact value. Raises NotReplayable with the reason."""
+        self._enter(layer)
         out = self._load(point, layer)
         if out.values is None:
             raise NotReplayable("no values recorded (stats only)")
@@ -226,9 +231,7 @@ class SideReplayer:
             raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
                                 f"config gives {list(exact.shape[1:])}: the side computes another op (another "
                                 "top-k, head count or size)")
-        return intrinsic_error(point, layer, y.reshape(exact.shape), exact, out.dtype,
-                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
-                               op=self.ref.op_of(point))
+        return rows, y.reshape(exact.shape), exact, out.dtype
 
     def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
         """Why the exact op is non-finite: a tensor of the checkpoint, this side's own inputs, or the config.

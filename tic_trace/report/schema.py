@@ -214,6 +214,7 @@ class Finding(_Indexable):
     summary: str
     remedy: str = ""
     detail: dict = field(default_factory=dict)
+    share: float | None = None           # with an attribution: the share of the log-prob gap it explains
 
 
 @dataclass
@@ -277,6 +278,7 @@ class Report(_Indexable):
     contract: list = field(default_factory=list)       # contract differences (contract.ContractDiff as dicts)
     structure: dict = field(default_factory=dict)      # structural differences ({"layers": {"a", "b"}}), {} if none
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
+    attribution: dict | None = None                    # which difference explains how much of the gap (attribution.py)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
@@ -292,13 +294,15 @@ class Report(_Indexable):
             "sides": self.sides, "token_errors": self.token_errors, "structure": self.structure,
             "identity": self.identity,
         }
+        if self.attribution is not None:
+            doc["attribution"] = self.attribution
         return encode({**self.extra, **doc})
 
     @classmethod
     def from_json(cls, d: dict) -> "Report":
         known = {"schema", "verdict", "exit_code", "contract", "first_divergence", "findings", "notes", "points",
                  "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors",
-                 "structure", "identity"}
+                 "structure", "identity", "attribution"}
         fd = d.get("first_divergence")
         wt_names = {f.name for f in fields(WorstToken)}
         return cls(
@@ -316,7 +320,22 @@ class Report(_Indexable):
             contract=[dict(x) for x in d.get("contract") or [] if isinstance(x, dict)],
             structure=dict(d.get("structure") or {}) if isinstance(d.get("structure"), dict) else {},
             identity=dict(d.get("identity") or {}) if isinstance(d.get("identity"), dict) else {},
+            attribution=_decode_attribution(d.get("attribution")),
             extra={k: v for k, v in d.items() if k not in known})
+
+
+def _decode_attribution(d: Any) -> dict | None:
+    """A saved attribution with its numbers decoded (NaN/Inf were written as strings); None if absent."""
+    if not isinstance(d, dict):
+        return None
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: dec(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        return num(x) if isinstance(x, str) and x in ("nan", "inf", "-inf") else x
+    return dec(d)
 
 
 # ------------------------------------------------------------------------------------------------ op pairing

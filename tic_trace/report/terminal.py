@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
+from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
 from .lines import blocking_line, contract_line, identity_sentence
 from .schema import architecture_refusal, num, unverified_sides
@@ -152,6 +153,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     if contract:          # what the two sides claim to compute, diffed before any tensor: first of the details
         _contract(c, contract)
     _causes(c, report)
+    for line in attribution_lines(report):
+        c.print(text(line), soft_wrap=True)
     if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
                      style="dim"))

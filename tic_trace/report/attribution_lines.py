@@ -1,0 +1,72 @@
+"""Plain-text forms of a report's `attribution` (which difference explains how much of the log-prob gap),
+printed by the terminal and the HTML page alike. Renderers get any report: malformed parts are skipped."""
+from __future__ import annotations
+
+from typing import Any
+
+from .schema import num
+
+SHOWN = 5          # contributors listed (the JSON has all of them)
+
+
+def _pct(x: Any) -> str:
+    v = num(x) if isinstance(x, str) else x
+    return "?" if not isinstance(v, (int, float)) else f"{100 * v:.0f}%"
+
+
+def attribution_of(report: dict) -> dict | None:
+    a = report.get("attribution") if isinstance(report, dict) else None
+    return a if isinstance(a, dict) else None
+
+
+def attribution_lines(report: dict) -> list[str]:
+    """The answer line, the top contributors, the groups by op and the self-check, as text lines."""
+    att = attribution_of(report)
+    if att is None:
+        return []
+    if "unavailable" in att:
+        return [f"attribution: not made — {att.get('unavailable')}"]
+    gap, tokens = num(att.get("gap")), att.get("tokens")
+    head = f"attribution of Σ|Δ logprob| = {gap:.3g} over {tokens} tokens" if isinstance(gap, float) else "attribution"
+    shares = {s.get("key"): s for s in _shares(att)}
+    first = att.get("first")
+    if first in shares:
+        s = shares[first]
+        out = [f"{head}: {first} explains {_pct(s.get('share_total'))} (its own error {_pct(s.get('share'))}, the "
+               f"clean ops after it {_pct(s.get('share_downstream'))}) — the first significant difference in dataflow order"]
+    else:
+        out = [f"{head}: no finding explains {_pct(att.get('threshold'))} or more; clean ops' rounding noise "
+               f"{_pct(att.get('noise'))}"]
+    routed = {s.get("key") for s in att.get("routing") or [] if isinstance(s, dict)}
+    for k in [k for k in att.get("top") or [] if k in shares][:SHOWN]:
+        s = shares[k]
+        why = (f"{s.get('rows')} token(s) on other experts, their layer recomputed with each side's choice"
+               if k in routed else f"A {_pct(s.get('share_a'))}, B {_pct(s.get('share_b'))} of the own-error terms")
+        out.append(f"  {k:<24} {_pct(s.get('share_total')):>5}  ({why})")
+    kinds = [k for k in att.get("by_kind") or [] if isinstance(k, dict)][:SHOWN]
+    if kinds:
+        out.append("  by op: " + ", ".join(f"{k.get('kind')} {_pct(k.get('share'))}" for k in kinds))
+    out.append(f"  explained {_pct(att.get('explained'))} of the gap at first order, residual {_pct(att.get('residual'))}"
+               + (f"; {len(att.get('not_attributed') or [])} point(s) not attributed" if att.get("not_attributed") else ""))
+    out += [f"  note: {n}" for n in att.get("notes") or [] if isinstance(n, str)]
+    return out
+
+
+def _shares(att: dict) -> list[dict]:
+    return [s for s in (att.get("by_point") or []) + (att.get("routing") or []) if isinstance(s, dict)]
+
+
+def kind_layer_bars(att: dict) -> dict[str, dict]:
+    """share per op kind per layer ({kind: {layer label: share}}), for the HTML page's bars."""
+    from ..graph.canonical import BY_NAME
+    out: dict[str, dict] = {}
+    for s in _shares(att):
+        spec = BY_NAME.get(s.get("point"))
+        kind = "routing" if s in (att.get("routing") or []) else (spec.op if spec is not None else str(s.get("point")))
+        layer = s.get("layer")
+        label = "global" if layer is None else f"L{layer}"
+        v = num(s.get("share")) if isinstance(s.get("share"), str) else s.get("share")
+        if isinstance(v, (int, float)):
+            out.setdefault(kind, {})
+            out[kind][label] = out[kind].get(label, 0.0) + float(v)
+    return out
