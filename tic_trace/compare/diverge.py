@@ -26,6 +26,7 @@ from ..view.align import CanonicalView, RowId, common_points
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
+from .metrics import row_aggregate
 from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
@@ -197,7 +198,9 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
         if is_ids(m.point) and m.routing is not None:
             p.routing = _routing_facts(m, by.get((ROUTER_LOGITS, m.layer)), outputs, dlogprob)
         if m.compared and not is_ids(m.point) and row_errors.has(m):
-            p.worst_rows = row_errors.worst(m, feeds, carried, flips if is_routed(m.point) else set())
+            p.worst_rows, rows_in = row_errors.worst(m, feeds, carried, flips if is_routed(m.point) else set())
+            if rows_in is not None and not math.isinf(p.input_error):
+                p.input_error = rows_in     # row-relative, as the error is (docs/report.md)
             row_errors.add(m)
         if m.compared:
             carried[(m.point, m.layer)] = m.error
@@ -228,7 +231,11 @@ class _RowErrors:
     def add(self, m: PointMeasurement) -> None:
         self.errors[(m.point, m.layer)] = (self.rows_of(m), m.row_errors)
 
-    def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> list[dict]:
+    def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> tuple[list[dict], float | None]:
+        """The worst rows of `m`, and the inherited error over all rows: `row_aggregate` of each judged row's
+        own inherited error (None when no row is judged). The same aggregate as the point's error, of the
+        same rows, so the all-rows growth compares like with like (a norm that rescales every row shows no
+        jump) and, the aggregate being monotone, exceeds `growth` only where some row's own growth does."""
         rows = self.rows_of(m)
         e = m.row_errors
         ie = np.zeros(len(rows))
@@ -238,8 +245,9 @@ class _RowErrors:
             np.maximum(ie, self.inherited(f, rows, carried[f], mixes_positions(m.point)), out=ie)
         keep = (np.fromiter((r not in leave_out for r in rows), dtype=bool, count=len(rows)) if leave_out
                 else np.ones(len(rows), dtype=bool))
-        return [{"row": _label(rows[i]), "error": float(e[i]), "input_error": float(ie[i]),
-                 "growth": float(g)} for i, g in _worst_rows(e, ie, keep)]
+        worst = [{"row": _label(rows[i]), "error": float(e[i]), "input_error": float(ie[i]),
+                  "growth": float(g)} for i, g in _worst_rows(e, ie, keep)]
+        return worst, (row_aggregate(ie[keep]) if keep.any() else None)
 
     def inherited(self, f: tuple, rows: tuple, whole: float, causal: bool) -> np.ndarray:
         """Feed `f`'s error at each of `rows`: the same row's, or through attention (`causal`) the largest over
