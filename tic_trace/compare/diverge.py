@@ -23,7 +23,7 @@ from ..graph.canonical import (LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of,
 from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
-from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
+from .judge import DEFAULT_TOL, SettingsError, Tolerance, check_accept_precision, coarser  # noqa: F401 - public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
 from .metrics import row_aggregate
@@ -42,7 +42,8 @@ WORST_TOP = 3
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
                     accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
-                    backend: str = "processes", allow_unverified: bool = False) -> Report:
+                    backend: str = "processes", allow_unverified: bool = False,
+                    accept_precision=()) -> Report:
     """Compare side B against reference side A over every canonical point both have.
 
     A side whose architecture is not in its adapter's table (`Adapter.check_architecture`) is refused before
@@ -54,15 +55,19 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     (or that computes in a coarser dtype) is named, and the first such point leads the report. The checkpoint
     is checked first (`contract.check_reference`): one that is not the traces' model or weights raises
     `checkpoint.ReferenceMismatch` (the CLI: not comparable, exit 3).
+    `accept_precision` (point names or keys: `["moe.topk_weights"]`): a precision difference the user
+    accepts at those points is listed as accepted and does not decide the verdict (docs/report.md); unknown
+    names raise `SettingsError`.
     `workers` > 1 measures the points in that many processes (`backend="ray"`: Ray tasks); the report is
     the same."""
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
+    accept = check_accept_precision(accept_precision)
     checks = {"a": va.adapter.check_architecture(va.config), "b": vb.adapter.check_architecture(vb.config)}
     arch_notes = architecture_notes(checks, allow_unverified)
     if arch_notes and not allow_unverified:
-        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins)
+        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins, accept)
     ref = _reference(reference)
     if ref is not None:       # a checkpoint that is not the traces' model or weights: not comparable, raised
         from .contract import check_reference
@@ -78,7 +83,8 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
     verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
-                     token_errors=token_errors, routing=routing, contract=contract, margins=margins)
+                     token_errors=token_errors, routing=routing, contract=contract, margins=margins,
+                     accept_precision=accept)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     matched = set().union(*(m.rows for m in kept)) if kept else set()
     return Report(
@@ -86,7 +92,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         points=points, not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
         worst_tokens=worst, routing=routing,
-        settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
+        settings={**_settings(tol, accept_near_tie, margins, ref, accept), "allow_unverified": bool(allow_unverified)},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
         contract=contract)
 
@@ -113,7 +119,7 @@ def architecture_notes(checks: dict, allowed: bool) -> list[Note]:
 
 
 def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Note], tol: Tolerance,
-             accept_near_tie: bool, margins) -> Report:
+             accept_near_tie: bool, margins, accept: tuple[str, ...] = ()) -> Report:
     """The report of a pair refused for an unverified architecture: nothing measured, the contract read from
     the manifests only (versions, config, numerics: point dtypes and weights hang on the mapping)."""
     contract = [d for d in diff_contract_json(va, vb, None) if d["section"] in ("version", "config", "numerics")]
@@ -123,7 +129,7 @@ def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Not
                          f"{n.detail['architecture'] or 'unnamed'} is not an architecture the {n.detail['adapter']} "
                          "adapter's table maps (note above)"} for n in notes],
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing=_routing_summary([]),
-        settings={**_settings(tol, accept_near_tie, margins), "allow_unverified": False},
+        settings={**_settings(tol, accept_near_tie, margins, None, accept), "allow_unverified": False},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, contract=contract)
 
 
@@ -455,10 +461,10 @@ def _not_comparable(va, vb, only_a, only_b, measured: list[PointMeasurement]) ->
     return nc
 
 
-def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> dict:
+def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None, accept: tuple[str, ...] = ()) -> dict:
     from ..replay.intrinsic_verdict import DEFAULT_MARGINS
     out = {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie),
-           "margins": (margins or DEFAULT_MARGINS).to_json()}
+           "accept_precision": list(accept), "margins": (margins or DEFAULT_MARGINS).to_json()}
     if ref is not None:
         out["reference"] = {"path": str(ref.ckpt.path), "device": str(ref.device)}
     return out
@@ -476,7 +482,7 @@ def _side(v: CanonicalView, check=None) -> dict:
 # ------------------------------------------------------------------------------------------------ rejudge
 
 def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie: bool | None = None,
-            margins=None) -> dict:
+            margins=None, accept_precision=None) -> dict:
     """Re-judge a saved JSON report with new settings, without reading any tensor. With the settings it was
     made with (the default for each one not given), the result equals the report."""
     from ..replay.intrinsic_verdict import Margins
@@ -485,12 +491,15 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
     accept = bool(saved.get("accept_near_tie_routing")) if accept_near_tie is None else accept_near_tie
     marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
+    precision = check_accept_precision(saved.get("accept_precision") or () if accept_precision is None
+                                       else accept_precision)
     v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
-               token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg)
+               token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg,
+               accept_precision=precision)
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
-    new = _settings(tol, accept, marg)
+    new = _settings(tol, accept, marg, None, precision)
     rep.settings = {**saved, **new}
     return rep.to_json()
 
