@@ -182,6 +182,7 @@ def test_default_moe_pair_differs_only_in_the_precision_of_the_routing_weights(s
     assert rep.first["key"] == "L0.moe.topk_weights" and rep.first["cause"] == "precision"
 
 
+<<<<<<< HEAD
 def test_default_moe_pair_says_how_much_of_its_gap_the_topk_weights_rounding_explains(sides):
     """The attribution of the default bf16 MoE pair: each topk_weights precision finding carries its share of
     the log-prob gap, and the shares add up to the measured gap (docs/attribution.md)."""
@@ -199,3 +200,69 @@ def test_default_moe_pair_says_how_much_of_its_gap_the_topk_weights_rounding_exp
     assert all(abs(s["share_a"]) >= abs(s["share_b"]) for s in tw), tw
     doc = json.loads(json.dumps(rep.to_json()))
     assert rejudge(doc) == doc
+=======
+# ------------------------------------------------------------------ dataflow order, accepted precision (issue 23)
+
+TOPK_W = [("precision", "L0.moe.topk_weights"), ("precision", "L1.moe.topk_weights")]
+
+
+def _listed(rep, causes=NOT_CLEAN):
+    return [(f.cause, f.key, f.divergent) for f in rep.findings if f.cause in causes]
+
+
+def test_default_moe_pair_with_topk_weights_accepted_is_consistent(sides):
+    """With the top-k weights' precision difference accepted, the clean default pair's answer is whatever
+    else is there: nothing. The difference is still listed, named with both dtypes and the coarser side."""
+    rep = find_divergence(str(sides["mg_moe"]), str(sides["sg_moe"]), reference=ExactReference(str(sides["ck_moe"])),
+                          accept_precision=["moe.topk_weights"])
+    assert _listed(rep) == [(c, k, False) for c, k in TOPK_W], _listed(rep)
+    assert rep.verdict == "consistent" and rep.first is None, rep.first and rep.first["summary"]
+    f = rep.findings[0]
+    assert f.detail["accepted"] == "moe.topk_weights" and f.detail["coarser"] == "A"
+    assert "bfloat16" in f.summary and "float32" in f.summary and "accepted" in f.summary
+    p = next(p for p in rep.points if p.key == "L0.moe.topk_weights")
+    assert p.replay["accepted"] == "moe.topk_weights" and p.status != "divergent"
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert doc["settings"]["accept_precision"] == ["moe.topk_weights"]
+    assert rejudge(doc) == doc
+    # re-judged without accepting it, the same saved numbers lead with it again
+    again = rejudge(doc, accept_precision=[])
+    assert again["verdict"] == "divergent" and again["first_divergence"]["key"] == "L0.moe.topk_weights"
+
+
+def test_moe_fault_is_the_answer_once_the_topk_weights_are_accepted(tmp_path, sides):
+    """SGLang's layer-1 Q-norm without the fp32 upcast, in the MoE model: in dataflow order the top-k weights
+    of layer 0 come first (and lead without acceptance); accepted, the planted point is the answer, and the
+    precision findings are still listed."""
+    plant, key, side, cause = SG_FAULTS["sg_qk_norm_no_upcast"]
+    sg = _rollout(sides["ck_moe"], tmp_path / "sg", plant)
+    rep = _find(sides["mg_moe"], sg, sides["ck_moe"])
+    assert (rep.first["key"], rep.first["cause"]) == ("L0.moe.topk_weights", "precision")
+    assert (cause, key, True) in _listed(rep), _listed(rep)
+    doc = json.loads(json.dumps(rep.to_json()))
+    accepted = rejudge(doc, accept_precision=["moe.topk_weights"])
+    fd = accepted["first_divergence"]
+    assert (fd["key"], fd["cause"], fd["replay"]["side"]) == (key, cause, side), fd["summary"]
+    listed = [(f["cause"], f["key"], f["divergent"]) for f in accepted["findings"]]
+    assert ("precision", "L0.moe.topk_weights", False) in listed and ("precision", "L1.moe.topk_weights", False) in listed
+    # the same from the traces, with the setting given to the finder
+    fresh = find_divergence(str(sides["mg_moe"]), str(sg), reference=ExactReference(str(sides["ck_moe"])),
+                            accept_precision=["moe.topk_weights"])
+    assert fresh.first["key"] == key and fresh.first["cause"] == cause
+
+
+def test_operator_fault_before_the_topk_weights_leads_in_dataflow_order(tmp_path, sides):
+    """Without a reference the top-k weights' precision difference is found by recorded dtype; an operator
+    fault upstream of it (SGLang's layer-0 input-norm epsilon 1e-6 -> 1e-2) is the first finding in dataflow
+    order, whatever the cause, and the precision finding is listed after it."""
+    from tic_trace.testing.faults import plant as plant_fault
+    sg = _rollout(sides["ck_moe"], tmp_path / "sg", lambda m, _layer: plant_fault(m, "sglang", "rmsnorm_eps", 0))
+    rep = find_divergence(str(sides["mg_moe"]), str(sg))
+    assert (rep.first["key"], rep.first["cause"]) == ("L0.attn_norm", "operator"), \
+        (rep.first["key"], [(f.cause, f.key) for f in rep.findings])
+    listed = _listed(rep)
+    assert listed[0] == ("operator", "L0.attn_norm", True)
+    assert ("precision", "L0.moe.topk_weights", True) in listed, listed
+    f = next(f for f in rep.findings if f.key == "L0.moe.topk_weights")
+    assert "by recorded dtype" in f.summary and f.detail["coarser"] == "A"
+>>>>>>> main

@@ -411,7 +411,14 @@ def _reference_metrics(a, b, mant):
             "nonfinite_shared": int(((~fa & ~fb) & ~one_sided).sum()),
             # a row with NaN/Inf on one side only has an infinite error, never that of its finite elements
             "per_row_rel": np.where(one_sided.any(1), np.inf, np.sqrt((d * d).sum(1) / (ra * ra).sum(1))),
-            "per_row_max": np.where(one_sided.any(1), np.inf, np.abs(d).max(1))}
+            "per_row_max": np.where(one_sided.any(1), np.inf, np.abs(d).max(1)),
+            # the all-rows error judged: the 0.9 quantile of the rows' own errors, read as an order statistic
+            "rel_rows": _row_quantile(np.where(one_sided.any(1), np.inf,
+                                               np.sqrt((d * d).sum(1) / (ra * ra).sum(1))), 0.9)}
+
+
+def _row_quantile(e: np.ndarray, q: float) -> float:
+    return float(np.sort(e)[int(np.ceil(q * (e.size - 1)))])
 
 
 @pytest.mark.parametrize("block", [1 << 20, 37, 5])
@@ -434,7 +441,8 @@ def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, 
         assert np.allclose(g, v, rtol=1e-12, atol=0, equal_nan=True), (k, g, v)
     assert got.rows == shape[0] and got.numel == a.size
     assert got.to_json().keys() == {"rows", "numel", "max_abs", "mean_abs", "rel_l2", "cosine", "max_ulp",
-                                    "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite", "nonfinite_shared"}
+                                    "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite", "nonfinite_shared",
+                                    "rel_rows"}
 
 
 def test_routing_comparison_matches_per_row_sets():

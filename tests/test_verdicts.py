@@ -261,6 +261,20 @@ def test_cli_settings_errors(tmp_path, capsys):
         assert len(out.splitlines()) == 1 and "error" in out and ("--tol" in out or "--growth" in out), out
     with pytest.raises(SettingsError, match="attn.core"):
         Tolerance(per_point={"attn.cor": 1e-3})
+    # --accept-precision names a canonical point or key; anything else is refused with the closest names
+    for bad in ("moe.topk_weight", "L1.moe.topk_weight", "float32"):
+        assert cli(["first-divergence", a, a, "--accept-precision", bad]) == EXIT_ERROR
+        out = capsys.readouterr()
+        line = (out.out + out.err).strip()
+        assert len(line.splitlines()) == 1 and "--accept-precision" in line and repr(bad) in line, line
+    assert "moe.topk_weights" in line or "did you mean" in line
+    with pytest.raises(SettingsError, match="did you mean moe.topk_weights"):
+        find_divergence(a, a, accept_precision=["moe.topk_weight"])
+    assert cli(["first-divergence", a, a, "--accept-precision", "moe.topk_weights",
+                "--accept-precision", "L1.moe.topk_weights", "--json", str(tmp_path / "r.json")]) == 0
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["settings"]["accept_precision"] == ["L1.moe.topk_weights", "moe.topk_weights"]
+    capsys.readouterr()
 
 
 # ------------------------------------------------------------------------------------------------ CLI failures

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from tic_trace.report.text import visible
 from tic_trace.tools.options import Parser as _Parser
+from tic_trace.tools.options import accept_point as _accept_point
 from tic_trace.tools.options import checkpoint_dir as _checkpoint_dir
 from tic_trace.tools.options import count as _count
 from tic_trace.tools.options import input_file as _input_file
@@ -30,7 +31,7 @@ from tic_trace.tools.options import record_pattern as _record_pattern
 from tic_trace.tools.options import tol_item as _tol_item
 from tic_trace.tools.options import tolerance as _tolerance
 from tic_trace.tools.options import torch_device as _torch_device
-from tic_trace.tools.options import GROWTH_HELP, HTML_HELP, JSON_HELP, TOL_HELP, WORST_TOKENS_HELP
+from tic_trace.tools.options import ACCEPT_PRECISION_HELP, GROWTH_HELP, HTML_HELP, JSON_HELP, TOL_HELP, WORST_TOKENS_HELP
 from tic_trace.tools.options import WORKERS_HELP as _WORKERS_HELP
 from tic_trace.tools.options import workers as _workers
 
@@ -75,6 +76,7 @@ def _run_compare(args, console: Console) -> dict:
                               accept_near_tie=args.accept_near_tie_routing, reference=reference,
                               backend=args.workers[0], workers=args.workers[1],
                               allow_unverified=getattr(args, "allow_unverified", False),
+                              accept_precision=args.accept_precision or (),
                               attribution=getattr(args, "attribution", False),
                               attribution_tokens=getattr(args, "attribution_tokens", None))
     return rep.to_json()
@@ -135,9 +137,10 @@ def cmd_report(args, console):
                                      "tic-trace; make the report again from the traces (tic-trace report A B "
                                      "--json FILE)"), soft_wrap=True)
             return EXIT_NOT_COMPARABLE
-        if args.tol or args.growth is not None or args.accept_near_tie_routing:
+        if args.tol or args.growth is not None or args.accept_near_tie_routing or args.accept_precision:
             report = rejudge(saved, _tolerance(args) if args.tol or args.growth is not None else None,
-                             accept_near_tie=True if args.accept_near_tie_routing else None)
+                             accept_near_tie=True if args.accept_near_tie_routing else None,
+                             accept_precision=args.accept_precision or None)
     else:
         if not args.b:
             raise SystemExit("report: give two traces A B, or --from-json saved.json")
@@ -175,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--accept-near-tie-routing", action="store_true",
                         help="a pair whose only finding is near-tie routing flips is consistent (the flips are "
                              "still shown): for runs that replay routing or accept near ties")
+        sp.add_argument("--accept-precision", action="append", metavar="POINT", type=_accept_point,
+                        help=ACCEPT_PRECISION_HELP)
         sp.add_argument("--reference", type=_checkpoint_dir, metavar="HF_DIR",
                         help="HF checkpoint (config.json + *.safetensors) both sides ran: replay every op exactly "
                              "from each side's own inputs and name the side whose op is less exact (docs/replay.md)")

@@ -68,6 +68,20 @@ def tol_item(item: str) -> tuple[str, float]:
     return name, v
 
 
+def accept_point(name: str) -> str:
+    """A canonical point name (moe.topk_weights) or key (L1.moe.topk_weights) whose precision difference
+    is accepted; anything else is refused naming the closest points."""
+    from tic_trace.compare.judge import SettingsError, check_accept_precision
+    try:
+        return check_accept_precision([name])[0]
+    except SettingsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+ACCEPT_PRECISION_HELP = ("accept a precision difference at this point (a point like moe.topk_weights or a key like "
+                         "L1.moe.topk_weights; repeatable): shown as accepted, it does not decide the verdict. "
+                         "Common: moe.topk_weights (megatron-core rounds the top-k weights to bf16, SGLang keeps "
+                         "fp32)")
 GROWTH_HELP = "a point diverges when its error exceeds its inputs' error by this factor (default 10)"
 TOL_HELP = "relative-L2 tolerance for a dtype (bfloat16=0.02) or a point (attn.core=1e-4, L3.mid=1e-3); repeatable"
 WORST_TOKENS_HELP = "how many tokens with the largest |Δ logprob| to report, with where each one's divergence starts (default 8)"

@@ -24,9 +24,10 @@ from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
 from ..view.rows import row_identity
-from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
+from .judge import DEFAULT_TOL, SettingsError, Tolerance, check_accept_precision, coarser  # noqa: F401 - public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
+from .metrics import row_aggregate
 from .shares import attribution_of, recredited
 from .verdict import Assessment, assess, layers_text
 
@@ -43,8 +44,8 @@ WORST_TOP = 3
 def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance: Tolerance | None = None,
                     worst_tokens: int = 8, progress: Callable[[str], None] | None = None,
                     accept_near_tie: bool = False, reference=None, margins=None, workers: int = 1,
-                    backend: str = "processes", allow_unverified: bool = False, attribution: bool = False,
-                    attribution_tokens: int | None = None) -> Report:
+                    backend: str = "processes", allow_unverified: bool = False,
+                    accept_precision=(), attribution: bool = False, attribution_tokens: int | None = None) -> Report:
     """Compare side B against reference side A over every canonical point both have.
 
     A side whose architecture is not in its adapter's table (`Adapter.check_architecture`) is refused before
@@ -56,6 +57,9 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     (or that computes in a coarser dtype) is named, and the first such point leads the report. The checkpoint
     is checked first (`contract.check_reference`): one that is not the traces' model or weights raises
     `checkpoint.ReferenceMismatch` (the CLI: not comparable, exit 3).
+    `accept_precision` (point names or keys: `["moe.topk_weights"]`): a precision difference the user
+    accepts at those points is listed as accepted and does not decide the verdict (docs/report.md); unknown
+    names raise `SettingsError`.
     `attribution=True` (needs `reference`): which difference explains how much of the log-prob gap, by
     first-order propagation through the exact model (`replay.attribution`; docs/attribution.md), at most
     `attribution_tokens` tokens (worst samples first); each finding carries its `share`.
@@ -64,10 +68,11 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     va = a if isinstance(a, CanonicalView) else CanonicalView(a)
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
+    accept = check_accept_precision(accept_precision)
     checks = {"a": va.adapter.check_architecture(va.config), "b": vb.adapter.check_architecture(vb.config)}
     arch_notes = architecture_notes(checks, allow_unverified)
     if arch_notes and not allow_unverified:
-        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins)
+        return _refused(va, vb, checks, arch_notes, tol, accept_near_tie, margins, accept)
     ref = _reference(reference)
     if attribution and ref is None:
         raise SettingsError("attribution needs the exact model: give the reference checkpoint (--reference)")
@@ -92,7 +97,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     ident = identity.to_json()
     verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
                      token_errors=token_errors, routing=routing, contract=contract, margins=margins, rows=rows,
-                     identity=ident, structure=structure)
+                     identity=ident, structure=structure, accept_precision=accept)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     not_comparable = _not_comparable(va, vb, only_a, only_b, measured)
     if structure:
@@ -103,7 +108,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
         points=points, not_comparable=not_comparable, rows=rows,
         worst_tokens=worst, routing=routing,
-        settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
+        settings={**_settings(tol, accept_near_tie, margins, ref, accept), "allow_unverified": bool(allow_unverified)},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
         contract=contract, structure=structure, identity=ident,
         attribution=attribution_of(va, vb, ref, verdict.findings, attribution_tokens, progress) if attribution else None)
@@ -144,7 +149,7 @@ def architecture_notes(checks: dict, allowed: bool) -> list[Note]:
 
 
 def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Note], tol: Tolerance,
-             accept_near_tie: bool, margins) -> Report:
+             accept_near_tie: bool, margins, accept: tuple[str, ...] = ()) -> Report:
     """The report of a pair refused for an unverified architecture: nothing measured, the contract read from
     the manifests only (versions, config, numerics: point dtypes and weights hang on the mapping)."""
     contract = [d for d in diff_contract_json(va, vb, None) if d["section"] in ("version", "config", "numerics")]
@@ -154,7 +159,7 @@ def _refused(va: CanonicalView, vb: CanonicalView, checks: dict, notes: list[Not
                          f"{n.detail['architecture'] or 'unnamed'} is not an architecture the {n.detail['adapter']} "
                          "adapter's table maps (note above)"} for n in notes],
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": 0}, worst_tokens=[], routing=_routing_summary([]),
-        settings={**_settings(tol, accept_near_tie, margins), "allow_unverified": False},
+        settings={**_settings(tol, accept_near_tie, margins, None, accept), "allow_unverified": False},
         sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, contract=contract)
 
 
@@ -229,7 +234,9 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
         if is_ids(m.point) and m.routing is not None:
             p.routing = _routing_facts(m, by.get((ROUTER_LOGITS, m.layer)), outputs, dlogprob)
         if m.compared and not is_ids(m.point) and row_errors.has(m):
-            p.worst_rows = row_errors.worst(m, feeds, carried, flips if is_routed(m.point) else set())
+            p.worst_rows, rows_in = row_errors.worst(m, feeds, carried, flips if is_routed(m.point) else set())
+            if rows_in is not None and not math.isinf(p.input_error):
+                p.input_error = rows_in     # row-relative, as the error is (docs/report.md)
             row_errors.add(m)
         if m.compared:
             carried[(m.point, m.layer)] = m.error
@@ -260,7 +267,11 @@ class _RowErrors:
     def add(self, m: PointMeasurement) -> None:
         self.errors[(m.point, m.layer)] = (self.rows_of(m), m.row_errors)
 
-    def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> list[dict]:
+    def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> tuple[list[dict], float | None]:
+        """The worst rows of `m`, and the inherited error over all rows: `row_aggregate` of each judged row's
+        own inherited error (None when no row is judged). The same aggregate as the point's error, of the
+        same rows, so the all-rows growth compares like with like (a norm that rescales every row shows no
+        jump) and, the aggregate being monotone, exceeds `growth` only where some row's own growth does."""
         rows = self.rows_of(m)
         e = m.row_errors
         ie = np.zeros(len(rows))
@@ -270,8 +281,9 @@ class _RowErrors:
             np.maximum(ie, self.inherited(f, rows, carried[f], mixes_positions(m.point)), out=ie)
         keep = (np.fromiter((r not in leave_out for r in rows), dtype=bool, count=len(rows)) if leave_out
                 else np.ones(len(rows), dtype=bool))
-        return [{"row": _label(rows[i]), "error": float(e[i]), "input_error": float(ie[i]),
-                 "growth": float(g)} for i, g in _worst_rows(e, ie, keep)]
+        worst = [{"row": _label(rows[i]), "error": float(e[i]), "input_error": float(ie[i]),
+                  "growth": float(g)} for i, g in _worst_rows(e, ie, keep)]
+        return worst, (row_aggregate(ie[keep]) if keep.any() else None)
 
     def inherited(self, f: tuple, rows: tuple, whole: float, causal: bool) -> np.ndarray:
         """Feed `f`'s error at each of `rows`: the same row's, or through attention (`causal`) the largest over
@@ -479,10 +491,10 @@ def _not_comparable(va, vb, only_a, only_b, measured: list[PointMeasurement]) ->
     return nc
 
 
-def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None) -> dict:
+def _settings(tol: Tolerance, accept_near_tie: bool, margins=None, ref=None, accept: tuple[str, ...] = ()) -> dict:
     from ..replay.intrinsic_verdict import DEFAULT_MARGINS
     out = {"tolerance": tol.to_json(), "accept_near_tie_routing": bool(accept_near_tie),
-           "margins": (margins or DEFAULT_MARGINS).to_json()}
+           "accept_precision": list(accept), "margins": (margins or DEFAULT_MARGINS).to_json()}
     if ref is not None:
         out["reference"] = {"path": str(ref.ckpt.path), "device": str(ref.device)}
     return out
@@ -501,7 +513,7 @@ def _side(v: CanonicalView, check=None) -> dict:
 # ------------------------------------------------------------------------------------------------ rejudge
 
 def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie: bool | None = None,
-            margins=None) -> dict:
+            margins=None, accept_precision=None) -> dict:
     """Re-judge a saved JSON report with new settings, without reading any tensor. With the settings it was
     made with (the default for each one not given), the result equals the report."""
     from ..replay.intrinsic_verdict import Margins
@@ -510,15 +522,17 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
     accept = bool(saved.get("accept_near_tie_routing")) if accept_near_tie is None else accept_near_tie
     marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
+    precision = check_accept_precision(saved.get("accept_precision") or () if accept_precision is None
+                                       else accept_precision)
     v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
                token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg,
-               rows=rep.rows, identity=rep.identity, structure=rep.structure)
+               rows=rep.rows, identity=rep.identity, structure=rep.structure, accept_precision=precision)
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
     if isinstance(rep.attribution, dict) and "unavailable" not in rep.attribution:
         rep.attribution = recredited(rep.attribution, rep.findings)
-    new = _settings(tol, accept, marg)
+    new = _settings(tol, accept, marg, None, precision)
     rep.settings = {**saved, **new}
     return rep.to_json()
 

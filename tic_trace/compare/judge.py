@@ -50,7 +50,7 @@ def _check_number(what: str, v, *, allow_inf: bool) -> float:
     return x
 
 
-def check_point_key(key: str) -> None:
+def check_point_key(key: str, what: str = "tolerance key") -> None:
     """SettingsError (with the closest names) unless `key` is a canonical point or point key."""
     if known_key(key):
         return
@@ -58,8 +58,28 @@ def check_point_key(key: str) -> None:
     bare = key.split(".", 1)[1] if key.startswith("L") and key[1:2].isdigit() and "." in key else key
     close = difflib.get_close_matches(bare, names + sorted(DEFAULT_TOL), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else f"; known points: {', '.join(names)}"
-    raise SettingsError(f"tolerance key {key!r} is neither a dtype nor a canonical point "
-                        f"(write a point as attn.core or L3.attn.core){hint}")
+    kinds = "neither a dtype nor a canonical point" if what == "tolerance key" else "not a canonical point"
+    raise SettingsError(f"{what} {key!r} is {kinds} (write a point as attn.core or L3.attn.core){hint}")
+
+
+def check_accept_precision(names) -> tuple[str, ...]:
+    """The points whose precision difference the user accepts (`--accept-precision`), validated against the
+    canonical point table (a point name, `moe.topk_weights`, or a key, `L1.moe.topk_weights`), sorted and
+    without repeats; SettingsError naming an unknown one (with the closest names)."""
+    if isinstance(names, str):
+        names = [names]
+    out = set()
+    for n in names or ():
+        if not isinstance(n, str):
+            raise SettingsError(f"accept-precision: {n!r} is not a point name")
+        check_point_key(n, "accept-precision point")
+        out.add(n)
+    return tuple(sorted(out))
+
+
+def accepted_point(point: str, key: str, accept: tuple[str, ...]) -> str | None:
+    """The accept-precision entry that covers this point (its name or its key), or None."""
+    return key if key in accept else (point if point in accept else None)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from ..graph.canonical import BY_NAME, LOGPROBS, key_name
 from ..view.align import CanonicalView, RowId, align_rows
 from ..view.rows import row_identity
 from .judge import coarser
-from .metrics import compare_routing, compare_stats, compare_values
+from .metrics import compare_routing, compare_stats, compare_values, row_aggregate
 
 # Reference router-logit values kept per row: enough for the margin between the k-th and (k+1)-th expert
 # for any k below this.
@@ -31,7 +31,8 @@ class PointMeasurement:
     point: str
     layer: int | None
     dtype: str | None = None
-    error: float | None = None            # relative L2 over the matched rows (ids: share of flipped rows);
+    error: float | None = None            # row-relative error over the matched rows (metrics.row_aggregate;
+                                          # ids: share of flipped rows);
                                           # None: nothing compared (see `reason`)
     nonfinite: int = 0
     rows: list[RowId] = field(default_factory=list)   # matched rows, side A's order
@@ -175,16 +176,12 @@ def _measure_stats(m: PointMeasurement, ta, tb) -> PointMeasurement:
 
 
 def subset_error(m: PointMeasurement, leave_out: set) -> float | None:
-    """The relative L2 of a routed point over its rows minus `leave_out` (None when none is left)."""
+    """The row-relative error (`metrics.row_aggregate`) of a routed point over its rows minus `leave_out`
+    (None when none is left)."""
     if m.row_ref_norm is None or not len(m.rows):
         return m.error
     keep = np.fromiter((r not in leave_out for r in m.rows), dtype=bool, count=len(m.rows))
     if not keep.any():
         return None
-    e, na = np.asarray(m.per_row)[keep], np.asarray(m.row_ref_norm)[keep]
-    if not np.isfinite(e).all():
-        return math.inf
-    num, den = float(((e * na) ** 2).sum()), float((na * na).sum())
-    if den <= 1e-60:
-        return 0.0 if num == 0 else math.inf
-    return math.sqrt(num / den)
+    e = m.row_errors[keep]
+    return math.inf if not np.isfinite(e).all() else row_aggregate(e)

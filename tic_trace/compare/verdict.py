@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
 from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
-                    FlipFacts, Tolerance, growth_of, judge, judge_point, judge_replay, point_kind)
-from ..report.schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
+                    FlipFacts, Tolerance, accepted_point, coarser, growth_of, judge, judge_point, judge_replay,
+                    point_kind)
+from ..report.schema import Finding, Note, Point, WorstToken, num
+from ..store.dtypes import known_dtype
 
 ALWAYS, UNLESS_DIVERGENT = "always", "unless_divergent"     # Note.detail["blocks"] (report_schema.IDENTITY_NOTES)
 ROWS_IN_LINE = 3        # rows named in a headline sentence (the note's detail holds more)
@@ -45,27 +47,29 @@ class Assessment:
 def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool = False,
            worst_tokens: list[WorstToken] | None = None, token_errors: dict | None = None,
            routing: dict | None = None, contract: list[dict] | None = None, margins=None,
-           rows: dict | None = None, identity: dict | None = None, structure: dict | None = None) -> Assessment:
+           rows: dict | None = None, identity: dict | None = None, structure: dict | None = None,
+           accept_precision: tuple[str, ...] = ()) -> Assessment:
     """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict.
 
     With replay facts (a reference) or different effective dtypes at a point, `judge.judge_replay` decides
-    whether one side's op is intrinsically (or by precision) the less exact one; the first such finding in
-    dataflow order is the first divergence, ahead of the A-B rule. `contract` (report.contract) adds a
-    `weights` finding per point whose parameters differ. `rows`, `identity` and `structure` (the report's)
-    give the notes on the rows and the models' structure, which lead the notes and can make the verdict
-    not comparable (`_identity_notes`)."""
-    judge_points(points, tolerance, accept_near_tie, margins)
+    whether one side's op is intrinsically (or by precision) the less exact one. The first divergence is the
+    first counting finding in dataflow order (`canonical.order_key`), whatever its cause: an operator jump
+    upstream of a precision difference leads it. A precision difference at a point in `accept_precision`
+    (`judge.check_accept_precision`) is listed as accepted and counts for nothing: the A-B rule judges that
+    point. `contract` (report.contract) adds a `weights` finding per point whose parameters differ. `rows`,
+    `identity` and `structure` (the report's) give the notes on the rows and the models' structure, which lead
+    the notes and can make the verdict not comparable (`_identity_notes`)."""
+    judge_points(points, tolerance, accept_near_tie, margins, accept_precision)
     for w in worst_tokens or []:
         w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
                                                accept_near_tie)
     if routing is not None:
         routing["layers"] = {str(p.layer): _layer_summary(p.routing) for p in points
                              if is_ids(p.point) and p.routing is not None}
-    findings = [f for p in points if (f := _finding(p)) is not None]
+    findings = sorted((f for p in points for f in _findings(p)), key=lambda f: order_key(*parse_key(f.key)))
     findings = _with_weights(findings, contract or [])
     computational = [f for f in findings if f.divergent and f.computational]
-    leading = [f for f in computational if f.cause in LEADING_CAUSES]
-    counted = leading or computational or [f for f in findings if f.divergent]
+    counted = computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
     notes = identity_notes + [n for n in (_not_replayed(points), _accumulated_noise(points, findings),
@@ -167,7 +171,8 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
     return out
 
 
-def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None) -> None:
+def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None,
+                 accept_precision: tuple[str, ...] = ()) -> None:
     by_key = {p.key: p for p in points}
     for p in points:
         if p.error is None:
@@ -193,8 +198,18 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
         if p.intrinsic is not None or p.dtypes:
             r = judge_replay(p.intrinsic, p.dtypes, margins)
             p.replay = {"side": r.side, "kind": r.kind, "reason": r.reason}
-            if r.side is not None:          # the replay names a side: this point diverges for that reason
+            accepted = _accepted(p, r.kind, accept_precision) if r.side is not None else None
+            if accepted:                    # shown, not counted: the A-B judgement of this point stands
+                p.replay["accepted"] = accepted
+            elif r.side is not None:        # the replay names a side: this point diverges for that reason
                 p.status, p.cause = DIVERGENT, PRECISION if r.kind == PRECISION else INTRINSIC
+
+
+def _accepted(p: Point, kind: str | None, accept: tuple[str, ...]) -> str | None:
+    """The --accept-precision entry that accepts this point's replay finding: a precision difference, or an
+    intrinsic one where the sides compute in different dtypes (the precision difference is its cause)."""
+    entry = accepted_point(p.point, p.key, accept)
+    return entry if entry and (kind == PRECISION or p.dtypes) else None
 
 
 def _n(v) -> float:
@@ -258,6 +273,13 @@ def _layer_summary(r: dict) -> dict:
     keys = ("rows", "k", "k_b", "flipped", "near_tie", "unexplained", "near_tie_to_output", "router_divergent",
             "set_agreement", "dlogprob_share", "accepted")
     return {k: r.get(k) for k in keys}
+
+
+def _findings(p: Point) -> list[Finding]:
+    """A point's findings: an accepted replay finding (not counted) first, then the one that judges it."""
+    out = [_replay_finding(p)] if (p.replay or {}).get("accepted") else []
+    f = _finding(p)
+    return out + [f] if f is not None else out
 
 
 def _finding(p: Point) -> Finding | None:
@@ -333,11 +355,14 @@ def _x(v, digits: int = 2) -> str:
 def _replay_finding(p: Point) -> Finding:
     """A point where one side's op is the less exact one (intrinsic) or runs in a coarser dtype (precision)."""
     r, i = p.replay or {}, p.intrinsic or {}
-    side = r.get("side")
+    side, accepted = r.get("side"), r.get("accepted")
+    cause = PRECISION if r.get("kind") == PRECISION else INTRINSIC
     ea, eb = i.get("a"), i.get("b")
-    if p.cause == PRECISION:
-        da, db = (p.dtypes or {}).get("a") or (ea or {}).get("dtype"), (p.dtypes or {}).get("b") or (eb or {}).get("dtype")
-        head = f"{p.key}: A computes it in {da}, B in {db}; side {side} is the less exact"
+    da, db = (p.dtypes or {}).get("a") or (ea or {}).get("dtype"), (p.dtypes or {}).get("b") or (eb or {}).get("dtype")
+    coarse = _coarser_side(da, db)
+    if cause == PRECISION:
+        head = (f"{p.key}: A computes it in {da}, B in {db}" + (f" (side {coarse} the coarser)" if coarse else "")
+                + f"; side {side} is the less exact")
         remedy = ("compute this op's output in the same precision on both sides (or accept the difference "
                   "knowingly: it is a precision choice, e.g. an fp32 router or lm_head on one side only)")
     else:
@@ -349,8 +374,19 @@ def _replay_finding(p: Point) -> Finding:
     summary = head + ((f" — A {_side_numbers(ea)}; B {_side_numbers(eb)}" if measured
                        else " (by recorded dtype; --reference measures each side against the exact op)"))
     detail = {"side": side, "kind": r.get("kind"), "reason": r.get("reason"), "a": ea, "b": eb,
-              "dtypes": p.dtypes}
-    return Finding(p.cause, p.key, p.layer, True, True, summary, remedy, detail)
+              "dtypes": p.dtypes, "coarser": coarse}
+    if accepted:
+        summary += (f"; accepted (--accept-precision {accepted}): shown, not counted, the A-B rule judges this "
+                    f"point ({p.status})")
+        detail["accepted"] = accepted
+    return Finding(cause, p.key, p.layer, not accepted, True, summary, remedy, detail)
+
+
+def _coarser_side(da, db) -> str | None:
+    """"A" or "B": the side whose dtype has fewer mantissa bits (None: the same, or unknown)."""
+    if not (isinstance(da, str) and isinstance(db, str)) or da == db or not (known_dtype(da) and known_dtype(db)):
+        return None
+    return "A" if coarser(da, db) == da else "B"
 
 
 def _with_weights(findings: list[Finding], contract: list[dict]) -> list[Finding]:

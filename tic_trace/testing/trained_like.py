@@ -1,0 +1,75 @@
+"""Weight shaping that gives a small random model the statistics of a trained one (issue 23).
+
+Random-init models are gentle: every residual row has about the same norm and every norm gain is near 1.
+Trained models are not, and the comparator's rules must hold on them too:
+
+- **massive activations** (`massive_activations`): a few residual channels of a few tokens (BOS, delimiters)
+  are 10^3-10^4x the median activation, and carried along the whole residual stream. Those rows then hold
+  nearly all of the residual's squared norm, so any error measured over all rows at once is theirs alone.
+- **wide norm gains** (`lognormal_norm_gains`): RMSNorm gains spread log-normally over orders of magnitude
+  (0.002 to 40 in real checkpoints), which weighs a row's error by a few channels.
+- `BOS` and `bos_first`: token ids whose rows are massive, put at position 0 of every sample (as a tokenizer
+  puts BOS there).
+
+Each helper edits an HF causal LM's parameters in place, under `torch.no_grad()`, and returns what it did;
+the same edits on both sides of a pair keep them one model. Used by tests/test_row_relative.py and meant to be
+reused by any suite that needs trained-like statistics (HF Qwen3 / Qwen3-MoE and any model whose embedding is
+`model.model.embed_tokens` and whose norms are modules with a 1-D `weight` and "norm" in their name).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+BOS = 0   # the token id `massive_activations` makes massive by default
+
+
+def massive_activations(model, token_ids=(BOS,), *, channels: int = 2, scale: float = 3000.0,
+                        seed: int = 0) -> list[int]:
+    """Token ids `token_ids` embed with `channels` residual channels at `scale` x the median |embedding|
+    (signs random, the same channels for every such token, as in trained models); returns the channels.
+    The residual stream carries the embedding to every layer, so these tokens' rows hold massive
+    activations throughout (each RMSNorm rescales them back to an ordinary size for the op it feeds)."""
+    emb = model.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(emb.shape[1], generator=g)[:channels]
+    median = float(emb.detach().abs().float().median())
+    with torch.no_grad():
+        for t in token_ids:
+            signs = torch.randint(0, 2, (channels,), generator=g).float() * 2 - 1
+            emb[t, chosen] = (signs * scale * median).to(emb.dtype)
+    return [int(c) for c in chosen]
+
+
+def lognormal_norm_gains(model, *, low: float = 0.002, high: float = 40.0, include_qk: bool = False,
+                         seed: int = 0) -> list[str]:
+    """Every RMSNorm gain drawn log-normally around 1 with [low, high] at about +-3 sigma of the wider side,
+    clipped into [low, high]; the QK-norms' gains too with `include_qk` (they scale the attention scores, so
+    wide gains there make every head's softmax one-hot). Returns the parameter names edited."""
+    g = torch.Generator().manual_seed(seed)
+    sigma = max(abs(math.log(low)), abs(math.log(high))) / 3.0
+    done = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim != 1 or "norm" not in name or (not include_qk and ("q_norm" in name or "k_norm" in name)):
+                continue
+            gain = torch.exp(sigma * torch.randn(p.shape, generator=g)).clamp(low, high)
+            p.copy_(gain.to(p.dtype))
+            done.append(name)
+    return done
+
+
+def bos_first(ids: torch.Tensor, token: int = BOS) -> torch.Tensor:
+    """`ids` [batch, seq] with `token` at position 0 of every sample (and nowhere else)."""
+    out = ids.clone()
+    out[out == token] = token + 1
+    out[:, 0] = token
+    return out
+
+
+def massive_share(hidden: torch.Tensor, rows: torch.Tensor) -> float:
+    """The share of `hidden`'s squared norm [batch, seq, d] held by the rows where `rows` [batch, seq] is true:
+    how much of an all-rows relative error those rows decide."""
+    sq = hidden.float().pow(2).sum(-1)
+    return float(sq[rows].sum() / sq.sum())
