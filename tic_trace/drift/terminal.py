@@ -24,7 +24,9 @@ def rollout_line(r: dict) -> str:
     fd = r.get("first_divergence") or {}
     w = r.get("weights") or {}
     weights = ("weights differ" if w.get("agree") is False else "weights out of sync" if w.get("one_sided") else
-               "weights agree" if w.get("agree") else "weights: not comparable across sides")
+               "weights agree" if w.get("agree") else
+               "weights moved together" if w.get("changed_a") or w.get("changed_b") else
+               "weights: not comparable across sides")
     errs = [(num(e), f"L{lay}.{k}" if lay != "-" else k) for k, by in (r.get("errors") or {}).items()
             for lay, e in by.items() if num(e) is not None]
     worst = max(errs, default=None)
