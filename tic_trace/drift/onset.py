@@ -70,7 +70,8 @@ def what_changed(rid: int, entries: list[RolloutEntry], weight_sync: WeightSync 
     prev = before[0] if before else None
     out = []
     if weight_sync is not None and weight_sync.from_rollout <= rid:
-        out.append({"kind": "weights", "summary": "weights no longer equal: " + weight_sync.summary})
+        out.append({"kind": "weights", "summary": f"weights no longer equal (out of sync from rollout "
+                                                  f"{weight_sync.from_rollout} on: {weight_sync.how})"})
     for lay, f in sorted(at.flips.items(), key=lambda x: int(x[0]) if x[0].isdigit() else -1):
         was = prev.flips.get(lay, {}).get("share", 0.0) if prev else 0.0
         if f["share"] > was:
