@@ -34,6 +34,12 @@ def kind_series(rollouts: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def _colours(kinds: list[str]) -> dict[str, str]:
+    """The report's colour of each point kind; kinds it has none for get the extra colours in turn."""
+    extra = iter(EXTRA_COLORS * (1 + len(kinds) // max(1, len(EXTRA_COLORS))))
+    return {k: SERIES_COLORS.get(k) or HEAD_COLORS.get(k) or next(extra, "#555") for k in kinds}
+
+
 def _svg(rollouts: list[dict], onset: dict | None) -> str:
     series = dict(list(kind_series(rollouts).items())[:MAX_KINDS])
     ids = [r["rollout_id"] for r in rollouts]
@@ -63,14 +69,13 @@ def _svg(rollouts: list[dict], onset: dict | None) -> str:
         x, _ = xy(onset["rollout_id"], 1.0)
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PAD}" y2="{H - PAD}" stroke="#d1242f" stroke-width="2"/>'
                      f'<text x="{x + 4:.1f}" y="{PAD + 12}" font-size="11" fill="#d1242f">onset: {_e(onset["key"])}</text>')
-    extra = iter(EXTRA_COLORS * 4)
+    colours = _colours(list(series))
     for kind, pts in series.items():
-        colour = SERIES_COLORS.get(kind) or HEAD_COLORS.get(kind) or next(extra, "#555")
+        colour = colours[kind]
         path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(r, v) for r, v in pts))
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}">'
                      f'<title>{_e(kind)}</title></polyline>')
-    legend = "".join(f'<span style="color:{SERIES_COLORS.get(k) or HEAD_COLORS.get(k) or "#555"}">&#9632; {_e(k)}</span> '
-                     for k in series)
+    legend = "".join(f'<span style="color:{colours[k]}">&#9632; {_e(k)}</span> ' for k in series)
     return "".join(parts) + "</svg>" + f'<p class="legend">{legend}</p>'
 
 

@@ -63,8 +63,10 @@ def discover(run_dir: str | os.PathLike, sides: tuple[str, str] = SLIME_SIDES) -
 
 def _missing(rd: RolloutDirs, sides: tuple[str, str]) -> str | None:
     mark = rd.dir / PRUNED_MARK
-    if mark.is_file() and not mark.is_symlink():
-        return "pruned by the disk budget (" + mark.read_text(errors="replace")[:200].strip() + ")"
+    if mark.is_file() and not mark.is_symlink():        # a regular file: no FIFO can hang the read
+        with open(mark, "rb") as f:                     # bounded: the note is one line
+            note = f.read(200).decode("utf-8", errors="replace").strip()
+        return f"pruned by the disk budget ({note})"
     for name, p in zip(sides, (rd.a, rd.b)):
         if not (p / "manifest.msgpack").is_file():
             state = "does not exist" if not p.exists() else "holds no trace (no manifest.msgpack)"
