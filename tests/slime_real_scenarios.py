@@ -240,13 +240,15 @@ def _push_weights(hf, states_r, actor, sg_model, *, engine: bool) -> None:
         DefaultModelLoader.load_weights_and_postprocess(sg_model, iter(sc.hf_checkpoint_weights(hf)), _t.device("cpu"))
 
 
-def scenario_drift(out: Path) -> dict:
+def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
     """Seven rollouts through slime's own flow (as scenario_flow: generate_and_rm -> generate -> post over HTTP
     to SGLang's model code; train_actor -> compute_log_prob -> forward_only on Megatron's schedule) with
     --tic-trace-rollout-ids 0,1,2,3,4,5 --tic-trace-every 6: every rollout traced, rollout 6 in stats mode.
     Between rollouts a training step moves the weights (tic_trace.testing.drift_runs.training_steps: slime's
     optimizer runs at lr 0 here, the step is applied to the weights directly) and the update is pushed to both
-    sides; from rollout DRIFT_STALE_FROM on the push to the engine is skipped (a stale weight sync)."""
+    sides. From rollout DRIFT_STALE_FROM on, `fault` acts in the engine: "stale_sync" skips the push to it,
+    "precision" / "routing" plant tic_trace.testing.drift_runs' engine faults (a bf16 residual add, a top-k bias)
+    in its SGLang model."""
     import logging
 
     from megatron.core import parallel_state as mps
@@ -295,7 +297,10 @@ def scenario_drift(out: Path) -> dict:
         for rollout_id in range(DRIFT_ROLLOUTS):
             if rollout_id:
                 _push_weights(hf, states[rollout_id], actor, sg_model,
-                              engine=rollout_id < DRIFT_STALE_FROM)
+                              engine=fault != "stale_sync" or rollout_id < DRIFT_STALE_FROM)
+            if rollout_id == DRIFT_STALE_FROM and fault != "stale_sync":
+                from tic_trace.testing.drift_runs import plant_engine_fault
+                plant_engine_fault(sg_model, fault)
             server.seen.clear()
             samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
             actor.train(rollout_id, sr.train_data_refs(args, samples))
@@ -312,7 +317,9 @@ def scenario_drift(out: Path) -> dict:
 
 
 SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow,
-             "drift": scenario_drift}
+             "drift": scenario_drift,
+             "drift_precision": lambda out: scenario_drift(out, "precision"),
+             "drift_routing": lambda out: scenario_drift(out, "routing")}
 
 
 def main() -> None:

@@ -133,6 +133,9 @@ def test_bad_run_dir_is_a_clear_error(tmp_path, capsys):
     assert cli(["drift", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr()
     assert "no numbered rollout directory" in err.out + err.err
+    # an output never lands inside the run it reads
+    assert cli(["drift", str(tmp_path / "empty"), "--json", str(tmp_path / "empty" / "d.json")]) == 2
+    assert not (tmp_path / "empty" / "d.json").exists()
 
 
 def test_onset_rule_needs_the_error_to_stay_above():

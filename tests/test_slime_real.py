@@ -147,3 +147,23 @@ def test_real_drift_names_a_stale_weight_sync_at_its_rollout(tmp_path):
     on = doc["onset"]
     assert on["rollout_id"] == stale and on["changes"][0]["kind"] == "weights"
     (tmp_path / "sizes.json").write_text(json.dumps(res["log"]))
+
+
+@pytest.mark.parametrize("fault, key", [("precision", "L1.mid"), ("routing", None)])
+def test_real_drift_names_an_engine_fault_at_its_rollout_and_point(tmp_path, fault, key):
+    """The same seven rollouts on slime's own code path, the weights in sync, and from rollout 3 a fault in the
+    engine's computation: a bf16 residual add (named at L1.mid) or a top-k bias in layer 1 (named in layer 1,
+    with its routing share)."""
+    from tic_trace.testing.drift_runs import LAYER
+    from tic_trace.tools.cli import main as cli_main
+    res = run_scenario(f"drift_{fault}", tmp_path)
+    out = tmp_path / "drift.json"
+    assert cli_main(["drift", res["dir"], "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["weight_sync"] is None
+    on = doc["onset"]
+    assert on["rollout_id"] == res["stale_from"] and on["layer"] == LAYER
+    if key:
+        assert on["key"] == key
+    else:
+        assert any(c["kind"] == "routing" and c["summary"].startswith(f"layer {LAYER}:") for c in on["changes"])

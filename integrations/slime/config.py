@@ -208,13 +208,18 @@ def traced(args: Any, rollout_id: int) -> bool:
     --tic-trace-every (the same answer on both sides)."""
     rid = int(rollout_id)
     every = int(getattr(args, "tic_trace_every", 0) or 0)
-    return rid in args.tic_trace_rollout_ids or (every > 0 and rid % every == 0)
+    return rid in _listed(args) or (every > 0 and rid % every == 0)
+
+
+def _listed(args: Any) -> list[int]:
+    v = args.tic_trace_rollout_ids
+    return v if isinstance(v, list) else parse_rollout_ids(v)
 
 
 def mode_for(args: Any, rollout_id: int) -> str:
     """The points mode of a traced rollout: --tic-trace-mode for listed rollouts (default rows), the periodic
     mode (default stats) for rollouts traced only because of --tic-trace-every."""
-    if int(rollout_id) in args.tic_trace_rollout_ids:
+    if int(rollout_id) in _listed(args):
         return args.tic_trace_mode
     return getattr(args, "tic_trace_periodic_mode", None) or PERIODIC_MODE
 

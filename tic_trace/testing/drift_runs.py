@@ -54,12 +54,17 @@ def trace_trainer(out: Path, cfg, states: list[dict]) -> None:
         trace_megatron_tp1(_rollout_dir(out, r) / "megatron", cfg, sd, ids)
 
 
+def plant_engine_fault(sglang_model, fault: str) -> None:
+    """Plant "precision" (faults.residual_bf16) or "routing" (faults.expert_bias) in layer LAYER of an SGLang model."""
+    from tic_trace.testing.faults import plant
+    plant(sglang_model, "sglang", {"precision": "residual_bf16", "routing": "expert_bias"}[fault], LAYER)
+
+
 def trace_engine(out: Path, hf_model, states: list[dict], fault: str | None, start: int) -> None:
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     from tic_trace.adapters.sglang_server import trace_forwards
     from tic_trace.testing import sglang_cpu as sc
-    from tic_trace.testing.faults import plant
     prompts = {k: IDS[b][:n] for b, (k, n) in enumerate(zip(KEYS, PROMPT_LENS))}
     forced = {k: IDS[b][n:] for b, (k, n) in enumerate(zip(KEYS, PROMPT_LENS))}
     sc.init_sglang_distributed(tp_size=1)
@@ -72,7 +77,7 @@ def trace_engine(out: Path, hf_model, states: list[dict], fault: str | None, sta
                 DefaultModelLoader.load_weights_and_postprocess(model, iter(sc.hf_checkpoint_weights(hf_model)),
                                                                 torch.device("cpu"))
             if r == start and fault in ("precision", "routing"):
-                plant(model, "sglang", "residual_bf16" if fault == "precision" else "expert_bias", LAYER)
+                plant_engine_fault(model, fault)
             with trace_forwards(model, _rollout_dir(out, r) / "sglang", points_mode="full") as t, torch.no_grad():
                 sc.SGLangRollout(model).generate(prompts, DECODE_STEPS, forced_tokens=forced)
             if t.failed:
