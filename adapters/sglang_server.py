@@ -68,7 +68,8 @@ TRACING_SERVER_ARGS = (
 
 
 def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_samples: int = 4,
-                       mode: str = "rows", filters: list[str] | None = None) -> list[dict]:
+                       mode: str = "rows", filters: list[str] | None = None, *, every: int = 0,
+                       periodic_mode: str = "stats") -> list[dict]:
     """The JSON-able value of SGLang's ``--forward-hooks`` (slime: ``--sglang-forward-hooks``) that traces
     the server's forwards with this adapter.
 
@@ -78,9 +79,10 @@ def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_s
     of a traced forward have no key, and in ``rows`` mode their values are not stored). ``rollout_ids``
     None: every forward, every row, into ``{out_dir}``. ``mode``: how canonical-point records are kept
     (``rows`` = the traced rows' values, ``full``, ``stats``); dispatcher ops are statistics. ``filters``:
-    module-path globs to record (``re:`` for a regex).
+    module-path globs to record (``re:`` for a regex). ``every`` N > 0: rollouts whose id is a multiple of N
+    are traced too, in ``periodic_mode`` when they are not in ``rollout_ids`` (slime's ``--tic-trace-every``).
     """
-    if mode not in MODES:
+    if mode not in MODES or periodic_mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     config = {
         "out_dir": str(out_dir),
@@ -88,6 +90,8 @@ def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_s
         "max_samples": int(max_samples),
         "mode": mode,
         "filters": None if not filters else [str(f) for f in filters],
+        "every": int(every),
+        "periodic_mode": periodic_mode,
     }
     return [{"name": "tic_trace", "target_modules": list(HOOK_TARGETS), "hook_factory": HOOK_FACTORY,
              "config": config}]
@@ -157,6 +161,10 @@ class _HookSession:
         self.mode = mode
         ids = self.config.get("rollout_ids")
         self.rollout_ids = None if ids is None else {int(i) for i in ids}
+        self.every = int(self.config.get("every") or 0)
+        self.periodic_mode = self.config.get("periodic_mode") or "stats"
+        if self.periodic_mode not in MODES:
+            raise ValueError(f"tic-trace hook: periodic_mode must be one of {MODES}, got {self.periodic_mode!r}")
         self.max_samples = int(self.config.get("max_samples", 4) if self.config.get("max_samples") is not None else 4)
         self.out_dir = Path(self.config.get("out_dir") or "tic-trace")
         self.root: Any = None
@@ -214,6 +222,12 @@ class _HookSession:
             return p is not None and p[0] == rollout and p[1] < self.max_samples
         return want
 
+    def _traced(self, rollout: int) -> bool:
+        return rollout in self.rollout_ids or (self.every > 0 and rollout % self.every == 0)
+
+    def _mode_for(self, rollout: int | None) -> str:
+        return self.mode if rollout is None or rollout in self.rollout_ids else self.periodic_mode
+
     def _tracer_for(self, rollout: int | None):
         t = self.tracers.get(rollout)
         if t is not None:
@@ -224,9 +238,10 @@ class _HookSession:
         root = self.root
         root.forward = self._top          # the new tracer wraps the chain of earlier tracers, not this session
         try:
+            mode = self._mode_for(rollout)
             t = Tracer(root, out, adapter=_adapter_cls()(rid_filter=self._select(rollout)), mode="stats",
-                       points_mode=self.mode, filters=filters, rank=self._rank(), auto_step=True,
-                       sample_rows=[] if self.mode == "rows" else None,
+                       points_mode=mode, filters=filters, rank=self._rank(), auto_step=True,
+                       sample_rows=[] if mode == "rows" else None,
                        manifest={"sglang_hook": {k: v for k, v in self.config.items() if k != "out_dir"}})
             t.start()
             self._top = root.forward
@@ -263,14 +278,14 @@ class _HookSession:
             picked: dict[int | None, list[int]] = {}
             for i, rid in enumerate(rids):
                 p = parse_sample_rid(rid)
-                if p is not None and p[0] in self.rollout_ids and p[1] < self.max_samples:
+                if p is not None and self._traced(p[0]) and p[1] < self.max_samples:
                     picked.setdefault(p[0], []).append(i)
         out = []
         for rollout in sorted(picked, key=lambda x: -1 if x is None else x):
             if not picked[rollout]:
                 continue
             t = self._tracer_for(rollout)
-            if self.mode == "rows":
+            if self._mode_for(rollout) == "rows":
                 t.sample_rows = picked[rollout]
             out.append(t)
         return out

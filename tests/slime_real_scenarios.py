@@ -220,7 +220,106 @@ def scenario_flow(out: Path) -> dict:
     return result
 
 
-SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow}
+DRIFT_ROLLOUTS = 7       # rollouts 0-5 listed (rows), rollout 6 traced by --tic-trace-every 6 only (stats)
+DRIFT_STALE_FROM = 3     # from this rollout on the engine keeps the weights it had
+
+
+def _push_weights(hf, states_r, actor, sg_model, *, engine: bool) -> None:
+    """The weight update after a training step: the trainer's new weights into Megatron's GPTModel (and into
+    the actor's weight backup, which slime's train restores the model from, as its own train step leaves it),
+    and (unless the sync is stale) into the engine's SGLang model through SGLang's own loader."""
+    import torch as _t
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
+    from tic_trace.testing import sglang_cpu as sc
+    hf.load_state_dict(states_r)
+    load_into(actor.model[0].module, hf_to_megatron_state_dict(hf.state_dict(), hf.config))
+    actor.weights_backuper.backup("actor")
+    if engine:
+        DefaultModelLoader.load_weights_and_postprocess(sg_model, iter(sc.hf_checkpoint_weights(hf)), _t.device("cpu"))
+
+
+def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
+    """Seven rollouts through slime's own flow (as scenario_flow: generate_and_rm -> generate -> post over HTTP
+    to SGLang's model code; train_actor -> compute_log_prob -> forward_only on Megatron's schedule) with
+    --tic-trace-rollout-ids 0,1,2,3,4,5 --tic-trace-every 6: every rollout traced, rollout 6 in stats mode.
+    Between rollouts a training step moves the weights (tic_trace.testing.drift_runs.training_steps: slime's
+    optimizer runs at lr 0 here, the step is applied to the weights directly) and the update is pushed to both
+    sides. From rollout DRIFT_STALE_FROM on, `fault` acts in the engine: "stale_sync" skips the push to it,
+    "precision" / "routing" plant tic_trace.testing.drift_runs' engine faults (a bf16 residual add, a top-k bias)
+    in its SGLang model."""
+    import logging
+
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.global_vars import set_args
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    from tic_trace.testing import megatron_cpu as mc
+    from tic_trace.testing import sglang_cpu as sc
+    from tic_trace.testing.drift_runs import training_steps
+    ts = _integration()
+    hf, ckpt = _checkpoint(out)
+    states = training_steps(hf, DRIFT_ROLLOUTS)
+    hf.load_state_dict(states[0])
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    logging.getLogger("tic_trace.slime").addHandler(_Keep())
+    argv = sr.base_argv(ckpt, hf.config) + [
+        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2,3,4,5",
+        "--tic-trace-every", str(DRIFT_ROLLOUTS - 1), "--tic-trace-max-samples", "2", "--lr", "0.0",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
+        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4"]
+    args = ts.configure(sr.parse_args(argv, ts.add_arguments))
+    sc.init_sglang_distributed(tp_size=1)
+    mc.apply_all()
+    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+    sr.install_cpu_accelerator()
+    sr.install_cpu_shims()
+    set_args(args)
+    server = None
+    try:
+        sg_model = sc.build_sglang_model(hf.config, hf)
+        register_forward_hooks(sg_model, args.sglang_forward_hooks)
+        server = sr.EngineServer(sc.SGLangRollout(sg_model), expected=2)
+        args.sglang_router_port = server.start()
+        from slime.utils.http_utils import init_http_client
+        init_http_client(args)
+        from slime.utils.misc import load_function
+        load_function(args.custom_megatron_init_path)(args)
+        model = sr.model_chunks(hf)
+        actor = sr.train_actor(args, model, with_ref=False)
+        for rollout_id in range(DRIFT_ROLLOUTS):
+            if rollout_id:
+                _push_weights(hf, states[rollout_id], actor, sg_model,
+                              engine=fault != "stale_sync" or rollout_id < DRIFT_STALE_FROM)
+            if rollout_id == DRIFT_STALE_FROM and fault != "stale_sync":
+                from tic_trace.testing.drift_runs import plant_engine_fault
+                plant_engine_fault(sg_model, fault)
+            server.seen.clear()
+            samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
+            actor.train(rollout_id, sr.train_data_refs(args, samples))
+    finally:
+        from tic_trace.adapters.sglang_server import close_sessions
+        close_sessions()
+        if server is not None:
+            server.stop()
+        mps.destroy_model_parallel()
+        mc.remove_shims()
+        sc.destroy_sglang_distributed()
+    return {"dir": str(out / "traces"), "log": [ln for ln in lines if " traced (" in ln],
+            "stale_from": DRIFT_STALE_FROM, "rollouts": DRIFT_ROLLOUTS}
+
+
+SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow,
+             "drift": scenario_drift,
+             "drift_precision": lambda out: scenario_drift(out, "precision"),
+             "drift_routing": lambda out: scenario_drift(out, "routing")}
 
 
 def main() -> None:

@@ -730,3 +730,24 @@ def _counts(rows: dict) -> dict:
     """The report's row counts that these tests check (the identity counts beyond them are 0 here)."""
     assert not any(rows[k] for k in ("excluded", "different_tokens", "duplicates_a", "duplicates_b")), rows
     return {k: rows[k] for k in ("a", "b", "matched", "unmatched_a", "unmatched_b")}
+
+
+def test_forward_hooks_spec_every_n_traces_periodic_rollouts_as_statistics(tmp_path, new_model):
+    """slime's --tic-trace-every 2 with --tic-trace-rollout-ids 3: rollouts 2 and 4 are traced in the periodic
+    mode (stats), 3 in rows, 5 not at all."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    model = new_model()
+    out = tmp_path / "slime"
+    register_forward_hooks(model, forward_hooks_spec(str(out), [3], max_samples=2, mode="rows", every=2,
+                                                     periodic_mode="stats"))
+    like = {"2-0": "req-a", "3-0": "req-b", "4-1": "req-a", "5-0": "req-b"}
+    sc.SGLangRollout(model).generate({rid: PROMPTS[src] for rid, src in like.items()}, 1,
+                                     forced_tokens={rid: RESPONSES[src] for rid, src in like.items()})
+    close_sessions()
+    assert sorted(os.listdir(out)) == ["rollout_00002", "rollout_00003", "rollout_00004"]
+    for rid, mode in ((2, "stats"), (3, "rows"), (4, "stats")):
+        v = CanonicalView(str(out / f"rollout_{rid:05d}" / "sglang"))
+        assert v.trace.open_pass(0, 0).record("model.embed_tokens:out").mode == mode, rid
+    with pytest.raises(ValueError, match="mode"):
+        forward_hooks_spec("x", None, periodic_mode="sometimes")

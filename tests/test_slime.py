@@ -229,8 +229,10 @@ def test_flags_off_leave_slime_defaults_and_import_nothing():
     assert out is args and vars(args) == snap
     assert set(sys.modules) == before, sorted(set(sys.modules) - before)
     ours = {k: v for k, v in vars(args).items() if k.startswith("tic_trace")}
+    # tic_trace_mode None: rows for --tic-trace-rollout-ids, stats for --tic-trace-every (configure resolves it)
     assert ours == {"tic_trace": False, "tic_trace_dir": None, "tic_trace_rollout_ids": "0",
-                    "tic_trace_max_samples": 4, "tic_trace_mode": "rows", "tic_trace_filter": None}
+                    "tic_trace_max_samples": 4, "tic_trace_mode": None, "tic_trace_filter": None,
+                    "tic_trace_every": 0, "tic_trace_disk_budget": None}
     assert {k: v for k, v in vars(args).items() if not k.startswith("tic_trace")} == plain
     assert ts.MODES == __import__("tic_trace.record.filters", fromlist=["MODES"]).MODES
     # importing the flag module pulls in no framework adapter and no framework
@@ -409,3 +411,42 @@ def test_async_training_is_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="tic_trace.slime"):
         ts.configure(args)
     assert "train_async.py" in caplog.text and "only rollout 0" in caplog.text
+
+
+# ================================================================== periodic tracing and the disk budget
+
+def test_every_n_selects_rollouts_and_their_mode():
+    args = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-rollout-ids", "3", "--tic-trace-every", "5",
+                                           "--debug-train-only"]))
+    from tic_trace.integrations.slime.config import mode_for, traced
+    assert [r for r in range(16) if traced(args, r)] == [0, 3, 5, 10, 15]
+    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "stats")
+    ts.configure(args)                                 # idempotent
+    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "stats")
+    full = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-every", "2", "--tic-trace-mode", "full",
+                                           "--debug-train-only"]))
+    assert (mode_for(full, 0), mode_for(full, 2)) == ("full", "full")
+    for bad in (["--tic-trace-every", "-1"], ["--tic-trace-disk-budget", "lots"], ["--tic-trace-disk-budget", "0"]):
+        with pytest.raises(ValueError, match="tic_trace_every|tic_trace_disk_budget"):
+            ts.configure(parse(BASE_ARGV + ["--tic-trace", "--debug-train-only", *bad]))
+    from tic_trace.integrations.slime.config import parse_size
+    assert (parse_size("500M"), parse_size("2GiB"), parse_size(1024)) == (500 << 20, 2 << 30, 1024)
+
+
+def test_disk_budget_prunes_oldest_value_traces_and_keeps_statistics(tmp_path, caplog):
+    from tic_trace.integrations.slime.budget import after_rollout_traced
+    args = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--tic-trace-rollout-ids",
+                                           "1,2,3", "--tic-trace-every", "4", "--tic-trace-disk-budget", "2500",
+                                           "--debug-train-only"]))
+    sizes = {0: 100, 1: 1000, 2: 1000, 3: 1000, 4: 100}       # 0 and 4 are periodic (stats)
+    for rid, n in sizes.items():
+        for side in ("megatron", "sglang"):
+            d = tmp_path / f"rollout_{rid:05d}" / side
+            d.mkdir(parents=True)
+            (d / "pass00000.bin").write_bytes(b"x" * (n // 2))
+    with caplog.at_level("WARNING", logger="tic_trace.slime"):
+        after_rollout_traced(args, 4)
+    assert (tmp_path / "rollout_00001" / "PRUNED").is_file() and not (tmp_path / "rollout_00001" / "megatron").exists()
+    assert (tmp_path / "rollout_00002" / "megatron").is_dir() and (tmp_path / "rollout_00000" / "megatron").is_dir()
+    assert "rollout 4 traced (stats): megatron " in caplog.text and "50 B" in caplog.text
+    assert "removed the traces of rollouts 1" in caplog.text

@@ -44,7 +44,7 @@ def test_real_parse_args_flag_family(tmp_path):
     assert ours == res["plain"]
     assert {k for k in res["ours_off"] if k.startswith("tic_trace")} == {
         "tic_trace", "tic_trace_dir", "tic_trace_rollout_ids", "tic_trace_max_samples", "tic_trace_mode",
-        "tic_trace_filter"}
+        "tic_trace_filter", "tic_trace_every", "tic_trace_disk_budget"}
     assert res["ours_off"]["tic_trace"] is False
     # with it, the hook-path arguments slime defines point at the integration
     for attr, path in hook_paths.items():
@@ -126,3 +126,44 @@ def test_real_flow_slime_report(flow, tmp_path):
     rep1 = json.loads(bad.read_text())
     fd = rep1["first_divergence"]
     assert (fd["point"], fd["layer"]) == (FAULTS["rmsnorm_eps"].point, 1)
+
+
+def test_real_drift_names_a_stale_weight_sync_at_its_rollout(tmp_path):
+    """Seven rollouts through slime's own flow with --tic-trace-every: the engine stops getting the weight update
+    at rollout 3; `tic-trace drift` names the weight sync from rollout 3 on, before the numerics, and the onset at
+    rollout 3. Each traced rollout logged one line with its trace paths and sizes; rollout 6 (periodic) is stats."""
+    from tic_trace.tools.cli import main as cli_main
+    res = run_scenario("drift", tmp_path)
+    stale = res["stale_from"]
+    assert len(res["log"]) == res["rollouts"], res["log"]
+    assert all("megatron " in ln and "sglang " in ln and "(none written)" not in ln for ln in res["log"])
+    assert "traced (stats)" in res["log"][-1] and "traced (rows)" in res["log"][0]
+    out = tmp_path / "drift.json"
+    assert cli_main(["drift", res["dir"], "--json", str(out), "--html", str(tmp_path / "drift.html")]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["weight_sync"]["from_rollout"] == stale and doc["weight_sync"]["parameters"]
+    assert all(r["status"] == "compared" for r in doc["rollouts"])
+    assert [r["verdict"] for r in doc["rollouts"][:stale]] == ["consistent"] * stale
+    on = doc["onset"]
+    assert on["rollout_id"] == stale and on["changes"][0]["kind"] == "weights"
+    (tmp_path / "sizes.json").write_text(json.dumps(res["log"]))
+
+
+@pytest.mark.parametrize("fault, key", [("precision", "L1.mid"), ("routing", None)])
+def test_real_drift_names_an_engine_fault_at_its_rollout_and_point(tmp_path, fault, key):
+    """The same seven rollouts on slime's own code path, the weights in sync, and from rollout 3 a fault in the
+    engine's computation: a bf16 residual add (named at L1.mid) or a top-k bias in layer 1 (named in layer 1,
+    with its routing share)."""
+    from tic_trace.testing.drift_runs import LAYER
+    from tic_trace.tools.cli import main as cli_main
+    res = run_scenario(f"drift_{fault}", tmp_path)
+    out = tmp_path / "drift.json"
+    assert cli_main(["drift", res["dir"], "--json", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["weight_sync"] is None
+    on = doc["onset"]
+    assert on["rollout_id"] == res["stale_from"] and on["layer"] == LAYER
+    if key:
+        assert on["key"] == key
+    else:
+        assert any(c["kind"] == "routing" and c["summary"].startswith(f"layer {LAYER}:") for c in on["changes"])

@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tic_trace.tools import replay_cmd
     replay_cmd.add_parser(sub)
+
+    from tic_trace.tools import drift_cmd
+    drift_cmd.add_parser(sub)
     return p
 
 
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a crash is "no answer", never "divergence found"
         return _fail(console, f"{args.cmd} failed: {type(e).__name__}: {e}", debug)
     # 1 means "divergence found" and nothing else: a command that fails some other way has no answer.
-    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo", "replay"):
+    if code == EXIT_DIVERGENT and args.cmd not in ("diff", "first-divergence", "report", "slime-report", "demo", "replay",
+                                                 "drift"):
         return EXIT_ERROR
     return code
 

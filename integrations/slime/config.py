@@ -20,6 +20,8 @@ MODES = ("stats", "full", "rows")
 DEFAULT_ROLLOUT_IDS = "0"
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MODE = "rows"
+#: How rollouts traced only because of --tic-trace-every are recorded unless --tic-trace-mode says otherwise.
+PERIODIC_MODE = "stats"
 
 #: The package whose attributes the hook paths name (slime's load_function wants ``pkg.module.attr``).
 _HERE = __name__.rpartition(".")[0]   # "tic_trace.integrations.slime"
@@ -66,10 +68,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tic-trace-max-samples", type=int, default=DEFAULT_MAX_SAMPLES,
                    help="Samples traced per rollout: those whose index modulo rollout_batch_size * "
                         f"n_samples_per_prompt is below this (default {DEFAULT_MAX_SAMPLES}).")
-    g.add_argument("--tic-trace-mode", type=str, default=DEFAULT_MODE, choices=MODES,
+    g.add_argument("--tic-trace-every", type=int, default=0,
+                   help="Also trace every N-th rollout (ids divisible by N), for `tic-trace drift`; 0 (default): "
+                        "only --tic-trace-rollout-ids. These periodic traces are 'stats' unless --tic-trace-mode "
+                        "is given.")
+    g.add_argument("--tic-trace-disk-budget", type=str, default=None,
+                   help="Most bytes the traces may take under --tic-trace-dir (e.g. 20G, 500M): past it, the "
+                        "oldest rollouts traced with values ('rows'/'full') are removed, statistics-only ones "
+                        "kept. Default: no budget.")
+    g.add_argument("--tic-trace-mode", type=str, default=None, choices=MODES,
                    help="How the canonical points are recorded: 'rows' (values of the traced samples' tokens, "
-                        "default), 'full' (whole tensors), 'stats' (statistics only; cannot join differently "
-                        "batched passes). Dispatcher ops are always recorded as statistics.")
+                        "default for --tic-trace-rollout-ids), 'full' (whole tensors), 'stats' (statistics only, "
+                        "default for --tic-trace-every; cannot join differently batched passes). Dispatcher ops "
+                        "are always recorded as statistics.")
     g.add_argument("--tic-trace-filter", type=str, nargs="+", default=None,
                    help="Module-path globs to record (both frameworks' names, e.g. '*layers.0*' "
                         "'*layers.1*'); 're:' prefix for a regex. Default: every module.")
@@ -147,15 +158,70 @@ def normalize(args: Any) -> Any:
     if n < 1:
         raise ValueError(f"tic_trace_max_samples: expected a positive integer, got {n}")
     args.tic_trace_max_samples = n
-    mode = str(getattr(args, "tic_trace_mode", None) or DEFAULT_MODE).lower()
+    given = getattr(args, "tic_trace_mode", None)
+    if getattr(args, "tic_trace_periodic_mode", None) is not None:      # normalised before: keep its choice
+        given = getattr(args, "tic_trace_mode_given", None)
+    mode = str(given or DEFAULT_MODE).lower()
     if mode not in MODES:
         raise ValueError(f"tic_trace_mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    args.tic_trace_mode_given = given
     args.tic_trace_mode = mode
+    args.tic_trace_periodic_mode = mode if given else PERIODIC_MODE
+    every = getattr(args, "tic_trace_every", 0)
+    try:
+        every = int(every or 0)
+    except (TypeError, ValueError):
+        raise ValueError(f"tic_trace_every: expected a whole number of rollouts >= 0, got {every!r}") from None
+    if every < 0:
+        raise ValueError(f"tic_trace_every: expected a whole number of rollouts >= 0, got {every}")
+    args.tic_trace_every = every
+    args.tic_trace_disk_budget = parse_size(getattr(args, "tic_trace_disk_budget", None))
     args.tic_trace_filter = _parse_filters(getattr(args, "tic_trace_filter", None))
     d = getattr(args, "tic_trace_dir", None) or _default_dir(args)
     # Absolute: SGLang servers and Ray actors do not share the driver's working directory.
     args.tic_trace_dir = os.path.abspath(os.path.expanduser(str(d)))
     return args
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(v: Any) -> int | None:
+    """`--tic-trace-disk-budget`: bytes, or a number with K/M/G/T (binary units, optional B/iB); None: no budget."""
+    if v is None or v == "":
+        return None
+    if isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    else:
+        import re
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(v), re.I)
+        if m is None:
+            raise ValueError(f"tic_trace_disk_budget: expected bytes or a size like 500M or 20G, got {v!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"tic_trace_disk_budget: expected a positive size, got {v!r}")
+    return n
+
+
+def traced(args: Any, rollout_id: int) -> bool:
+    """Whether rollout `rollout_id` is traced: listed in --tic-trace-rollout-ids, or a multiple of
+    --tic-trace-every (the same answer on both sides)."""
+    rid = int(rollout_id)
+    every = int(getattr(args, "tic_trace_every", 0) or 0)
+    return rid in _listed(args) or (every > 0 and rid % every == 0)
+
+
+def _listed(args: Any) -> list[int]:
+    v = args.tic_trace_rollout_ids
+    return v if isinstance(v, list) else parse_rollout_ids(v)
+
+
+def mode_for(args: Any, rollout_id: int) -> str:
+    """The points mode of a traced rollout: --tic-trace-mode for listed rollouts (default rows), the periodic
+    mode (default stats) for rollouts traced only because of --tic-trace-every."""
+    if int(rollout_id) in _listed(args):
+        return args.tic_trace_mode
+    return getattr(args, "tic_trace_periodic_mode", None) or PERIODIC_MODE
 
 
 # ================================================================== configure
@@ -221,7 +287,8 @@ def _with_sglang_spec(args: Any) -> list[dict]:
     keep = [h for h in (have or []) if not str((h or {}).get("hook_factory", "")).startswith(_SGLANG_HOOK_FACTORY)]
     from tic_trace.adapters.sglang_server import forward_hooks_spec
     spec = forward_hooks_spec(args.tic_trace_dir, list(args.tic_trace_rollout_ids), _SGLANG_MAX_SAMPLES,
-                              args.tic_trace_mode, args.tic_trace_filter)
+                              args.tic_trace_mode, args.tic_trace_filter, every=args.tic_trace_every,
+                              periodic_mode=args.tic_trace_periodic_mode)
     return keep + list(spec)
 
 

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from tic_trace.integrations.slime.config import (
-    chained_hook, enabled, rollout_dir, sample_key, selected, warn_once,
+    chained_hook, enabled, mode_for, rollout_dir, sample_key, selected, traced, warn_once,
 )
 from tic_trace.integrations.slime.version import check_megatron_side
 
@@ -62,7 +62,7 @@ class _Session:
         a = self.args
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.tracer = tic_trace.trace(
-            self.chunks, self.out_dir, adapter=_megatron_adapter(a), mode="stats", points_mode=a.tic_trace_mode,
+            self.chunks, self.out_dir, adapter=_megatron_adapter(a), mode="stats", points_mode=mode_for(a, self.rollout_id),
             filters=Filters(modules=a.tic_trace_filter) if a.tic_trace_filter else None, rank=rank,
             # the packing appends one padding pseudo-sequence: no key
             sample_keys=keys + [None], tag=self.phase,
@@ -91,6 +91,9 @@ class _Session:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self.passes:
+            from tic_trace.integrations.slime.budget import after_rollout_traced
+            after_rollout_traced(self.args, self.rollout_id)
 
 
 class _State:
@@ -198,7 +201,7 @@ def _on_log_prob_pass(args, model_chunks, store_prefix) -> None:
         warn_once("no-rollout-id", "tic-trace: rollout id unknown at the log-prob pass (MegatronTrainRayActor."
                                     "train_actor not wrapped); falling back to train step 0")
         return
-    if rid not in args.tic_trace_rollout_ids:
+    if not traced(args, rid):
         return
     _S.logprob_traced.add(rid)
     _begin_session(args, model_chunks, rid, "logprob")
@@ -221,7 +224,7 @@ def _on_train_step(args, rollout_id, step_id, model_chunks) -> None:
     if not enabled(args) or _role(model_chunks) != "actor":
         return
     rid = int(rollout_id)
-    if int(step_id) != 0 or rid not in args.tic_trace_rollout_ids or rid in _S.logprob_traced:
+    if int(step_id) != 0 or not traced(args, rid) or rid in _S.logprob_traced:
         return
     _begin_session(args, model_chunks, rid, "train_step0")
 

@@ -13,7 +13,7 @@ import inspect
 import sys
 import threading
 
-from tic_trace.integrations.slime.config import chained_hook, parse_rollout_ids, enabled, sample_key, selected, warn_once
+from tic_trace.integrations.slime.config import chained_hook, enabled, sample_key, selected, traced, warn_once
 
 #: The thread ``slime/rollout/fully_async_rollout.py`` (``AsyncRolloutWorker.start``) generates from.
 FULLY_ASYNC_THREAD = "fully-async-rollout"
@@ -86,9 +86,7 @@ def _rid_for(args, sample, evaluation) -> str | None:
             warn_once("no-current-rollout", "tic-trace: slime does not publish the current rollout id "
                                              "(slime.rollout.sample_hooks, v0.3.1+): requests are not tagged")
             return None
-        ids = args.tic_trace_rollout_ids if isinstance(args.tic_trace_rollout_ids, list) \
-            else parse_rollout_ids(args.tic_trace_rollout_ids)
-        if rollout_id not in ids or not selected(args, idx):
+        if not traced(args, rollout_id) or not selected(args, idx):
             return None
         install_rid_injection()
         return sample_key(rollout_id, idx)

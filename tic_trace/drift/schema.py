@@ -1,0 +1,166 @@
+"""The `drift` object (`tic-trace.drift/1`): typed dataclasses, the one JSON codec, and the check every
+document read back passes before anything renders it (docs/drift.md, "Fields").
+
+Non-finite errors are encoded as the report's are (`"inf"`, `"nan"`: report.schema.encode / num)."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..report.schema import encode, num
+
+SCHEMA = "tic-trace.drift/1"
+#: exit codes of `tic-trace drift`: nothing departs and the weights agree / an onset or a weight-sync finding /
+#: no answer (bad input) / nothing compared (fewer than one rollout compared).
+EXIT_STEADY, EXIT_DRIFT, EXIT_ERROR, EXIT_NOTHING = 0, 1, 2, 3
+
+
+class DriftSchemaError(ValueError):
+    """A `drift` document that does not have the schema's shape; the message names the field."""
+
+
+@dataclass
+class WeightCheck:
+    """Weight-hash agreement between the sides at one rollout.
+
+    `agree`: True / False when the sides' hashes were compared (same names, dtypes, shapes: the report's
+    contract), None when they could not be (other frameworks name and lay out their parameters differently).
+    `parameters`: for `one_sided` points, the parameter names of the side that changed. `differing`: the contract's parameters whose bits differ. `changed_a` / `changed_b`: the canonical points
+    whose parameter hashes changed on each side since the previous compared rollout; `one_sided`: the points
+    changed on one side only (the engine kept old weights, or got weights the trainer does not hold)."""
+    agree: bool | None = None
+    points_hashed: int = 0                        # canonical points whose parameters both sides hash
+    differing: list[str] = field(default_factory=list)
+    changed_a: list[str] = field(default_factory=list)
+    changed_b: list[str] = field(default_factory=list)
+    one_sided: list[str] = field(default_factory=list)
+    parameters: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class RolloutEntry:
+    """One traced rollout: compared (`status` "compared") or named and skipped (`status` "skipped", `reason`)."""
+    rollout_id: int
+    dir: str
+    status: str                                   # "compared" | "skipped"
+    reason: str = ""
+    verdict: str | None = None
+    first_divergence: dict | None = None          # {key, point, layer, cause, error}
+    errors: dict[str, dict[str, Any]] = field(default_factory=dict)   # point kind -> {layer | "-": error}
+    flips: dict[str, dict[str, Any]] = field(default_factory=dict)    # layer -> {rows, flipped, share}
+    precision: list[str] = field(default_factory=list)                # keys of precision findings / contract
+    weights: WeightCheck = field(default_factory=WeightCheck)
+    dlogprob: Any = None                          # max |Δ logprob| over the report's worst tokens
+    rows: int = 0                                 # (sample, position) rows compared
+
+
+@dataclass
+class WeightSync:
+    """The run's weight-sync finding, named before any numerics: from which rollout on, at which points, the
+    engine's weights are not the trainer's (None: no rollout showed it)."""
+    from_rollout: int
+    points: list[str]
+    parameters: list[str]
+    how: str                                      # "hashes differ" | "changed on one side only"
+    summary: str
+
+
+@dataclass
+class Onset:
+    """The first rollout after which a point's error leaves its own earlier range (onset.RULE)."""
+    rollout_id: int
+    key: str
+    point: str
+    layer: int | None
+    error: Any
+    baseline: Any                                 # max of the point's error over the earlier rollouts
+    threshold: Any
+    confirmed_by: int                             # following compared rollouts that stay above the threshold
+    also: list[str]                               # other points departing at the same rollout (dataflow order)
+    changes: list[dict]                           # what changed there: {kind, summary}
+    summary: str
+
+
+@dataclass
+class Drift:
+    dir: str
+    sides: list[str]
+    settings: dict
+    rollouts: list[RolloutEntry]
+    weight_sync: WeightSync | None
+    onset: Onset | None
+    onset_note: str
+    exit_code: int = EXIT_STEADY
+    schema: str = SCHEMA
+
+    def to_json(self) -> dict:
+        return _encode(asdict(self))
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode(v) for v in x]
+    if isinstance(x, float):
+        return encode(x)
+    return x
+
+
+# ================================================================== the check on a document read back
+
+_ROLLOUT = {"rollout_id": int, "dir": str, "status": str, "reason": str, "errors": dict, "flips": dict,
+            "precision": list, "weights": dict, "rows": int}
+_TOP = {"schema": str, "dir": str, "sides": list, "settings": dict, "rollouts": list, "onset_note": str,
+        "exit_code": int}
+_ONSET = {"rollout_id": int, "key": str, "point": str, "changes": list, "also": list, "summary": str,
+          "confirmed_by": int}
+
+
+def _need(doc: Any, spec: dict, where: str) -> None:
+    if not isinstance(doc, dict):
+        raise DriftSchemaError(f"{where}: expected an object, got {type(doc).__name__}")
+    for name, typ in spec.items():
+        v = doc.get(name)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise DriftSchemaError(f"{where}.{name}: expected {typ.__name__}, got {type(v).__name__}")
+
+
+def _number(v: Any, where: str) -> None:
+    if v is None or isinstance(v, str) and v in ("inf", "-inf", "nan"):
+        return
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(float(v)):
+        raise DriftSchemaError(f"{where}: expected a number, null or 'inf'/'nan', got {v!r}")
+
+
+def validate(doc: Any) -> dict:
+    """`doc` when it is a `drift` object of this schema; else DriftSchemaError naming the first bad field."""
+    _need(doc, _TOP, "drift")
+    if doc["schema"] != SCHEMA:
+        raise DriftSchemaError(f"drift.schema: expected {SCHEMA!r}, got {doc['schema']!r}")
+    for i, r in enumerate(doc["rollouts"]):
+        where = f"drift.rollouts[{i}]"
+        _need(r, _ROLLOUT, where)
+        if r["status"] not in ("compared", "skipped"):
+            raise DriftSchemaError(f"{where}.status: expected 'compared' or 'skipped', got {r['status']!r}")
+        for kind, by_layer in r["errors"].items():
+            if not isinstance(by_layer, dict):
+                raise DriftSchemaError(f"{where}.errors.{kind}: expected an object")
+            for lay, e in by_layer.items():
+                _number(e, f"{where}.errors.{kind}.{lay}")
+        _number(r.get("dlogprob"), f"{where}.dlogprob")
+    if doc.get("onset") is not None:
+        _need(doc["onset"], _ONSET, "drift.onset")
+        for name in ("error", "baseline", "threshold"):
+            _number(doc["onset"].get(name), f"drift.onset.{name}")
+    if doc.get("weight_sync") is not None:
+        _need(doc["weight_sync"], {"from_rollout": int, "points": list, "parameters": list, "summary": str},
+              "drift.weight_sync")
+    return doc
+
+
+def error_value(v: Any) -> float | None:
+    """A saved error as a float (None when absent)."""
+    return None if v is None else num(v)

@@ -1,0 +1,63 @@
+"""The terminal rendering of a `drift` object, answer first: weight sync, then the onset, then one line per
+rollout. Bounded (`MAX_ROLLOUTS` lines; the rest is counted and left to the JSON). Only displays."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from ..report.schema import num
+from ..report.text import text
+
+MAX_ROLLOUTS = 200        # rollout lines shown; a 10k-rollout run's JSON holds every one
+
+
+def _fmt(v: Any) -> str:
+    x = num(v)
+    return "-" if x is None else f"{x:.3g}"
+
+
+def rollout_line(r: dict) -> str:
+    """One rollout: its verdict, first divergence, weights, worst |Δ logprob|, largest error and flips."""
+    if r["status"] != "compared":
+        return f"rollout {r['rollout_id']:>5}  SKIPPED  {r.get('reason', '')}"
+    fd = r.get("first_divergence") or {}
+    w = r.get("weights") or {}
+    weights = ("weights differ" if w.get("agree") is False else "weights out of sync" if w.get("one_sided") else
+               "weights agree" if w.get("agree") else
+               "weights moved together" if w.get("changed_a") or w.get("changed_b") else
+               "weights: not comparable across sides")
+    errs = [(num(e), f"L{lay}.{k}" if lay != "-" else k) for k, by in (r.get("errors") or {}).items()
+            for lay, e in by.items() if num(e) is not None]
+    worst = max(errs, default=None)
+    flips = sum(int(f.get("flipped") or 0) for f in (r.get("flips") or {}).values())
+    return (f"rollout {r['rollout_id']:>5}  {str(r.get('verdict')):<14} first {str(fd.get('key') or '-'):<22} "
+            f"|Δlogprob| {_fmt(r.get('dlogprob')):<9} max error {_fmt(worst[0]) if worst else '-'}"
+            f"{' at ' + worst[1] if worst else ''}  flips {flips}  {weights}")
+
+
+def render_drift(doc: dict, console: Console) -> None:
+    sync, onset = doc.get("weight_sync"), doc.get("onset")
+    console.print(text(f"drift over {doc['dir']}: A = {doc['sides'][0]}, B = {doc['sides'][1]}", style="bold"))
+    if sync:
+        console.print(text("WEIGHT SYNC: " + sync["summary"], style="bold red"), soft_wrap=True)
+    else:
+        console.print(text("weight sync: no rollout shows engine weights other than the trainer's "
+                           "(where hashes could be compared)"), soft_wrap=True)
+    if onset:
+        console.print(text("ONSET: " + onset["summary"], style="bold red"), soft_wrap=True)
+        if onset.get("also"):
+            console.print(text(f"  also departing at rollout {onset['rollout_id']}: {len(onset['also'])} later "
+                               f"points ({', '.join(onset['also'][:6])}{' ...' if len(onset['also']) > 6 else ''})"),
+                          soft_wrap=True)
+    else:
+        console.print(text(doc.get("onset_note") or "no onset"), soft_wrap=True)
+    rollouts = doc.get("rollouts") or []
+    for r in rollouts[:MAX_ROLLOUTS]:
+        console.print(text(rollout_line(r), style="red" if r["status"] != "compared" else ""), soft_wrap=True)
+    if len(rollouts) > MAX_ROLLOUTS:
+        console.print(text(f"… {len(rollouts) - MAX_ROLLOUTS} more rollouts not shown (see the JSON)", style="dim"))
+    skipped = [r for r in rollouts if r["status"] != "compared"]
+    if skipped:
+        console.print(text(f"{len(skipped)} rollouts skipped: " + ", ".join(str(r["rollout_id"]) for r in skipped[:20])
+                           + (" ..." if len(skipped) > 20 else ""), style="yellow"), soft_wrap=True)
