@@ -182,7 +182,6 @@ def test_default_moe_pair_differs_only_in_the_precision_of_the_routing_weights(s
     assert rep.first["key"] == "L0.moe.topk_weights" and rep.first["cause"] == "precision"
 
 
-<<<<<<< HEAD
 def test_default_moe_pair_says_how_much_of_its_gap_the_topk_weights_rounding_explains(sides):
     """The attribution of the default bf16 MoE pair: each topk_weights precision finding carries its share of
     the log-prob gap, and the shares add up to the measured gap (docs/attribution.md)."""
@@ -200,7 +199,8 @@ def test_default_moe_pair_says_how_much_of_its_gap_the_topk_weights_rounding_exp
     assert all(abs(s["share_a"]) >= abs(s["share_b"]) for s in tw), tw
     doc = json.loads(json.dumps(rep.to_json()))
     assert rejudge(doc) == doc
-=======
+
+
 # ------------------------------------------------------------------ dataflow order, accepted precision (issue 23)
 
 TOPK_W = [("precision", "L0.moe.topk_weights"), ("precision", "L1.moe.topk_weights")]
@@ -265,4 +265,3 @@ def test_operator_fault_before_the_topk_weights_leads_in_dataflow_order(tmp_path
     assert ("precision", "L0.moe.topk_weights", True) in listed, listed
     f = next(f for f in rep.findings if f.key == "L0.moe.topk_weights")
     assert "by recorded dtype" in f.summary and f.detail["coarser"] == "A"
->>>>>>> main
