@@ -35,6 +35,7 @@ CAUSES = {
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
+              "implementations": "points where the sides are reproduced by different clean implementations",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
 ARCHITECTURE_NOTE = "unverified_mapping"
