@@ -90,8 +90,10 @@ def test_clean_implementation_pair_is_not_blamed(tmp_path, pair_base, clean, key
         assert v.b.excess > DEFAULT_MARGINS.limit(v.b.envelope_key) and v.b.excess > 1.15 * v.a.excess, v.b
 
 
-FAULTS = [("rmsnorm_no_upcast", "no fp32 upcast"), ("qk_norm_no_upcast", "no fp32 upcast"),
-          ("softmax_bf16", "bf16 softmax")]
+FAULTS = [("rmsnorm_no_upcast", "no fp32 upcast"), ("mlp_norm_no_upcast", "no fp32 upcast"),
+          ("final_norm_no_upcast", "no fp32 upcast"), ("qk_norm_no_upcast", "no fp32 upcast"),
+          ("k_norm_no_upcast", "no fp32 upcast"), ("softmax_bf16", "bf16 softmax"),
+          ("silu_bf16", "silu in bf16 (an extra rounding)")]
 
 
 @pytest.mark.parametrize("fault,words", FAULTS, ids=[f for f, _ in FAULTS])
@@ -100,7 +102,8 @@ def test_precision_fault_found_with_its_fingerprint(tmp_path, pair_base, fault, 
     f = PRECISION_FAULTS[fault]
     b = _side_b(dist, tmp_path / "b", fault=fault)
     got = first_intrinsic_divergence(str(a), str(b), ExactReference(str(ck)))
-    assert got is not None and got.key == f"L1.{f.point}" and got.side == "B" and got.kind == "intrinsic", got
+    key = f"L1.{f.point}" if f.layered else f.point
+    assert got is not None and got.key == key and got.side == "B" and got.kind == "intrinsic", got
     assert got.b.match_kind == "fault" and f"matches *{words}*" in got.reason and "B's" in got.reason, got.reason
 
 
