@@ -141,3 +141,27 @@ def test_fingerprint_json_round_trip_and_old_reports():
     assert DEFAULT_MARGINS.limit_of(back) == DEFAULT_MARGINS.limit("attn_norm")   # the constant fallback
     bad = dict(d, match_equal="97%")                  # a saved report is untrusted: a wrong type reads as absent
     assert decode_intrinsic(bad) is None
+
+
+def test_report_names_the_fingerprint_and_the_implementation_difference(tmp_path, pair_base):
+    """Through the finder: the answer names B's matching fault, the other side's clean implementation,
+    and a note lists the points where the sides run different clean implementations (SDPA vs eager); the
+    saved report re-judges to itself."""
+    import json
+
+    from tic_trace import find_divergence
+    from tic_trace.compare.diverge import rejudge
+    from tic_trace.report.terminal import headline
+    dist, ck, a = pair_base
+    m = _model(dist)
+    PRECISION_FAULTS["rmsnorm_no_upcast"].plant(m, 1)
+    CLEAN_VARIANTS["sdpa"](m)
+    trace_hf(m, tmp_path / "b", IDS)
+    doc = json.loads(json.dumps(find_divergence(str(a), str(tmp_path / "b"), reference=str(ck)).to_json()))
+    assert rejudge(doc) == doc
+    assert doc["first_divergence"]["key"] == "L1.attn_norm" and doc["first_divergence"]["cause"] == "intrinsic"
+    line = headline(doc)
+    assert "B's RMSNorm at L1 matches *no fp32 upcast*" in line and "*fp32 upcast, gain after the cast back*" in line
+    note = next(n for n in doc["notes"] if n["kind"] == "implementations")
+    assert {"L0.attn.core", "L1.attn.core"} <= set(note["detail"]["points"])
+    assert note["detail"]["points"]["L0.attn.core"] == {"a": "eager attention", "b": "fused SDPA kernel"}
