@@ -93,7 +93,8 @@ class Margins:
         env = d.get("envelope")
         return cls(over=float(d.get("over", base.over)),
                    variant_over=float(d.get("variant_over", base.variant_over)),
-                   fingerprints=bool(d.get("fingerprints", base.fingerprints)), ratio=float(d.get("ratio", base.ratio)),
+                   fingerprints=d["fingerprints"] if isinstance(d.get("fingerprints"), bool) else base.fingerprints,
+                   ratio=float(d.get("ratio", base.ratio)),
                    min_numel=int(d.get("min_numel", base.min_numel)),
                    ids_share=float(d.get("ids_share", base.ids_share)),
                    envelope={str(k): float(v) for k, v in env.items()} if isinstance(env, dict) else base.envelope)

@@ -85,7 +85,7 @@ def _row_parallel(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, k: int) -> 
     return out
 
 
-def _proj_variants(which: str, feed: str, heads: str | None, row_parallel: bool) -> list[Variant]:
+def _proj_variants(which: str, feed: str, row_parallel: bool) -> list[Variant]:
     def single(v: VariantInput) -> torch.Tensor:
         return _gemm(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype,
                      v.w(f"self_attn.{which}_proj.bias", optional=True))
@@ -99,7 +99,8 @@ def _proj_variants(which: str, feed: str, heads: str | None, row_parallel: bool)
 
 
 def _tp_worst(v: VariantInput, fn: Callable[[int], torch.Tensor]) -> dict:
-    """One output per TP degree tried: {"k=2": ..., ...} (each is its own variant, `_expand`)."""
+    """One output per TP degree tried, {"tp2": ..., "tp4": ...}: each is measured as its own variant
+    (`run_variants`), so the envelope takes the worst and the fingerprint names the degree that matches."""
     out = {}
     for k in v.tp:
         try:
@@ -332,12 +333,12 @@ def _registry() -> dict[str, list[Variant]]:
         "final_norm": _norm_variants(None, lambda v: v.w("model.norm.weight")),
         "attn.q_norm": _norm_variants("attn.q", lambda v: v.w("self_attn.q_norm.weight")),
         "attn.k_norm": _norm_variants("attn.k", lambda v: v.w("self_attn.k_norm.weight")),
-        "attn.q": _proj_variants("q", "attn_norm", "q", False),
-        "attn.k": _proj_variants("k", "attn_norm", "kv", False),
-        "attn.v": _proj_variants("v", "attn_norm", "kv", False),
+        "attn.q": _proj_variants("q", "attn_norm", False),
+        "attn.k": _proj_variants("k", "attn_norm", False),
+        "attn.v": _proj_variants("v", "attn_norm", False),
         "attn.q_rope": _ROPE, "attn.k_rope": _ROPE,
         "attn.core": _attention_variants(),
-        "attn.out": _proj_variants("o", "attn.core", None, True),
+        "attn.out": _proj_variants("o", "attn.core", True),
         "moe.router_logits": _plain_gemm("mlp_norm", "mlp.gate.weight"),
         "moe.topk_weights": _TOPK,
         "moe.experts_out": _EXPERTS,
