@@ -273,17 +273,24 @@ def _gated_mlp(act, tp: bool = False) -> Callable[[VariantInput], object]:
     return run
 
 
-def _experts(act, fp32_combine: bool) -> Callable[[VariantInput], torch.Tensor]:
-    """Each routed expert on its rows, x its top-k weight; the outputs summed in dt one expert after another
-    (HF's index_add) or in fp32 and rounded once (fused MoE kernels)."""
+def _experts(act, fp32_combine: bool, probs_first: bool = False) -> Callable[[VariantInput], torch.Tensor]:
+    """Each routed expert on its rows, x its top-k weight (after the expert, or — megatron-core's experts —
+    on the activation before down_proj); the outputs summed in dt one expert after another (HF's index_add,
+    megatron's scatter_add) or in fp32 and rounded once (fused MoE kernels)."""
     def run(v: VariantInput) -> torch.Tensor:
         x, ids, wts, dt = v.feeds["mlp_norm"], v.feeds["moe.topk_ids"].long(), v.feeds["moe.topk_weights"], v.dtype
         lw = v.ref.weights(v.layer)
         out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dt)
         for e in torch.unique(ids).tolist():
             r, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = _gated(x[r], *lw.expert(e), dt, act)
             w = wts[r, slot, None]
+            if probs_first:
+                wg, wu, wd = lw.expert(e)
+                h = act(_gemm(x[r], wg, dt), _gemm(x[r], wu, dt), dt)
+                hw = (h.float() * w.float()).to(dt)     # bf16 x bf16 or x fp32 weights: one rounding
+                out.index_add_(0, r, _gemm(hw, wd, dt).to(out.dtype))
+                continue
+            y = _gated(x[r], *lw.expert(e), dt, act)
             out.index_add_(0, r, (y.float() * w.float()) if fp32_combine else y * w.to(dt))
         return out.to(dt)
     return run
@@ -301,6 +308,8 @@ _EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
             Variant("fp32_combine", "fp32 combine", True,
                     _experts(_UNFUSED, True)),
             Variant("fused_fp32_combine", "fused silu x up, fp32 combine", True, _experts(_FUSED, True)),
+            Variant("probs_before_down", "top-k weight applied before down_proj (megatron-core)", True,
+                    _experts(_UNFUSED, False, probs_first=True)),
             Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
                     _experts(_BF16_SILU, False))]
 
