@@ -212,16 +212,17 @@ def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
         q, kk, vv, kv_rows = v.feeds["attn.q_rope"], v.feeds["attn.k_rope"], v.feeds["attn.v"], v.feeds["__kv_rows__"]
         dt, scale = v.dtype, v.spec.head_dim ** -0.5
         rep = q.shape[1] // kk.shape[1]
-        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=dt)
+        dev = q.device
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=dt, device=dev)
         for sample in dict.fromkeys(s for s, _ in v.rows):
             qi = [i for i, (s, _) in enumerate(v.rows) if s == sample]
-            qpos = torch.tensor([v.rows[i][1] for i in qi])
+            qpos = torch.tensor([v.rows[i][1] for i in qi], device=dev)
             last = int(qpos.max())
-            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)])
+            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=dev)
             qs = q[qi].to(dt).transpose(0, 1)                                   # [H, Tq, d]
             ks = kk[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, Tk, d]
             vs = vv[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
-            mask = (torch.arange(last + 1)[None, :] <= qpos[:, None])[None]     # [1, Tq, Tk]
+            mask = (torch.arange(last + 1, device=dev)[None, :] <= qpos[:, None])[None]     # [1, Tq, Tk]
             o = kernel(qs[None], ks[None], vs[None], mask[None], scale, dt)[0]  # [H, Tq, d]
             out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
         return out
@@ -280,7 +281,7 @@ def _experts(act, fp32_combine: bool, probs_first: bool = False) -> Callable[[Va
     def run(v: VariantInput) -> torch.Tensor:
         x, ids, wts, dt = v.feeds["mlp_norm"], v.feeds["moe.topk_ids"].long(), v.feeds["moe.topk_weights"], v.dtype
         lw = v.ref.weights(v.layer)
-        out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dt)
+        out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dt, device=x.device)
         for e in torch.unique(ids).tolist():
             r, slot = torch.nonzero(ids == e, as_tuple=True)
             w = wts[r, slot, None]
