@@ -50,7 +50,7 @@ def _row(r) -> list:
     if r.kind == "ids":
         flag = Text(*_ABNORMAL) if abnormal(r) else "ok"
         return [text(r.key), text(r.dtype), str(r.rows), "", "", f"{r.share_rounded:.1%} rows", "", "", flag]
-    limit = DEFAULT_MARGINS.limit(r.envelope_key, r.dtype)
+    limit = DEFAULT_MARGINS.limit_of(r)
     flag = Text(*_ABNORMAL) if abnormal(r) else ("ok" if math.isfinite(limit) else "ok (no envelope)")
     return [text(r.key), text(r.dtype), str(r.rows), f"{r.mean_ulp:.3f}", f"{r.max_ulp:.3g}", f"{r.share_rounded:.1%}",
             f"{r.rel_l2:.2e}", f"{r.excess:.2f}" + (f" / {limit:.2f}" if math.isfinite(limit) else ""), flag]

@@ -287,5 +287,5 @@ def encode_intrinsic(e, margins=None) -> dict:
         return {"point": e.point, "layer": e.layer, "not_replayed": e.reason}
     from ..replay.intrinsic_verdict import DEFAULT_MARGINS
     m = margins or DEFAULT_MARGINS
-    limit = None if e.kind == "ids" else m.limit(e.envelope_key, e.dtype)
+    limit = None if e.kind == "ids" else m.limit_of(e)
     return {**asdict(e), "excess": e.excess, "limit": limit}

@@ -72,8 +72,9 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     counted = computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
-    notes = identity_notes + [n for n in (_not_replayed(points), _accumulated_noise(points, findings),
-                                          _shared_nonfinite(points)) if n is not None]
+    notes = identity_notes + [n for n in (_not_replayed(points), _implementations(points),
+                                          _accumulated_noise(points, findings), _shared_nonfinite(points))
+                              if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     blocks = {n.detail.get("blocks") for n in identity_notes}
     if ALWAYS in blocks:
@@ -344,7 +345,34 @@ def _side_numbers(e: dict | None) -> str:
     return (f"{dt}: excess {_x(e.get('excess'))}{lim}, mean {_x(e.get('mean_ulp'), 3)} / max "
             f"{_x(e.get('max_ulp'))} ULP, {100 * (num(e.get('share_rounded')) or 0):.1f}% correctly rounded, "
             f"rel error {_f(num(e.get('rel_l2')))}"
-            + (f", {e['nonfinite']} non-finite" if e.get("nonfinite") else ""))
+            + (f", {e['nonfinite']} non-finite" if e.get("nonfinite") else "") + _fingerprint(e))
+
+
+def _fingerprint(e: dict) -> str:
+    """The implementation that reproduces this side's output (replay/variants.py), in words."""
+    kind, eq = e.get("match_kind"), num(e.get("match_equal")) or 0
+    if kind == "none":
+        return ", matches no known implementation"
+    if kind not in ("clean", "fault") or not isinstance(e.get("match_what"), str):
+        return ""
+    return (f", matches *{e['match_what']}*" + (" (a known precision fault)" if kind == "fault" else "")
+            + f" (bit-equal {100 * eq:.0f}%)")
+
+
+def _implementations(points: list[Point]) -> Note | None:
+    """Points where the sides are reproduced by different clean implementations (eager vs SDPA attention, a
+    TP-split GEMM, fused silu x up): a difference, named, never a fault."""
+    out = {}
+    for p in points:
+        ea, eb = ((p.intrinsic or {}).get(s) for s in ("a", "b"))
+        if (isinstance(ea, dict) and isinstance(eb, dict) and ea.get("match_kind") == "clean" == eb.get("match_kind")
+                and ea.get("match") != eb.get("match")):
+            out[p.key] = {"a": ea.get("match_what"), "b": eb.get("match_what")}
+    if not out:
+        return None
+    shown = "; ".join(f"{k}: A {v['a']}, B {v['b']}" for k, v in list(out.items())[:4])
+    return Note("implementations", f"{len(out)} point(s) where the sides run different clean implementations "
+                                   f"(not a fault): {shown}" + (" …" if len(out) > 4 else ""), {"points": out})
 
 
 def _x(v, digits: int = 2) -> str:

@@ -8,6 +8,7 @@ The rule that turns two sides' numbers into a verdict is `intrinsic_verdict.intr
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterable
@@ -21,6 +22,9 @@ from ..view.align import CanonicalTensor, CanonicalView
 from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
+from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
+
+_KV_FEEDS = ("attn.k_rope", "attn.v", "__kv_rows__")     # attention's every key/value row: not row-selected
 
 RowId = tuple[str, int]
 
@@ -46,6 +50,15 @@ class IntrinsicError:
     kind: str = "float"        # canonical PointSpec.kind
     recorded_dtype: str = ""   # the dtype of the record, when wider than `dtype` (fp32 holding bf16 values)
     op: str = ""               # the op replayed where the point's op depends on the model (reference.op_of)
+    # The clean variants on this side's inputs and the fingerprint (variants.py; 0 / "": none ran, old reports)
+    clean_excess: float = 0.0  # worst excess of the clean variants on these inputs: the point's envelope
+    clean_worst: str = ""      # which clean variant that is
+    match: str = ""            # the variant (clean or a known fault) that reproduces this side's output best
+    match_what: str = ""       # that variant in words
+    match_kind: str = ""       # "clean" | "fault" | "none" (no variant reproduces it)
+    match_equal: float = 0.0   # share of this side's elements bit-equal to that variant's
+    match_dist: float = 0.0    # this side's distance from it, in units of the rounding floor
+    clean_dist: float = 0.0    # this side's distance from the nearest clean variant, same units
 
     @property
     def excess(self) -> float:
@@ -162,6 +175,7 @@ class SideReplayer:
         # The side's own trace says whether it ran QK-norm (it recorded attn.q_norm): RoPE reads what the side
         # computed, whatever tensor the checkpoint lacks.
         self.has_qk_norm = reference.has_qk_norm or any(p == "attn.q_norm" for p, _ in self.present)
+        self.tp = tp_degrees(view.trace.manifest)    # the row-parallel shard counts its clean variants try
 
     def _load(self, point: str, layer: int | None) -> CanonicalTensor:
         key = (point, layer)
@@ -187,14 +201,19 @@ class SideReplayer:
             return NotReplayed(point, layer, str(e))
 
     def _replay(self, point: str, layer: int | None) -> IntrinsicError:
-        rows, y, exact, dtype = self.exact_pair(point, layer)
-        return intrinsic_error(point, layer, y, exact, dtype,
-                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
-                               op=self.ref.op_of(point))
+        rows, y, exact, dtype, x = self._exact(point, layer)
+        err = intrinsic_error(point, layer, y, exact, dtype,
+                              head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
+                              op=self.ref.op_of(point))
+        return self._with_variants(err, layer, x, rows, y, exact)
 
     def exact_pair(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str]:
         """(rows, this side's output at them, the exact op on this side's own inputs, the output's dtype):
         the output shaped like the exact value. Raises NotReplayable with the reason."""
+        return self._exact(point, layer)[:4]
+
+    def _exact(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str, dict]:
+        """exact_pair, and the side's inputs as the exact op read them (float64 tensors by feed name)."""
         self._enter(layer)
         out = self._load(point, layer)
         if out.values is None:
@@ -231,7 +250,20 @@ class SideReplayer:
             raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
                                 f"config gives {list(exact.shape[1:])}: the side computes another op (another "
                                 "top-k, head count or size)")
-        return rows, y.reshape(exact.shape), exact, out.dtype
+        return rows, y.reshape(exact.shape), exact, out.dtype, x
+
+    def _with_variants(self, err: IntrinsicError, layer, x: dict, rows: list, y: np.ndarray,
+                       exact: np.ndarray) -> IntrinsicError:
+        """The clean variants and known faults of the op, on (at most VARIANT_ROWS of) this side's own
+        inputs: the point's envelope and this side's fingerprint (variants.py). 16-bit outputs only."""
+        if err.dtype not in DTYPES or err.kind != "float" or err.envelope_key not in VARIANTS:
+            return err
+        sel = variant_rows(len(rows))
+        t = torch.tensor(sel, device=self.ref.device)
+        feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
+        vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp)
+        fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype))
+        return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
 
     def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
         """Why the exact op is non-finite: a tensor of the checkpoint, this side's own inputs, or the config.

@@ -39,6 +39,7 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
               "duplicate_rows": "a side names the same (sample, position) row more than once: not comparable",
               "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
               "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
+              "implementations": "points where the sides are reproduced by different clean implementations",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
 # Notes about the rows and the models' structure (verdict._identity_notes): they lead the report. `detail.blocks`

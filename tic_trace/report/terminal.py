@@ -133,8 +133,21 @@ def _replay_headline(fd: dict, cause: str) -> str:
         lim = num(e.get("limit"))
         return (f"excess {_g(e.get('excess'))}" + (f"/{_g(lim)}" if lim is not None and math.isfinite(lim) else "")
                 + f", {_g(e.get('mean_ulp'), 3)}/{_g(e.get('max_ulp'))} mean/max ULP, "
-                  f"{100 * (num(e.get('share_rounded')) or 0):.0f}% correctly rounded")
+                  f"{100 * (num(e.get('share_rounded')) or 0):.0f}% correctly rounded" + _match(e))
+    reason = str((fd.get("replay") or {}).get("reason") or "")
+    if "(a known precision fault)" in reason:     # named by its fingerprint: "B's RMSNorm at L1 matches *...*"
+        return f"{reason.split('; excess')[0]} — A {one(ea)}; B {one(eb)}"
     return f"side {side} is less exact than clean implementations of this op — A {one(ea)}; B {one(eb)}"
+
+
+def _match(e: dict) -> str:
+    """The implementation that reproduces a side (replay/variants.py): "matches *no fp32 upcast* (bit-equal 97%)"."""
+    kind = e.get("match_kind")
+    if kind == "none":
+        return ", matches no known implementation"
+    if kind not in ("clean", "fault") or not isinstance(e.get("match_what"), str):
+        return ""
+    return f", matches *{e['match_what']}* (bit-equal {100 * (num(e.get('match_equal')) or 0):.0f}%)"
 
 
 def _g(x, digits: int = 2) -> str:

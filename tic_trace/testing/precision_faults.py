@@ -184,6 +184,32 @@ def _plant_fused_silu_up(model, layer):
     _wrap(_layer(model, layer).mlp.experts, forward)
 
 
+def _plant_mlp_norm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).post_attention_layernorm, _rmsnorm_bf16)
+
+
+def _plant_k_norm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).self_attn.k_norm, _rmsnorm_bf16)
+
+
+def _plant_final_norm_no_upcast(model, layer):
+    _wrap(model.model.norm, _rmsnorm_bf16)
+
+
+def _plant_silu_bf16(model, layer):
+    """The experts' SiLU evaluated as gate * sigmoid(gate) in bf16: one more rounding than torch's silu."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            tok, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = (gate * torch.sigmoid(gate)) * up
+            y = F.linear(h, self.down_proj[e]) * top_k_weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+    _wrap(_layer(model, layer).mlp.experts, forward)
+
+
 def _sg_plant_qk_norm_no_upcast(model, layer):
     """SGLang's RMSNorm (q_norm is called on [tokens*heads, head_dim] without a residual on CPU)."""
     from .faults import _sg_layer
@@ -211,7 +237,18 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
                    "lm_head GEMM in fp32, fp32 logits", _plant_lm_head_fp32),
     PrecisionFault("fused_silu_up", "moe.experts_out", True, "clean",
                    "silu(gate)*up fused in fp32 (one rounding)", _plant_fused_silu_up, moe_only=True),
+    PrecisionFault("mlp_norm_no_upcast", "mlp_norm", True, "planted",
+                   "post-attention RMSNorm computed in bf16 (no fp32 upcast)", _plant_mlp_norm_no_upcast),
+    PrecisionFault("k_norm_no_upcast", "attn.k_norm", True, "planted",
+                   "K-norm computed in bf16 (no fp32 upcast)", _plant_k_norm_no_upcast),
+    PrecisionFault("final_norm_no_upcast", "final_norm", False, "planted",
+                   "final RMSNorm computed in bf16 (no fp32 upcast)", _plant_final_norm_no_upcast),
+    PrecisionFault("silu_bf16", "moe.experts_out", True, "planted",
+                   "experts' SiLU as gate * sigmoid(gate) in bf16 (an extra rounding)", _plant_silu_bf16,
+                   moe_only=True),
 ]}
+# Since the replay compares each side with clean variants on its own inputs (replay/variants.py), a fused
+# silu x up is a clean implementation, named as such ("implementation difference"), not a precision fault.
 
 
 # ---------------------------------------------------------------- clean bf16 variants

@@ -8,6 +8,7 @@ Trained models are not, and the comparator's rules must hold on them too:
   nearly all of the residual's squared norm, so any error measured over all rows at once is theirs alone.
 - **wide norm gains** (`lognormal_norm_gains`): RMSNorm gains spread log-normally over orders of magnitude
   (0.002 to 40 in real checkpoints), which weighs a row's error by a few channels.
+- **attention sinks** (`attention_sinks`): every query attends mostly to the rows holding those channels.
 - `BOS` and `bos_first`: token ids whose rows are massive, put at position 0 of every sample (as a tokenizer
   puts BOS there).
 
@@ -25,30 +26,53 @@ import torch
 BOS = 0   # the token id `massive_activations` makes massive by default
 
 
-def massive_activations(model, token_ids=(BOS,), *, channels: int = 2, scale: float = 3000.0,
-                        seed: int = 0) -> list[int]:
-    """Token ids `token_ids` embed with `channels` residual channels at `scale` x the median |embedding|
-    (signs random, the same channels for every such token, as in trained models); returns the channels.
-    The residual stream carries the embedding to every layer, so these tokens' rows hold massive
-    activations throughout (each RMSNorm rescales them back to an ordinary size for the op it feeds)."""
+def massive_activations(model, token_ids=(BOS,), *, channels: int | tuple[int, ...] = 2, scale: float = 3000.0,
+                        seed: int = 0, positive: bool = False) -> list[int]:
+    """Token ids `token_ids` embed with `channels` residual channels (a count, drawn at random, or the
+    channels themselves) at `scale` x the median |embedding| (signs random unless `positive`, the same
+    channels for every such token, as in trained models); returns the channels. The residual stream carries
+    the embedding to every layer, so these tokens' rows hold massive activations throughout (each RMSNorm
+    rescales them back to an ordinary size for the op it feeds)."""
     emb = model.model.embed_tokens.weight
     g = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(emb.shape[1], generator=g)[:channels]
+    chosen = (torch.tensor(channels) if isinstance(channels, tuple)
+              else torch.randperm(emb.shape[1], generator=g)[:channels])
     median = float(emb.detach().abs().float().median())
     with torch.no_grad():
         for t in token_ids:
-            signs = torch.randint(0, 2, (channels,), generator=g).float() * 2 - 1
+            signs = (torch.ones(len(chosen)) if positive
+                     else torch.randint(0, 2, (len(chosen),), generator=g).float() * 2 - 1)
             emb[t, chosen] = (signs * scale * median).to(emb.dtype)
     return [int(c) for c in chosen]
 
 
+def attention_sinks(model, channels: tuple[int, ...] = (3, 17), const_channel: int = 0, strength: float = 8.0) -> None:
+    """Every row gets a constant positive channel (the embedding), every head's first query dimension reads
+    it and its first key dimension reads the massive `channels` (positive ones: `massive_activations(...,
+    positive=True)` first): the rows holding them draw most of every query's attention, as sink tokens do."""
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight
+        e[:, const_channel] = float(e.float().abs().mean()) * strength
+        for lay in model.model.layers:
+            a = lay.self_attn
+            hd = a.head_dim
+            kw, qw = a.k_proj.weight, a.q_proj.weight
+            big_k, big_q = float(kw.float().abs().mean()) * strength, float(qw.float().abs().mean()) * strength * 4
+            for h in range(kw.shape[0] // hd):
+                for c in channels:
+                    kw[h * hd, c] = big_k
+            for h in range(qw.shape[0] // hd):
+                qw[h * hd, const_channel] = big_q
+
+
 def lognormal_norm_gains(model, *, low: float = 0.002, high: float = 40.0, include_qk: bool = False,
-                         seed: int = 0) -> list[str]:
-    """Every RMSNorm gain drawn log-normally around 1 with [low, high] at about +-3 sigma of the wider side,
-    clipped into [low, high]; the QK-norms' gains too with `include_qk` (they scale the attention scores, so
-    wide gains there make every head's softmax one-hot). Returns the parameter names edited."""
+                         seed: int = 0, sigma: float | None = None) -> list[str]:
+    """Every RMSNorm gain drawn log-normally around 1 (`sigma`, by default with [low, high] at about +-3 sigma
+    of the wider side), clipped into [low, high]; the QK-norms' gains too with `include_qk` (they scale the
+    attention scores, so wide gains there make every head's softmax one-hot). Returns the parameter names
+    edited."""
     g = torch.Generator().manual_seed(seed)
-    sigma = max(abs(math.log(low)), abs(math.log(high))) / 3.0
+    sigma = sigma if sigma is not None else max(abs(math.log(low)), abs(math.log(high))) / 3.0
     done = []
     with torch.no_grad():
         for name, p in model.named_parameters():

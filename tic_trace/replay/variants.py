@@ -1,0 +1,450 @@
+"""Clean implementations and known precision faults of each canonical op, run on one side's own inputs.
+
+An op's rounding error depends on its inputs (attention's on the size of the scores, a reduction's on how it
+is split, a norm's on its gains), so one constant envelope fitted to one distribution of weights either
+misses faults or blames clean implementations on the next. Instead each point is judged against what the
+implementations real engines use give *on the same inputs*: every `Variant` below recomputes the op from the
+side's recorded inputs in torch, in the side's dtype, rounding where that implementation rounds (a bf16
+tensor op on CPU accumulates in fp32 and rounds its result once, as the engines' kernels do).
+
+Two uses (`intrinsic.SideReplayer`):
+- the **envelope** of a point: the largest excess of its *clean* variants on those inputs (times
+  `Margins.variant_over`, intrinsic_verdict.py);
+- the **fingerprint** of a side: the variant, clean or a known fault, that reproduces the side's output best,
+  with the share of bit-equal elements and the distance (`match_variants`).
+
+Cost: variants run on at most `VARIANT_ROWS` rows of the point (evenly spaced; attention reads every key row),
+once per side and point. Ops without variants (residual adds, embedding, identity, a MoE `mlp.out` sum) are
+judged against the constant table `intrinsic_verdict.ENVELOPE` (docs/replay.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .grid import round_to
+from .reference import NotReplayable
+
+F64 = torch.float64
+VARIANT_ROWS = 256          # rows a variant is computed on: bounds its cost whatever the trace's length
+TP_UNKNOWN = (2, 4, 8)      # row-parallel shard counts tried where the trace does not record its TP degree
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class VariantInput:
+    """What a variant reads: the side's own recorded inputs (float64 holding the recorded values), the
+    side's weights (float64 holding them rounded to the dtype it ran), its output dtype and TP degree."""
+    ref: object                 # reference.ExactReference (this side's)
+    layer: int | None
+    feeds: dict
+    rows: list
+    dtype: torch.dtype
+    tp: tuple[int, ...]
+
+    def w(self, *names: str, optional: bool = False):
+        return self.ref.weights(self.layer).get(*names, optional=optional)
+
+    @property
+    def spec(self):
+        return self.ref.spec
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str                   # "eager", "no_upcast", ...
+    what: str                   # in words, for the report: "no fp32 upcast"
+    clean: bool                 # a clean implementation (True) or a known precision fault (False)
+    fn: Callable[[VariantInput], torch.Tensor]
+
+
+# ---------------------------------------------------------------- GEMMs
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T with fp32 accumulation, one rounding to dt (the bias added before it)."""
+    y = x.float() @ w.float().T
+    return (y + b.float() if b is not None else y).to(dt)
+
+
+def _row_parallel(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, k: int) -> torch.Tensor:
+    """A row-parallel layer over k shards of the reduction: each shard's partial GEMM rounded to dt, the
+    partials summed in dt one after another (a bf16 all-reduce rounds at every step)."""
+    n = x.shape[-1]
+    if n % k:
+        raise ValueError(f"reduction of {n} does not split into {k} shards")
+    s = n // k
+    out = None
+    for i in range(k):
+        p = _gemm(x[..., i * s:(i + 1) * s], w[:, i * s:(i + 1) * s], dt)
+        out = p if out is None else out + p
+    return out
+
+
+def _proj_variants(which: str, feed: str, row_parallel: bool) -> list[Variant]:
+    def single(v: VariantInput) -> torch.Tensor:
+        return _gemm(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype,
+                     v.w(f"self_attn.{which}_proj.bias", optional=True))
+    out = [Variant("fp32_accumulate", "fp32 accumulation", True, single)]
+    if row_parallel:
+        out.append(Variant("row_parallel", "row-parallel, bf16 partials summed", True,
+                           lambda v: _tp_worst(v, lambda k: _row_parallel(v.feeds[feed],
+                                                                          v.w(f"self_attn.{which}_proj.weight"),
+                                                                          v.dtype, k))))
+    return out
+
+
+def _tp_worst(v: VariantInput, fn: Callable[[int], torch.Tensor]) -> dict:
+    """One output per TP degree tried, {"tp2": ..., "tp4": ...}: each is measured as its own variant
+    (`run_variants`), so the envelope takes the worst and the fingerprint names the degree that matches."""
+    out = {}
+    for k in v.tp:
+        try:
+            out[f"tp{k}"] = fn(k)
+        except ValueError:
+            continue
+    return out
+
+
+def _plain_gemm(feed: str, weight: str) -> list[Variant]:
+    return [Variant("fp32_accumulate", "fp32 accumulation", True,
+                    lambda v: _gemm(v.feeds[feed], v.w(weight), v.dtype))]
+
+
+def _logits(v: VariantInput) -> torch.Tensor:
+    head = v.w("lm_head.weight", optional=True)
+    if head is None:
+        head = v.w("model.embed_tokens.weight")
+    return _gemm(v.feeds["final_norm"], head, v.dtype)[:, :v.spec.vocab_size]
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tensor]) -> list[Variant]:
+    def x_of(v):
+        return v.feeds[feed] if feed else next(iter(v.feeds.values()))
+
+    def gain_after(v):           # HF: normalise in fp32, round, x weight in dt, round
+        x, eps = x_of(v).float(), v.spec.rms_norm_eps
+        h = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
+        return weight(v).to(v.dtype) * h
+
+    def gain_before(v):          # Megatron/TE/SGLang: everything in fp32, one rounding
+        x, eps = x_of(v).float(), v.spec.rms_norm_eps
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight(v).float()).to(v.dtype)
+
+    def no_upcast(v):            # the fault: every step in dt
+        x = x_of(v).to(v.dtype)
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + v.spec.rms_norm_eps)
+        return weight(v).to(v.dtype) * (x * r)
+    return [Variant("fp32_gain_after_cast", "fp32 upcast, gain after the cast back", True, gain_after),
+            Variant("fp32_gain_before_cast", "fp32 upcast, gain before the cast back", True, gain_before),
+            Variant("no_upcast", "no fp32 upcast", False, no_upcast)]
+
+
+# ---------------------------------------------------------------- RoPE
+
+def _tables(v: VariantInput, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin in fp32 as HF and the engines build them: fp32 inverse frequencies times fp32 positions."""
+    from .reference import rope_inv_freq
+    inv, scale = rope_inv_freq(v.spec)
+    pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
+    ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    return (emb.cos() * scale)[:, None, :], (emb.sin() * scale)[:, None, :]
+
+
+def _rope(v: VariantInput, fp32_tables: bool) -> torch.Tensor:
+    x = next(iter(v.feeds.values()))
+    cos, sin = _tables(v, x)
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    if fp32_tables:              # q.float() * cos + rot(q) * sin in fp32, rounded once
+        y = (xr.float() * cos + rotated.float() * sin).to(v.dtype)
+    else:                        # HF: tables cast to dt, product and sum each rounded
+        xr, rotated = xr.to(v.dtype), rotated.to(v.dtype)
+        y = xr * cos.to(v.dtype) + rotated * sin.to(v.dtype)
+    return torch.cat([y, xp.to(v.dtype)], dim=-1)
+
+
+_ROPE = [Variant("bf16_tables", "bf16 cos/sin tables", True, lambda v: _rope(v, False)),
+         Variant("fp32_tables", "fp32 cos/sin tables", True, lambda v: _rope(v, True))]
+
+
+# ---------------------------------------------------------------- attention
+
+def _eager(q, k, v, mask, scale, dt):
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, -math.inf)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(dt) @ v
+
+
+def _flash(q, k, v, mask, scale, dt):
+    """fp32 scores and softmax statistics, probabilities rounded to dt before P.V, normalised at the end."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, -math.inf)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return ((p.to(dt).float() @ v.float()) / p.sum(-1, keepdim=True)).to(dt)
+
+
+def _sdpa(backend):
+    def fn(q, k, v, mask, scale, dt):
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return fn
+
+
+def _softmax_bf16(q, k, v, mask, scale, dt):
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, -math.inf)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
+    def run(v: VariantInput) -> torch.Tensor:
+        q, kk, vv, kv_rows = v.feeds["attn.q_rope"], v.feeds["attn.k_rope"], v.feeds["attn.v"], v.feeds["__kv_rows__"]
+        dt, scale = v.dtype, v.spec.head_dim ** -0.5
+        rep = q.shape[1] // kk.shape[1]
+        dev = q.device
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=dt, device=dev)
+        for sample in dict.fromkeys(s for s, _ in v.rows):
+            qi = [i for i, (s, _) in enumerate(v.rows) if s == sample]
+            qpos = torch.tensor([v.rows[i][1] for i in qi], device=dev)
+            last = int(qpos.max())
+            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=dev)
+            qs = q[qi].to(dt).transpose(0, 1)                                   # [H, Tq, d]
+            ks = kk[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, Tk, d]
+            vs = vv[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
+            mask = (torch.arange(last + 1, device=dev)[None, :] <= qpos[:, None])[None]     # [1, Tq, Tk]
+            o = kernel(qs[None], ks[None], vs[None], mask[None], scale, dt)[0]  # [H, Tq, d]
+            out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
+        return out
+    return run
+
+
+def _attention_variants() -> list[Variant]:
+    from torch.nn.attention import SDPBackend
+    return [Variant("eager", "eager attention", True, _attention(_eager)),
+            Variant("flash", "flash-style attention", True,
+                    _attention(_flash)),
+            Variant("sdpa_math", "SDPA math path", True, _attention(_sdpa(SDPBackend.MATH))),
+            Variant("sdpa", "fused SDPA kernel", True, _attention(_sdpa(SDPBackend.FLASH_ATTENTION))),
+            Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16))]
+
+
+# ---------------------------------------------------------------- gated MLPs and experts
+
+def _act(fused: bool, bf16_silu: bool):
+    """The activation and product of a gated MLP: unfused (silu and product each rounded), fused (one
+    rounding in fp32), or the fault with silu evaluated as x * sigmoid(x) in dt (one more rounding)."""
+    def fn(g: torch.Tensor, u: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        if fused:
+            return (F.silu(g.float()) * u.float()).to(dt)
+        a = g * torch.sigmoid(g) if bf16_silu else F.silu(g)
+        return a * u
+    return fn
+
+
+def _gated(x, wg, wu, wd, dt, act, down: Callable | None = None):
+    h = act(_gemm(x, wg, dt), _gemm(x, wu, dt), dt)
+    return down(h, wd) if down is not None else _gemm(h, wd, dt)
+
+
+def _shared_weights(v: VariantInput):
+    if v.spec.num_experts:
+        return v.ref.weights(v.layer).shared()
+    return v.w("mlp.gate_proj.weight"), v.w("mlp.up_proj.weight"), v.w("mlp.down_proj.weight")
+
+
+def _gated_mlp(act, tp: bool = False) -> Callable[[VariantInput], object]:
+    def run(v: VariantInput):
+        wg, wu, wd = _shared_weights(v)
+        x = v.feeds["mlp_norm"]
+        if not tp:
+            return _gated(x, wg, wu, wd, v.dtype, act)
+        return _tp_worst(v, lambda k: _gated(x, wg, wu, wd, v.dtype, act,
+                                             down=lambda h, w: _row_parallel(h, w, v.dtype, k)))
+    return run
+
+
+def _experts(act, fp32_combine: bool, probs_first: bool = False) -> Callable[[VariantInput], torch.Tensor]:
+    """Each routed expert on its rows, x its top-k weight (after the expert, or — megatron-core's experts —
+    on the activation before down_proj); the outputs summed in dt one expert after another (HF's index_add,
+    megatron's scatter_add) or in fp32 and rounded once (fused MoE kernels)."""
+    def run(v: VariantInput) -> torch.Tensor:
+        x, ids, wts, dt = v.feeds["mlp_norm"], v.feeds["moe.topk_ids"].long(), v.feeds["moe.topk_weights"], v.dtype
+        lw = v.ref.weights(v.layer)
+        out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dt, device=x.device)
+        for e in torch.unique(ids).tolist():
+            r, slot = torch.nonzero(ids == e, as_tuple=True)
+            w = wts[r, slot, None]
+            if probs_first:
+                wg, wu, wd = lw.expert(e)
+                h = act(_gemm(x[r], wg, dt), _gemm(x[r], wu, dt), dt)
+                hw = (h.float() * w.float()).to(dt)     # bf16 x bf16 or x fp32 weights: one rounding
+                out.index_add_(0, r, _gemm(hw, wd, dt).to(out.dtype))
+                continue
+            y = _gated(x[r], *lw.expert(e), dt, act)
+            out.index_add_(0, r, (y.float() * w.float()) if fp32_combine else y * w.to(dt))
+        return out.to(dt)
+    return run
+
+
+_UNFUSED, _FUSED, _BF16_SILU = _act(False, False), _act(True, False), _act(False, True)
+_GATED = [Variant("unfused", "unfused silu x up", True, _gated_mlp(_UNFUSED)),
+          Variant("fused_silu_up", "fused silu x up", True, _gated_mlp(_FUSED)),
+          Variant("row_parallel", "row-parallel down_proj", True, _gated_mlp(_UNFUSED, tp=True)),
+          Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
+                  _gated_mlp(_BF16_SILU))]
+_EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
+                    _experts(_UNFUSED, False)),
+            Variant("fused_silu_up", "fused silu x up", True, _experts(_FUSED, False)),
+            Variant("fp32_combine", "fp32 combine", True,
+                    _experts(_UNFUSED, True)),
+            Variant("fused_fp32_combine", "fused silu x up, fp32 combine", True, _experts(_FUSED, True)),
+            Variant("probs_before_down", "top-k weight applied before down_proj (megatron-core)", True,
+                    _experts(_UNFUSED, False, probs_first=True)),
+            Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
+                    _experts(_BF16_SILU, False))]
+
+
+# ---------------------------------------------------------------- top-k weights
+
+def _topk_weights(bf16: bool) -> Callable[[VariantInput], torch.Tensor]:
+    def run(v: VariantInput) -> torch.Tensor:
+        spec, dt = v.spec, v.dtype
+        logits, ids = v.feeds["moe.router_logits"], v.feeds["moe.topk_ids"].long()
+        if spec.scoring_func == "sigmoid":
+            scores = torch.sigmoid(logits.to(dt) if bf16 else logits.float())
+        else:
+            scores = torch.softmax(logits.to(dt) if bf16 else logits.float(), dim=-1)
+        w = torch.gather(scores, -1, ids)
+        if spec.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return (w * spec.routed_scaling_factor).to(dt)
+    return run
+
+
+_TOPK = [Variant("fp32", "fp32 top-k weights", True, _topk_weights(False)),
+         Variant("bf16", "bf16 top-k weights", True, _topk_weights(True))]
+
+
+def _registry() -> dict[str, list[Variant]]:
+    return {
+        "attn_norm": _norm_variants(None, lambda v: v.w("input_layernorm.weight")),
+        "mlp_norm": _norm_variants(None, lambda v: v.w("post_attention_layernorm.weight")),
+        "final_norm": _norm_variants(None, lambda v: v.w("model.norm.weight")),
+        "attn.q_norm": _norm_variants("attn.q", lambda v: v.w("self_attn.q_norm.weight")),
+        "attn.k_norm": _norm_variants("attn.k", lambda v: v.w("self_attn.k_norm.weight")),
+        "attn.q": _proj_variants("q", "attn_norm", False),
+        "attn.k": _proj_variants("k", "attn_norm", False),
+        "attn.v": _proj_variants("v", "attn_norm", False),
+        "attn.q_rope": _ROPE, "attn.k_rope": _ROPE,
+        "attn.core": _attention_variants(),
+        "attn.out": _proj_variants("o", "attn.core", True),
+        "moe.router_logits": _plain_gemm("mlp_norm", "mlp.gate.weight"),
+        "moe.topk_weights": _TOPK,
+        "moe.experts_out": _EXPERTS,
+        "gated_mlp": _GATED,
+        "logits": [Variant("fp32_accumulate", "fp32 accumulation", True, _logits)],
+    }
+
+
+VARIANTS: dict[str, list[Variant]] = _registry()
+
+
+# ---------------------------------------------------------------- measuring them
+
+@dataclass(frozen=True)
+class VariantResult:
+    name: str
+    clean: bool
+    what: str
+    excess: float               # the variant's error against exact, in units of the rounding floor
+    dist: float                 # the side's output's distance from the variant, same units
+    equal: float                # share of the side's elements bit-equal to the variant's
+
+
+def tp_degrees(manifest: dict) -> tuple[int, ...]:
+    """The TP degree the trace records (Megatron's config, the adapters' parallel layout, SGLang's server
+    arguments), else every one of TP_UNKNOWN: a row-parallel GEMM's clean envelope depends on it."""
+    where = [(manifest.get("model") or {}).get("tensor_model_parallel_size"),
+             (manifest.get("parallel") or {}).get("tp_size"), (manifest.get("numerics") or {}).get("tp_size")]
+    for k in where:
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+            return (k,) if k > 1 else ()
+    return TP_UNKNOWN
+
+
+def variant_rows(n: int) -> list[int]:
+    """At most VARIANT_ROWS row indices, evenly spaced over n rows (all of them when fewer)."""
+    if n <= VARIANT_ROWS:
+        return list(range(n))
+    return sorted({int(i) for i in np.linspace(0, n - 1, VARIANT_ROWS)})
+
+
+def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, dtype: str) -> list[VariantResult]:
+    """Every variant of `key` (a point, or the op replayed: `reference.op_of`) on these inputs, measured
+    against the exact value and against the side's output `y` (both [rows, ...] of the same rows)."""
+    out = []
+    n = exact.shape[0]
+    r = exact.reshape(n, -1)
+    yy = y.reshape(n, -1).astype(np.float64)
+    nr = float(np.sqrt((r ** 2).sum()))
+    floor = float(np.sqrt(((round_to(r, dtype) - r) ** 2).sum()))
+    if nr == 0 or floor == 0:
+        return out
+    for var in VARIANTS.get(key, ()):
+        try:
+            got = var.fn(vin)
+        except (NotReplayable, NotImplementedError, RuntimeError, ValueError, KeyError, IndexError):
+            continue            # this implementation does not apply to these inputs (a shape, a missing tensor)
+        for suffix, t in (got.items() if isinstance(got, dict) else (("", got),)):
+            v = t.to(F64).cpu().numpy().reshape(n, -1)
+            if v.shape != r.shape or not np.isfinite(v).all():
+                continue
+            out.append(VariantResult(var.name + (f"_{suffix}" if suffix else ""), var.clean,
+                                     var.what + (f" ({suffix.upper()})" if suffix else ""),
+                                     float(np.sqrt(((v - r) ** 2).sum())) / floor,
+                                     float(np.sqrt(((yy - v) ** 2).sum())) / floor, float((yy == v).mean())))
+    return out
+
+
+# ---------------------------------------------------------------- the fingerprint
+
+MATCH_DIST = 0.5            # a side "matches" a variant within this distance (rounding-floor units; measured)
+FAULT_SEPARATION = 2.0      # a fault match counts only when every clean variant is this many times further
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    clean_excess: float = 0.0   # worst excess of the clean variants on these inputs (0: none ran)
+    clean_worst: str = ""       # which clean variant that is
+    match: str = ""             # the variant closest to the side's output ("" when none ran)
+    match_what: str = ""        # that variant in words
+    match_kind: str = ""        # "clean" | "fault" | "none" (no variant within MATCH_DIST)
+    match_equal: float = 0.0    # share of the side's elements bit-equal to it
+    match_dist: float = 0.0     # the side's distance from it (rounding-floor units)
+    clean_dist: float = 0.0     # the side's distance from the nearest clean variant
+
+
+def fingerprint(results: list[VariantResult]) -> Fingerprint:
+    """The envelope and the best match of one side's output among the variants run on its inputs."""
+    clean = [r for r in results if r.clean]
+    if not clean:
+        return Fingerprint()
+    worst = max(clean, key=lambda r: r.excess)
+    best = min(results, key=lambda r: (r.dist, -r.equal))
+    near = min(clean, key=lambda r: (r.dist, -r.equal))
+    kind = "none" if best.dist > MATCH_DIST else ("clean" if best.clean else "fault")
+    if kind == "fault" and not near.dist > FAULT_SEPARATION * best.dist:
+        # the fault and a clean variant are alike on these inputs: no signature, the nearest clean one is named
+        best, kind = near, ("clean" if near.dist <= MATCH_DIST else "none")
+    return Fingerprint(worst.excess, worst.name, best.name, best.what, kind, best.equal, best.dist, near.dist)

@@ -1,0 +1,145 @@
+"""Clean bf16 implementations real engines use, planted in the computation of one side of an HF model.
+
+Each changes how an op is computed (how a reduction is split, which attention kernel, where RoPE's tables
+round, where a norm applies its gain), never the precision of a stored result beyond what that engine does:
+a trace of such a side must not be blamed by the replay (docs/replay.md, "Clean variants"). They differ from
+the emulations in `tic_trace/replay/variants.py` where real kernels do (a blocked online softmax, per-shard
+GEMM shapes), so the suites also test that the envelope's margin covers real kernels, not only its own copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import types
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .precision_faults import _attention_with, _scores, _sdpa_attention
+
+
+def _wrap(module, fn) -> None:
+    module.forward = types.MethodType(fn, module)
+
+
+def _row_parallel_forward(k: int):
+    """A row-parallel linear over k shards of its input: each shard's partial GEMM in the activations' dtype
+    (fp32 accumulation, one rounding), the partials summed in that dtype (a bf16 all-reduce)."""
+    def forward(self, x):
+        n = x.shape[-1] // k
+        out = None
+        for i in range(k):
+            p = F.linear(x[..., i * n:(i + 1) * n], self.weight[:, i * n:(i + 1) * n])
+            out = p if out is None else out + p
+        return out + self.bias if getattr(self, "bias", None) is not None else out
+    return forward
+
+
+def tp_row_parallel(k: int, down: bool = True) -> Callable:
+    """Every o_proj (and every dense or shared-expert down_proj) as a TP=k row-parallel layer."""
+    def plant(model) -> None:
+        fwd = _row_parallel_forward(k)
+        for lay in model.model.layers:
+            _wrap(lay.self_attn.o_proj, fwd)
+            mlp = lay.mlp
+            for m in (getattr(mlp, "down_proj", None), getattr(getattr(mlp, "shared_expert", None), "down_proj", None)):
+                if down and isinstance(m, torch.nn.Linear):
+                    _wrap(m, fwd)
+    return plant
+
+
+def _flash_blocked(module, q, k, v, mask, scaling=None, block: int = 8, **kw):
+    """Flash-style attention with an online softmax over key blocks: fp32 running max, sum and output,
+    each block's probabilities rounded to the activations' dtype before P.V, normalised at the end."""
+    s_all = _scores(module, q.float(), k.float(), scaling, mask)           # [B, H, Tq, Tk] fp32
+    vv = v.repeat_interleave(module.num_key_value_groups, dim=1).float()
+    m = torch.full(s_all.shape[:-1] + (1,), -math.inf)
+    l_, acc = torch.zeros_like(m), torch.zeros(s_all.shape[:-1] + (v.shape[-1],))
+    for lo in range(0, s_all.shape[-1], block):
+        s = s_all[..., lo:lo + block]
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        alpha = torch.exp(torch.where(torch.isinf(m_new), 0.0, m - m_new))
+        p = torch.exp(s - torch.where(torch.isinf(m_new), 0.0, m_new))
+        acc = acc * alpha + p.to(q.dtype).float() @ vv[..., lo:lo + block, :]
+        l_, m = l_ * alpha + p.sum(-1, keepdim=True), m_new
+    return (acc / l_).to(q.dtype).transpose(1, 2).contiguous(), None
+
+
+def _sdpa_math(module, q, k, v, mask, scaling=None, **kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.MATH]):
+        return _sdpa_attention(module, q, k, v, mask, scaling=scaling)
+
+
+def attention(kind: str) -> Callable:
+    """Every layer's attention through one kernel: "flash" (blocked online softmax), "sdpa_math", "sdpa"."""
+    fn = {"flash": _flash_blocked, "sdpa_math": _sdpa_math, "sdpa": _sdpa_attention}[kind]
+
+    def plant(model) -> None:
+        for i in range(len(model.model.layers)):
+            _attention_with(model, i, f"tic_clean_{kind}_{id(model)}_{i}", fn)
+    return plant
+
+
+def _gain_before_cast(self, x):
+    """RMSNorm in fp32 with the gain, rounded once (Megatron/TE, SGLang's fused add + RMSNorm)."""
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (h * self.weight.float()).to(x.dtype)
+
+
+def fused_norm(model) -> None:
+    """Every decoder RMSNorm (input, post-attention, final) computed as one fp32 kernel, rounded once."""
+    for lay in model.model.layers:
+        _wrap(lay.input_layernorm, _gain_before_cast)
+        _wrap(lay.post_attention_layernorm, _gain_before_cast)
+    _wrap(model.model.norm, _gain_before_cast)
+
+
+@contextlib.contextmanager
+def rope_fp32_tables(model) -> Iterator[None]:
+    """RoPE with fp32 cos/sin tables, q and k rotated in fp32 and rounded back once (bf16 outputs), for every
+    layer of `model` while the context is open (the modeling module's function is restored after: the other
+    side, in the same process, keeps HF's bf16 tables). Trace inside the context."""
+    attn0 = model.model.layers[0].self_attn
+    ns = sys.modules[type(attn0).__module__]
+    orig = ns.apply_rotary_pos_emb
+    rotary = model.model.rotary_emb
+
+    def rotate(q, k, cos, sin, *a, **kw):
+        if cos.dtype == q.dtype:                # another model's call (bf16 tables): HF's own code
+            return orig(q, k, cos, sin, *a, **kw)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = q.shape[-1] // 2
+
+        def rot(x):
+            xf = x.float()
+            return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
+        return rot(q), rot(k)
+
+    def pre(mod, args, kwargs):
+        h, pos = kwargs["hidden_states"], kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(h.shape[1], device=h.device)[None]
+        kwargs["position_embeddings"] = rotary(h.float(), pos)
+        return args, kwargs
+    hooks = [lay.self_attn.register_forward_pre_hook(pre, with_kwargs=True) for lay in model.model.layers]
+    ns.apply_rotary_pos_emb = rotate
+    try:
+        yield
+    finally:
+        ns.apply_rotary_pos_emb = orig
+        for h in hooks:
+            h.remove()
+
+
+CLEAN_VARIANTS: dict[str, Callable] = {
+    "tp2_row_parallel": tp_row_parallel(2),
+    "tp4_row_parallel": tp_row_parallel(4),
+    "flash_attention": attention("flash"),
+    "sdpa_math": attention("sdpa_math"),
+    "sdpa": attention("sdpa"),
+    "fused_norm": fused_norm,
+}
