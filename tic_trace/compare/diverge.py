@@ -26,7 +26,7 @@ from ..view.align import CanonicalView, RowId, common_points
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
-from .verdict import Assessment, assess
+from .verdict import Assessment, assess, incomplete_run_notes, with_incomplete_runs
 
 REPORT_SCHEMA = SCHEMA_ID
 FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
@@ -76,18 +76,21 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         add_replay_facts(points, va, vb, ref, margins, progress)
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
-    verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
-                     token_errors=token_errors, routing=routing, contract=contract, margins=margins)
+    sides = {"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}
+    incomplete = incomplete_run_notes(sides)
+    verdict = with_incomplete_runs(assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
+                                          token_errors=token_errors, routing=routing, contract=contract,
+                                          margins=margins), incomplete)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     matched = set().union(*(m.rows for m in kept)) if kept else set()
+    not_comparable = [{"key": "run", "reason": n.summary} for n in incomplete]
     return Report(
         verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
-        points=points, not_comparable=_not_comparable(va, vb, only_a, only_b, measured),
+        points=points, not_comparable=not_comparable + _not_comparable(va, vb, only_a, only_b, measured),
         rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
         worst_tokens=worst, routing=routing,
         settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
-        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
-        contract=contract)
+        sides=sides, token_errors=token_errors, contract=contract)
 
 
 # ------------------------------------------------------------------------------------------------ architectures
@@ -462,7 +465,8 @@ def _side(v: CanonicalView, check=None) -> dict:
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
             "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
-            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes)}
+            "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
+            "run_incomplete": v.trace.incomplete_runs(), "tracer_notes": v.tracer_notes}
 
 
 # ------------------------------------------------------------------------------------------------ rejudge
@@ -477,8 +481,9 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     tol = tolerance if tolerance is not None else Tolerance.from_json(saved.get("tolerance"))
     accept = bool(saved.get("accept_near_tie_routing")) if accept_near_tie is None else accept_near_tie
     marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
-    v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
-               token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg)
+    v = with_incomplete_runs(assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
+                                    token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract,
+                                    margins=marg), incomplete_run_notes(rep.sides))
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes

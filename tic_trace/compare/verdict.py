@@ -19,7 +19,7 @@ from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
 from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, growth_of, judge, judge_point, judge_replay, point_kind)
-from ..report.schema import LEADING_CAUSES, Finding, Note, Point, WorstToken, num
+from ..report.schema import INCOMPLETE_NOTE, LEADING_CAUSES, Finding, Note, Point, WorstToken, num
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
                    "and reduction order), or routing replay (training reuses the rollout's expert choice) "
@@ -68,6 +68,30 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     else:
         verdict = "consistent"
     return Assessment(verdict, findings, notes, first)
+
+
+def incomplete_run_notes(sides: dict) -> list[Note]:
+    """One note per side whose trace says its run ended early (`sides.*.run_incomplete`, from the ranks' files:
+    `Trace.incomplete_runs`). A fact of the traces: the finder and `rejudge` both derive it from the sides."""
+    out = []
+    for side, d in sorted((sides or {}).items()):
+        lines = d.get("run_incomplete") if isinstance(d, dict) else None
+        if isinstance(lines, list) and lines:
+            more = f" (and {len(lines) - 1} more ranks)" if len(lines) > 1 else ""
+            out.append(Note(INCOMPLETE_NOTE, f"side {side.upper()}'s run is incomplete: {lines[0]}{more}. Its "
+                            "trace is not the whole run and what it lost is not compared: never consistent",
+                            {"side": side, "ranks": [str(x) for x in lines[:64]]}))
+    return out
+
+
+def with_incomplete_runs(a: Assessment, notes: list[Note]) -> Assessment:
+    """An incomplete side makes a consistent pair not comparable (a divergence found in what was recorded
+    still stands); the notes lead the assessment's."""
+    if notes:
+        a.notes = notes + a.notes
+        if a.verdict == "consistent":
+            a.verdict = "not_comparable"
+    return a
 
 
 def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None) -> None:

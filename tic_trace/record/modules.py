@@ -88,6 +88,8 @@ class ModuleHooks:
 
         @functools.wraps(orig)
         def forward(*args, **kwargs):
+            if tracer.failed is not None:     # counted for the incomplete-run note (passes.py)
+                tracer._forwards_not_recorded += 1
             tracer._guarded(tracer._enter, path, args, kwargs, True)
             try:
                 out = orig(*args, **kwargs)

@@ -98,6 +98,8 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._paths: dict[int, str] = {}
         self._activity = False
         self._incomplete: str | None = None   # why the open pass is not a whole forward
+        self._run_incomplete: dict | None = None   # why the run ended early (a failure), in rank.msgpack
+        self._forwards_not_recorded = 0       # root forwards after that failure
         # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
         self.hash_weights = True
         self._param_hasher = ParameterHasher()
@@ -153,6 +155,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self._uninstall()
+        self._write_run_incomplete()  # a failed run: the final count of forwards it did not record
 
     def step(self, tag: str | None = None) -> None:
         """Close the current pass (one engine forward) and start the next, optionally tagged."""

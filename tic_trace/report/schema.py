@@ -37,7 +37,10 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
+NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
+                                "error): the trace is not the whole run, and the pair is never consistent")
 ARCHITECTURE_NOTE = "unverified_mapping"
+INCOMPLETE_NOTE = "incomplete_run"
 
 
 def _architecture_notes(report: Any, refused: bool) -> list[dict]:

@@ -65,6 +65,7 @@ class CanonicalView:
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
         self.rows_total = 0
+        self.tracer_notes: list[str] = []   # what the tracer said of the passes it wrote (distinct, in order)
         self._index()
 
     # ------------------------------------------------------------ indexing
@@ -85,6 +86,9 @@ class CanonicalView:
             for pidx in self.trace.pass_indices(lead):
                 per_rank = {r: self._pass(r, pidx) for r in group if pidx in self.trace.pass_indices(r)}
                 lead_pass = per_rank[lead]
+                for n in (n for p in per_rank.values() for n in p.meta.get("notes") or []):
+                    if n not in self.tracer_notes and len(self.tracer_notes) < 50:    # bounded: shown as is
+                        self.tracer_notes.append(n)
                 rows = lead_pass.rows
                 if rows is not None:
                     toks = rows.get("tokens")

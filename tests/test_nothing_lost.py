@@ -1,0 +1,130 @@
+"""Nothing lost silently (issue 22, item 5): a write failure ends the run as incomplete, said in the trace,
+`inspect` and every verdict; taps are per tracer (two tracers on two threads record only their own calls); a
+forward hook added after the trace started is in the trace; a torch.compile'd module is named.
+
+The write failures are real ones: a child process runs under RLIMIT_FSIZE with SIGXFSZ ignored, so the kernel
+fails the tracer's write with EFBIG once a file would grow past the limit (a fault of the environment, not of the
+trace). Faults planted in the model go into its computation (a forward hook), never into a trace.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tic_trace
+from tic_trace import find_divergence, open_trace
+from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
+from tic_trace.tools.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(argv: list, capsys) -> tuple[int, str]:
+    try:
+        rc = cli([str(x) for x in argv])
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+# ================================================================================================ write failure
+
+# Six forwards: the first small, the others larger. Under the limit the first pass's blob fits and the second's
+# does not: one pass survives, as on a disk that fills up during the run.
+_CHILD = textwrap.dedent("""
+    import json, resource, signal, sys
+    import torch
+    import tic_trace
+    from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
+
+    out_a, out_b, probe, where = sys.argv[1:5]
+    model = build_hf_model(tiny_qwen3_config(moe=False), seed=0)
+    inputs = [sample_tokens(1, 4, seed=1)] + [sample_tokens(2, 16, seed=s) for s in range(2, 7)]
+    with torch.no_grad():
+        plain = [model(x).logits for x in inputs]
+
+    def loop(t):
+        outs = []
+        with torch.no_grad():
+            for x in inputs:
+                outs.append(model(x).logits)
+                t.step()
+        return outs
+
+    with tic_trace.trace(model, probe, adapter="hf", points_mode="full") as t:
+        loop(t)
+    sizes = [p.stat().st_size for p in sorted(t.passes_written[0].parent.glob("pass*.bin"))]
+    with tic_trace.trace(model, out_a, adapter="hf", points_mode="full") as t:
+        loop(t)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # an over-limit write fails with EFBIG, not a signal
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    t = tic_trace.trace(model, out_b, adapter="hf", points_mode="full").start()
+    # "pass 1": room for pass 0 only. "everything": not even the rank file can be rewritten.
+    limit = (sizes[0] + sizes[1]) // 2 if where == "pass 1" else 64
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    outs = loop(t)
+    t.stop()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    print(json.dumps({"failed": repr(t.failed), "sizes": sizes, "limit": limit,
+                      "bitwise": all(torch.equal(a, b) for a, b in zip(outs, plain))}))
+""")
+
+
+def _trace_with_failing_writes(tmp_path: Path, where: str) -> tuple[Path, Path, dict]:
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(a), str(b), str(tmp_path / "probe"), where],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["sizes"][0] < facts["limit"] < facts["sizes"][1] or where != "pass 1", facts
+    assert "EFBIG" in facts["failed"] or "File too large" in facts["failed"], facts
+    assert facts["bitwise"], "a failing write changed the model's outputs"
+    return a, b, facts
+
+
+def test_a_failed_write_makes_the_run_incomplete_everywhere(tmp_path, capsys):
+    a, b, _ = _trace_with_failing_writes(tmp_path, "pass 1")
+    tb = open_trace(b)
+    assert tb.pass_indices(0) == [0], "the limit was meant to let exactly pass 0 through"
+    lines = tb.incomplete_runs()
+    assert len(lines) == 1 and "a write to the trace failed" in lines[0] and "pass 1 lost" in lines[0], lines
+    assert "4 later forwards not recorded" in lines[0] and "1 passes written" in lines[0], lines
+    assert open_trace(a).incomplete_runs() == []
+    # The trace's own file says it: rank.msgpack of side B.
+    assert tb.rank_info(0)["incomplete"]["lost_pass"] == 1
+
+    rep = find_divergence(str(a), str(b))
+    assert rep.verdict == "not_comparable", rep.verdict
+    assert [n.kind for n in rep.notes][:1] == ["incomplete_run"] and "side B" in rep.notes[0].summary
+    assert rep.sides["b"]["run_incomplete"] == lines
+    assert any(x["key"] == "run" for x in rep.not_comparable)
+    # Either order: the incomplete side is never part of a consistent pair.
+    assert find_divergence(str(b), str(a)).verdict == "not_comparable"
+
+    rc, out = run_cli(["first-divergence", a, b], capsys)
+    assert rc == 3 and "incomplete" in out, out[-2000:]
+    rc, out = run_cli(["inspect", b], capsys)
+    assert rc == 0 and "RUN INCOMPLETE" in out and "pass 1 lost" in out, out[-2000:]
+    # A saved report re-judged keeps the fact: re-judging is not a way to a consistent verdict.
+    (tmp_path / "r.json").write_text(json.dumps(rep.to_json()))
+    rc, out = run_cli(["report", "x", "--from-json", tmp_path / "r.json"], capsys)
+    assert rc == 3 and "incomplete" in out, out[-2000:]
+
+
+def test_a_rank_file_that_cannot_be_rewritten_is_removed_and_read_as_incomplete(tmp_path, capsys):
+    a, b, _ = _trace_with_failing_writes(tmp_path, "everything")
+    assert not (b / "rank00000" / "rank.msgpack").exists()
+    lines = open_trace(b).incomplete_runs()
+    assert len(lines) == 1 and "missing: the run is incomplete" in lines[0], lines
+    rc, out = run_cli(["first-divergence", a, b], capsys)
+    assert rc == 2 and "incomplete" in out, out[-2000:]        # no answer, naming the file and why
+    rc, out = run_cli(["inspect", b], capsys)
+    assert "RUN INCOMPLETE" in out, out[-2000:]
