@@ -128,3 +128,73 @@ def test_a_rank_file_that_cannot_be_rewritten_is_removed_and_read_as_incomplete(
     assert rc == 2 and "incomplete" in out, out[-2000:]        # no answer, naming the file and why
     rc, out = run_cli(["inspect", b], capsys)
     assert "RUN INCOMPLETE" in out, out[-2000:]
+
+
+# ================================================================================================ taps per tracer
+
+def _records(trace_dir: Path) -> list[dict]:
+    """Each pass as {record name: (dtype, shape, hash)}, plus its notes."""
+    out = []
+    for p in open_trace(trace_dir).passes(0):
+        d = {r.name: (r.dtype, tuple(r.shape), r.hash) for r in p.records}
+        d["<notes>"] = tuple(p.meta.get("notes") or [])
+        out.append(d)
+    return out
+
+
+def _forwards(model, inputs, t, before=None, after=None) -> list[torch.Tensor]:
+    if before is not None:
+        before.wait()
+    outs = []
+    with torch.no_grad():
+        for x in inputs:
+            outs.append(model(x).logits)
+            t.step()
+    if after is not None:
+        after.wait()
+    return outs
+
+
+def test_two_tracers_on_two_threads_record_only_their_own_rope_calls(tmp_path):
+    """HF's RoPE (`apply_rotary_pos_emb`) is a module-level function, tapped by both tracers at once: each must
+    record its own thread's calls only, exactly what it records alone."""
+    cfg = tiny_qwen3_config(moe=False)
+    models = [build_hf_model(cfg, seed=0), build_hf_model(cfg, seed=1)]
+    inputs = [[sample_tokens(2, 8, seed=s + 10 * k) for s in range(4)] for k in range(2)]
+    alone = []
+    for k, m in enumerate(models):
+        with tic_trace.trace(m, tmp_path / f"alone{k}", adapter="hf", points_mode="full") as t:
+            alone.append(_forwards(m, inputs[k], t))
+    # Both tracers are live during both threads' forwards (the barriers): every RoPE call passes both patches.
+    started, finished = threading.Barrier(2, timeout=120), threading.Barrier(2, timeout=120)
+    results: dict[int, object] = {}
+
+    def run(k: int) -> None:
+        try:
+            t = tic_trace.trace(models[k], tmp_path / f"together{k}", adapter="hf", points_mode="full").start()
+            outs = _forwards(models[k], inputs[k], t, started, finished)
+            t.stop()
+            results[k] = (outs, t.failed)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[k] = e
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    import transformers.models.qwen3.modeling_qwen3 as q3
+    assert not hasattr(q3.apply_rotary_pos_emb, "__wrapped__"), "a tap was left installed after both stopped"
+    for k in range(2):
+        assert not isinstance(results[k], BaseException), results[k]
+        outs, failed = results[k]
+        assert failed is None, failed
+        for got, want in zip(outs, alone[k]):
+            assert torch.equal(got, want)
+        together, solo = _records(tmp_path / f"together{k}"), _records(tmp_path / f"alone{k}")
+        assert len(together) == len(solo) == 4
+        for i, (a, b) in enumerate(zip(together, solo)):
+            assert any("fn:apply_rotary_pos_emb" in n for n in a), "no RoPE tap recorded"
+            assert a.keys() == b.keys(), (k, i, sorted(set(a) ^ set(b))[:6])
+            assert a == b, (k, i, [n for n in a if a[n] != b[n]][:6])
+        rep = find_divergence(str(tmp_path / f"alone{k}"), str(tmp_path / f"together{k}"))
+        assert rep.verdict == "consistent", (rep.verdict, rep.first)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -100,6 +101,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._incomplete: str | None = None   # why the open pass is not a whole forward
         self._run_incomplete: dict | None = None   # why the run ended early (a failure), in rank.msgpack
         self._forwards_not_recorded = 0       # root forwards after that failure
+        self._start_thread = threading.get_ident()
         # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
         self.hash_weights = True
         self._param_hasher = ParameterHasher()
@@ -116,6 +118,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         """Install the hooks and begin recording. Raises `TraceDirectoryInUse` (a FileExistsError), before
         touching the model, if the output directory holds another run's passes for this rank: a trace never
         mixes runs. Any other problem disables tracing with a warning; the model runs on untouched."""
+        self._start_thread = threading.get_ident()    # taps outside any module call: this thread's
         try:
             if not self.filters.want_rank(self.rank):
                 return self
