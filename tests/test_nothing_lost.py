@@ -198,3 +198,30 @@ def test_two_tracers_on_two_threads_record_only_their_own_rope_calls(tmp_path):
             assert a == b, (k, i, [n for n in a if a[n] != b[n]][:6])
         rep = find_divergence(str(tmp_path / f"alone{k}"), str(tmp_path / f"together{k}"))
         assert rep.verdict == "consistent", (rep.verdict, rep.first)
+
+
+# ================================================================================================ late hooks
+
+def test_a_forward_hook_added_after_the_trace_started_is_in_the_trace(tmp_path):
+    """A user's hook that changes `mlp`'s output, registered once `trace()` runs (after the tracer's own hook):
+    the recorded `mlp.out` is the output the model goes on with, so the fault is found where it is."""
+    cfg = tiny_qwen3_config(moe=False)
+    ids = sample_tokens(2, 8)
+    clean = build_hf_model(cfg, seed=0)
+    with tic_trace.trace(clean, tmp_path / "a", adapter="hf", points_mode="full"), torch.no_grad():
+        clean(ids)
+    model = build_hf_model(cfg, seed=0)
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        want = model(ids).logits
+        handle = mlp.register_forward_hook(lambda m, a, out: out * 1.01)
+        want_faulty = model(ids).logits
+        handle.remove()
+        with tic_trace.trace(model, tmp_path / "b", adapter="hf", points_mode="full"):
+            handle = mlp.register_forward_hook(lambda m, a, out: out * 1.01)     # the planted fault
+            got = model(ids).logits
+        handle.remove()
+    assert torch.equal(got, want_faulty) and not torch.equal(got, want)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.verdict == "divergent"
+    assert rep.first["key"] == "L1.mlp.out", rep.first["key"]

@@ -121,8 +121,10 @@ class ModuleHooks:
                 self._paths[id(mod)] = path
                 self._handles.append(mod.register_forward_pre_hook(
                     functools.partial(self._pre_hook, path), with_kwargs=True))
-                self._handles.append(mod.register_forward_hook(
-                    functools.partial(self._post_hook, path), with_kwargs=True, always_call=True))
+                post = mod.register_forward_hook(functools.partial(self._post_hook, path), with_kwargs=True,
+                                                 always_call=True)
+                self._handles.append(post)
+                self._post_hook_ids[id(mod)] = post.id
             # Engines such as SGLang call the root's `forward` directly, bypassing hooks: wrap the method.
             self._wrap_root(model, root_name)
         if self.adapter is not None:
@@ -168,6 +170,7 @@ class ModuleHooks:
             except Exception:  # noqa: BLE001
                 pass
         self._handles.clear()
+        self._post_hook_ids.clear()
         for undo in reversed(self._undo):
             try:
                 undo()
@@ -176,7 +179,21 @@ class ModuleHooks:
         self._undo.clear()
 
     def _pre_hook(self, path, module, args, kwargs):
+        if self._live:
+            self._keep_post_hook_last(module)
         self._guarded(self._enter, path, args, kwargs, False)
+
+    def _keep_post_hook_last(self, module: torch.nn.Module) -> None:
+        """A forward hook registered after the trace started would run after ours, so the recorded output
+        would not be the one the model goes on with (a hook may replace it). Ours moves to the end before
+        each call: torch reads the hooks after `forward` returns, so this call already runs them in order."""
+        hooks = getattr(module, "_forward_hooks", None)
+        hid = self._post_hook_ids.get(id(module))
+        try:
+            if hid is not None and len(hooks) > 1 and next(reversed(hooks)) != hid:
+                hooks.move_to_end(hid)
+        except (KeyError, AttributeError, TypeError):    # another torch's hook table: keep the order it has
+            pass
 
     def _post_hook(self, path, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \

@@ -71,6 +71,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._busy = False            # inside our own code: ops we run are not the model's
         self.failed: BaseException | None = None
         self._handles: list = []
+        self._post_hook_ids: dict[int, int] = {}    # id(module) -> our forward hook's id (kept last)
         self._undo: list[Callable[[], None]] = []
         self._mode: _DispatchRecorder | None = None
         self._writer: TraceWriter | None = None
