@@ -225,3 +225,30 @@ def test_a_forward_hook_added_after_the_trace_started_is_in_the_trace(tmp_path):
     rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
     assert rep.verdict == "divergent"
     assert rep.first["key"] == "L1.mlp.out", rep.first["key"]
+
+
+# ================================================================================================ torch.compile
+
+def test_a_torch_compiled_module_is_named_and_the_trace_is_of_the_eager_computation(tmp_path, capsys):
+    """Under the tracer a torch.compile'd module runs eagerly: the pass and the report say so, and what the
+    trace holds is the eager computation (equal to the uncompiled model's, bit for bit, on this machine)."""
+    cfg = tiny_qwen3_config(moe=False, num_hidden_layers=1)
+    ids = sample_tokens(1, 4)
+    eager = build_hf_model(cfg, seed=0)
+    with tic_trace.trace(eager, tmp_path / "a", adapter="hf", points_mode="full"), torch.no_grad():
+        want = eager(ids).logits
+    model = build_hf_model(cfg, seed=0)
+    model.model.layers[0].mlp.compile()           # inductor, in place: Module.compile
+    with torch.no_grad():
+        model(ids)                                # compiled (and run compiled) untraced
+        with tic_trace.trace(model, tmp_path / "b", adapter="hf", points_mode="full"):
+            got = model(ids).logits
+    assert torch.equal(got, want), "the traced forward was not the eager computation the note says it is"
+    notes = next(open_trace(tmp_path / "b").passes()).meta["notes"]
+    said = [n for n in notes if "torch.compile'd module(s) model.layers.0.mlp" in n]
+    assert said and "ran eagerly" in said[0], notes
+    assert not any("torch.compile" in n for n in next(open_trace(tmp_path / "a").passes()).meta["notes"])
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert said[0] in rep.sides["b"]["tracer_notes"]
+    rc, out = run_cli(["first-divergence", tmp_path / "a", tmp_path / "b"], capsys)
+    assert rc == 0 and "torch.compile'd module(s) model.layers.0.mlp" in " ".join(out.split()), out[-2000:]

@@ -30,6 +30,23 @@ class _Frame:
     thread: int = 0         # the thread that entered this call (a module-global tap records its own thread's)
 
 
+def compiled_modules(models: list[torch.nn.Module]) -> list[str]:
+    """The module paths of `torch.compile`d modules (an `OptimizedModule` wrapper, or `Module.compile()` in
+    place) in these models; the root of one model is `<root>`, of several `chunkN`."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return []
+    out = []
+    multi = len(models) > 1
+    for ci, model in enumerate(models):
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
+                prefix = f"chunk{ci}" if multi else ""
+                out.append(".".join(x for x in (prefix, name) if x) or ROOT)
+    return out
+
+
 class _SharedTap:
     """The one patch of a module-global function for every tracer that taps it. Each tracer patching the
     function itself would see every thread's calls and, stopped out of order, restore another's wrapper or
@@ -127,6 +144,13 @@ class ModuleHooks:
                 self._post_hook_ids[id(mod)] = post.id
             # Engines such as SGLang call the root's `forward` directly, bypassing hooks: wrap the method.
             self._wrap_root(model, root_name)
+        compiled = compiled_modules(self.models)
+        if compiled:
+            self._standing_notes.add(
+                f"torch.compile'd module(s) {', '.join(compiled[:8])}{' …' if len(compiled) > 8 else ''}: under "
+                "the tracer they ran eagerly (its hooks and dispatch mode keep the compiled code from running), "
+                "so the trace is of the eager computation, not of the compiled one the model runs untraced "
+                "(the two can differ in the last bits)")
         if self.adapter is not None:
             self.adapter.prepare(self, self.models)
         if self._writer is None:

@@ -103,6 +103,7 @@ class PassLifecycle:
                     rec.mode = "stats"
                     self._stager.degraded.append(rec.name)
         self._notes.update(self._stager.take_notes())
+        self._notes.update(self._standing_notes)
         weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)

@@ -95,6 +95,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._paused = False
         self._n_rows: int | None = None
         self._notes: set[str] = set()
+        self._standing_notes: set[str] = set()    # said in every pass (a torch.compile'd module)
         self._blind: list[str] = []
         self.passes_written: list[Path] = []
         self._paths: dict[int, str] = {}
