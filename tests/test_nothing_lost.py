@@ -252,3 +252,16 @@ def test_a_torch_compiled_module_is_named_and_the_trace_is_of_the_eager_computat
     assert said[0] in rep.sides["b"]["tracer_notes"]
     rc, out = run_cli(["first-divergence", tmp_path / "a", tmp_path / "b"], capsys)
     assert rc == 0 and "torch.compile'd module(s) model.layers.0.mlp" in " ".join(out.split()), out[-2000:]
+
+
+def test_a_later_tracer_of_the_same_run_keeps_an_earlier_ones_failure(tmp_path):
+    """Tracers that write one run together (one per micro-batch, `run=`): the second one's rank file must not
+    erase what the first one's failure left there."""
+    from tic_trace.store.writer import TraceWriter
+    w = TraceWriter(tmp_path / "t", 0, {"framework": "torch"}, {"world_size": 1}, "job")
+    w.begin_pass({}).close()
+    assert w.mark_incomplete({"reason": "a write to the trace failed: OSError: [Errno 28] No space left on device",
+                              "lost_pass": 1, "passes_written": 1, "forwards_not_recorded": 0})
+    TraceWriter(tmp_path / "t", 0, {"framework": "torch"}, {"world_size": 1}, "job")
+    lines = open_trace(tmp_path / "t").incomplete_runs()
+    assert len(lines) == 1 and "No space left on device" in lines[0], lines

@@ -163,7 +163,10 @@ class TraceWriter:
         write_framed(self.root / "manifest.msgpack", KIND_MANIFEST, m)
         self.rank_dir.mkdir(exist_ok=True)
         self._rank_info = {"rank": rank, **rank_info, "run": run}
-        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK, self._rank_info)
+        earlier = _incomplete_of_run(self.rank_dir, run) if existing else None
+        # A later tracer of the same run (one per micro-batch) must not erase an earlier one's failure.
+        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK,
+                     self._rank_info if earlier is None else {**self._rank_info, "incomplete": earlier})
         self.next_index = max(existing) + 1 if existing else 0
 
     def mark_incomplete(self, incomplete: dict) -> bool:
@@ -192,6 +195,16 @@ class TraceWriter:
         w = PassWriter(self.rank_dir, self.next_index, {**meta, "run": self.run}, durable)
         self.next_index += 1
         return w
+
+
+def _incomplete_of_run(rank_dir: Path, run: str) -> dict | None:
+    """The `incomplete` facts an earlier tracer of `run` left in this rank's file, if any."""
+    try:
+        info = read_framed(rank_dir / "rank.msgpack", KIND_RANK, rank_dir.parent)
+    except (TraceFormatError, OSError):
+        return None
+    got = info.get("incomplete") if isinstance(info, dict) and info.get("run") == run else None
+    return got if isinstance(got, dict) else None
 
 
 def claim_run_directory(root: Path, rank: int, run: str) -> list[int]:
