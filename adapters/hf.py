@@ -160,28 +160,29 @@ class HFAdapter(Adapter):
         return {k.lstrip("_"): v for k, v in out.items()}
 
     def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
+        """Row r = b*S + s of the root forward: sample `tracer.sample_keys[b]` (default `s{b}`; None where the
+        2-D attention mask marks padding), at the position the model runs it at (`_positions`), with its
+        token id. Logits computed for some positions only (`logits_to_keep`) are named here when a mask
+        says which rows they are; an int keeps the last k positions of each sample, which the reader maps
+        (`kept_rows`); an index tensor's rows are not stored (see `_keep_rows`)."""
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or not hasattr(ids, "shape") or ids.dim() != 2:
             return None
-        b, s = ids.shape
-        pos = kwargs.get("position_ids")
+        b, s = (int(x) for x in ids.shape)
         mask = kwargs.get("attention_mask")
-        if pos is None and kwargs.get("cache_position") is not None:
-            pos = kwargs["cache_position"].reshape(1, -1).expand(b, -1)
-        if pos is None and mask is not None and mask.dim() == 2:
-            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -s:]
-        if pos is None:
-            import torch
-            pos = torch.arange(s).reshape(1, -1).expand(b, -1)
-        pos = pos.expand(b, -1)
+        mask = mask if hasattr(mask, "dim") and mask.dim() == 2 else None   # a 4-D mask says no padding
+        pos = _positions(kwargs, b, s, mask)
         keys = tracer.sample_keys or [f"s{i}" for i in range(b)]
-        valid = mask[:, -s:].bool() if mask is not None and mask.dim() == 2 else None
+        if len(keys) < b:
+            raise ValueError(f"tracer.sample_keys names {len(keys)} sample(s) but the forward's batch holds {b}: "
+                             "give one key per sample of each pass (set tracer.sample_keys before the forward)")
+        _keep_rows(tracer, kwargs.get("logits_to_keep"), b, s)
+        valid = mask[:, -s:].bool().tolist() if mask is not None else None
         out_keys, out_pos, out_tok = [], [], []
         ids_l, pos_l = ids.tolist(), pos.tolist()
-        valid_l = valid.tolist() if valid is not None else None
         for i in range(b):
             for j in range(s):
-                ok = valid_l is None or valid_l[i][j]
+                ok = valid is None or valid[i][j]
                 out_keys.append(keys[i] if ok else None)
                 out_pos.append(pos_l[i][j])
                 out_tok.append(ids_l[i][j])
@@ -192,12 +193,76 @@ class HFAdapter(Adapter):
             return False                    # the attention has no QK-norm module (read off the model)
         return super().applies(pm, config)
 
+    def kept_rows(self, record_name: str, shape: tuple, n_rows: int) -> list[int] | None:
+        """The logits of `logits_to_keep=k` (an int: what `generate()` passes, k=1): `[B, k, V]` for a pass of
+        B*S rows holds the last k positions of each sample, rows b*S + S-k .. b*S + S-1."""
+        if record_name != "lm_head:out" or len(shape) != 3:
+            return None
+        b, k = int(shape[0]), int(shape[1])
+        if b <= 0 or k <= 0 or n_rows % b or b * k >= n_rows:
+            return None
+        s = n_rows // b
+        return [i * s + s - k + j for i in range(b) for j in range(k)]
+
     def token_dims(self, record_name: str) -> int | None:
         if "apply_rotary_pos_emb" in record_name:
             return 0
         if ".mlp.gate:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2
+
+
+def _positions(kwargs: dict, b: int, s: int, mask):
+    """[b, s] positions the model runs its rows at. `position_ids` first: what RoPE reads (and, in
+    transformers 5, what the decoder takes instead of `cache_position`; where both are given, e.g. older
+    `generate()` on a left-padded batch, `cache_position` counts the pad slots too). Else `cache_position`
+    (older transformers derive `position_ids` from it), else what the model computes itself: the cache's
+    past length + 0..s-1, the past length read from the cache (`get_seq_length()`, or a legacy tuple's
+    key length) or, for a cache that cannot tell, from the attention mask's width (past + current)."""
+    import torch
+    pos = kwargs.get("position_ids")
+    if pos is not None and hasattr(pos, "dim"):
+        if pos.dim() == 3:          # multimodal RoPE ([3, b, s]): its first (temporal) section
+            pos = pos[0]
+        return pos.reshape(-1, pos.shape[-1]).expand(b, -1).long()
+    cp = kwargs.get("cache_position")
+    if cp is not None and hasattr(cp, "dim"):
+        return cp.reshape(1, -1).expand(b, -1).long()
+    past = _past_length(kwargs.get("cache", kwargs.get("past_key_values")))
+    if past is None:
+        past = int(mask.shape[-1]) - s if mask is not None and mask.shape[-1] > s else 0
+    return (torch.arange(s) + past).reshape(1, -1).expand(b, -1)
+
+
+def _past_length(cache) -> int | None:
+    """Tokens already in a KV cache (None: no cache, or one that cannot tell)."""
+    if cache is None:
+        return None
+    get = getattr(cache, "get_seq_length", None)
+    if callable(get):
+        try:
+            return int(get())
+        except Exception:  # noqa: BLE001 - a cache type that needs arguments: the mask decides
+            return None
+    try:                    # legacy tuple of (key, value) per layer, keys [b, heads, past, head_dim]
+        return int(cache[0][0].shape[-2])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _keep_rows(tracer: Any, keep, b: int, s: int) -> None:
+    """Name the rows of logits computed for some positions only. A boolean [b, s] mask: HF flattens the kept
+    rows to [n, V], named exactly (set_record_rows). An index tensor gives [b, k, V], whose rows the
+    tracer's per-record row list (leading dimension only) cannot name, and the reader would take for the
+    last k positions: the record is kept out of the pass (all -1) rather than compared on the wrong rows.
+    An int needs nothing here: the reader maps it (HFAdapter.kept_rows)."""
+    import torch
+    if keep is None or isinstance(keep, int) or not isinstance(keep, torch.Tensor):
+        return
+    if keep.dim() == 2 and keep.dtype == torch.bool and tuple(keep.shape) == (b, s):
+        tracer.set_record_rows(r"lm_head:out", [i * s + j for i, j in keep.nonzero().tolist()])
+    elif keep.dim() >= 1:
+        tracer.set_record_rows(r"lm_head:out", [-1] * b)
 
 
 def _rope_theta(cfg) -> float | None:

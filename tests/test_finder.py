@@ -104,7 +104,8 @@ def test_clean_fp32_pair_different_batching_and_threads(tmp_path, clean_moe):
     assert rep.verdict == "consistent", rep.first
     assert rep.findings == [] and rep.exit_code == 0
     assert_round_trip(rep)
-    assert rep.rows == {"a": 20, "b": 20, "matched": 20}
+    assert rep.rows == {"a": 20, "b": 20, "matched": 20, "unmatched_a": 0, "unmatched_b": 0, "excluded": 0,
+                        "different_tokens": 0, "duplicates_a": 0, "duplicates_b": 0}
     compared = [p for p in rep.points if p.status != "not_comparable"]
     assert len(compared) == len(rep.points) > 40
 

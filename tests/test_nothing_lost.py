@@ -54,7 +54,8 @@ _CHILD = textwrap.dedent("""
     def loop(t):
         outs = []
         with torch.no_grad():
-            for x in inputs:
+            for j, x in enumerate(inputs):
+                t.sample_keys = [f"forward{j}.sample{i}" for i in range(x.shape[0])]   # each row traced once
                 outs.append(model(x).logits)
                 t.step()
         return outs
@@ -101,6 +102,8 @@ def test_a_failed_write_makes_the_run_incomplete_everywhere(tmp_path, capsys):
     # The trace's own file says it: rank.msgpack of side B.
     assert tb.rank_info(0)["incomplete"]["lost_pass"] == 1
 
+    # The control: the same six forwards traced whole (the probe) are consistent with side A.
+    assert find_divergence(str(a), str(tmp_path / "probe")).verdict == "consistent"
     rep = find_divergence(str(a), str(b))
     assert rep.verdict == "not_comparable", rep.verdict
     assert [n.kind for n in rep.notes][:1] == ["incomplete_run"] and "side B" in rep.notes[0].summary
@@ -147,7 +150,8 @@ def _forwards(model, inputs, t, before=None, after=None) -> list[torch.Tensor]:
         before.wait()
     outs = []
     with torch.no_grad():
-        for x in inputs:
+        for j, x in enumerate(inputs):
+            t.sample_keys = [f"forward{j}.sample{i}" for i in range(x.shape[0])]    # each row traced once
             outs.append(model(x).logits)
             t.step()
     if after is not None:

@@ -211,8 +211,10 @@ def test_sglang_vs_megatron_consistent_at_every_point(mg_trace, sg_trace):
     layered = {pm.point for pm in POINTS} & _promised(vb) - {"embed", "final_norm", "logits", "logprobs"}
     assert len(rep.points) == len(layered) * n_layers + 4
     # rows: SGLang computes every prompt row and one row per decode step; Megatron also the last response
-    # token (sampled by SGLang, never fed back)
-    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS}
+    # token (sampled by SGLang, never fed back): counted as rows of A that match no row of B, after B's positions
+    assert _counts(rep.rows) == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS, "unmatched_a": MG_ROWS - SG_ROWS,
+                                 "unmatched_b": 0}
+    assert rep.identity["unmatched"]["a"]["outside"] == MG_ROWS - SG_ROWS
     for p in rep.points:
         if p.point == "logits":         # SGLang's LogitsProcessor: last prompt row + decode rows only
             assert (p.rows, p.only_a, p.only_b) == (SG_LOGIT_ROWS, MG_ROWS - SG_LOGIT_ROWS, 0), p.key
@@ -227,7 +229,8 @@ def test_sglang_vs_hf_consistent(hf_trace, sg_trace):
     rep = find_divergence(str(hf_trace), str(sg_trace[0]))
     assert rep.verdict == "consistent", _detail(rep)
     assert rep.not_comparable == []
-    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS}
+    assert _counts(rep.rows) == {"a": MG_ROWS, "b": SG_ROWS, "matched": SG_ROWS, "unmatched_a": MG_ROWS - SG_ROWS,
+                                 "unmatched_b": 0}
     assert max(p.error for p in rep.points) < 1e-5
 
 
@@ -393,7 +396,8 @@ def test_partly_cached_prefix_aligns(tmp_path, mg_trace, new_model):
     assert vb.trace.open_pass(0, 0).rows["positions"] == list(range(5)) + list(range(3, 8))
     rep = find_divergence(str(mg_trace), vb)
     assert rep.verdict == "consistent", _detail(rep)
-    assert rep.rows == {"a": MG_ROWS, "b": SG_ROWS - 3, "matched": SG_ROWS - 3}
+    assert _counts(rep.rows) == {"a": MG_ROWS, "b": SG_ROWS - 3, "matched": SG_ROWS - 3,
+                                 "unmatched_a": MG_ROWS - SG_ROWS + 3, "unmatched_b": 0}
 
 
 def test_input_token_logprobs_when_asked(tmp_path, mg_trace, new_model):
@@ -721,3 +725,8 @@ def test_name_tables_on_meta_module_trees(sglang_env):
                 assert callable(getattr(__import__(type(attn).__module__, fromlist=["x"]), "apply_qk_norm"))
     assert seen == set(ARCH_MODULES)
 
+
+def _counts(rows: dict) -> dict:
+    """The report's row counts that these tests check (the identity counts beyond them are 0 here)."""
+    assert not any(rows[k] for k in ("excluded", "different_tokens", "duplicates_a", "duplicates_b")), rows
+    return {k: rows[k] for k in ("a", "b", "matched", "unmatched_a", "unmatched_b")}

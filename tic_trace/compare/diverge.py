@@ -18,15 +18,16 @@ from typing import Callable
 
 import numpy as np
 
-from ..graph.canonical import (LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed, key_name,
-                               mixes_positions, order_key, parse_key)
+from ..graph.canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed,
+                               key_name, mixes_positions, order_key, parse_key)
 from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
+from ..view.rows import row_identity
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, coarser  # noqa: F401 - the finder's public names
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
-from .verdict import Assessment, assess, incomplete_run_notes, with_incomplete_runs
+from .verdict import Assessment, assess, incomplete_run_notes, layers_text, with_incomplete_runs
 
 REPORT_SCHEMA = SCHEMA_ID
 FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
@@ -68,29 +69,52 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         check_reference(ref.ckpt, {"A": va, "B": vb})
     contract = diff_contract_json(va, vb, ref)         # before any tensor
     both, only_a, only_b = common_points(va, vb)
+    identity = row_identity(va, vb)                    # before any tensor too: the row tables only
+    structure, after_layers = _structure(va, vb, both)
+    both = [k for k in both if k not in after_layers]
     measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)
     kept = [m for m in measured if m.compared or not m.derived]
-    n_layers = va.n_layers or vb.n_layers
+    n_layers = min(va.n_layers, vb.n_layers) if structure else va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
     if ref is not None:
         add_replay_facts(points, va, vb, ref, margins, progress)
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
+    matched = set().union(*(m.rows for m in kept)) if kept else set()
+    rows = {"a": va.rows_total, "b": vb.rows_total, "matched": len(matched), **identity.counts()}
+    ident = identity.to_json()
     sides = {"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}
     incomplete = incomplete_run_notes(sides)
     verdict = with_incomplete_runs(assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
                                           token_errors=token_errors, routing=routing, contract=contract,
-                                          margins=margins), incomplete)
+                                          margins=margins, rows=rows, identity=ident, structure=structure),
+                                   incomplete)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
-    matched = set().union(*(m.rows for m in kept)) if kept else set()
     not_comparable = [{"key": "run", "reason": n.summary} for n in incomplete]
+    not_comparable += _not_comparable(va, vb, only_a, only_b, measured)
+    if structure:
+        la, lb = structure["layers"]["a"], structure["layers"]["b"]
+        not_comparable += [{"key": key_name(*k), "reason": f"{layers_text(la, lb)}: {key_name(*k)} follows the "
+                            "last layer, another layer on each side"} for k in after_layers]
     return Report(
         verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
-        points=points, not_comparable=not_comparable + _not_comparable(va, vb, only_a, only_b, measured),
-        rows={"a": va.rows_total, "b": vb.rows_total, "matched": len(matched)},
+        points=points, not_comparable=not_comparable, rows=rows,
         worst_tokens=worst, routing=routing,
         settings={**_settings(tol, accept_near_tie, margins, ref), "allow_unverified": bool(allow_unverified)},
-        sides=sides, token_errors=token_errors, contract=contract)
+        sides=sides, token_errors=token_errors, contract=contract, structure=structure, identity=ident)
+
+
+def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, list]:
+    """Structural differences between the two models ({} when none), and the points both record that they
+    make incomparable. Another number of layers: the global points after the layers (final norm, logits,
+    log-probs) read the last layer's output, which is a different layer on each side; judged, a final norm
+    whose inputs "agree" would be blamed for the missing layer."""
+    la, lb = va.n_layers, vb.n_layers
+    if not la or not lb or la == lb:
+        return {}, []
+    after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
+    return {"layers": {"a": int(la), "b": int(lb)}}, after
+
 
 
 # ------------------------------------------------------------------------------------------------ architectures
@@ -466,7 +490,8 @@ def _side(v: CanonicalView, check=None) -> dict:
             "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
-            "run_incomplete": v.trace.incomplete_runs(), "tracer_notes": v.tracer_notes}
+            "repeated_calls": v.repeated_calls, "run_incomplete": v.trace.incomplete_runs(),
+            "tracer_notes": v.tracer_notes}
 
 
 # ------------------------------------------------------------------------------------------------ rejudge
@@ -483,7 +508,8 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
     v = with_incomplete_runs(assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
                                     token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract,
-                                    margins=marg), incomplete_run_notes(rep.sides))
+                                    margins=marg, rows=rep.rows, identity=rep.identity, structure=rep.structure),
+                             incomplete_run_notes(rep.sides))
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes

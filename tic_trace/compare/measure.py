@@ -17,6 +17,7 @@ import numpy as np
 
 from ..graph.canonical import BY_NAME, LOGPROBS, key_name
 from ..view.align import CanonicalView, RowId, align_rows
+from ..view.rows import row_identity
 from .judge import coarser
 from .metrics import compare_routing, compare_stats, compare_values
 
@@ -72,13 +73,24 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     ta, tb = va.load(point, layer), vb.load(point, layer)
     derived = point == LOGPROBS and ((LOGPROBS, None) not in va.entries or (LOGPROBS, None) not in vb.entries)
     m = PointMeasurement(point, layer, sources={"a": ta.sources[:4], "b": tb.sources[:4]}, derived=derived)
+    # rows that are not the same rows on both sides (other tokens, named twice) are never compared
+    exclude = row_identity(va, vb).exclude_for(point)
     if ta.values is None or tb.values is None:
+        if exclude:
+            # statistics cover every row of a record: they cannot leave the other rows out
+            m.only_a, m.only_b = len(ta.rows), len(tb.rows)
+            m.reason = (f"statistics only, and {len(exclude)} row(s) both sides have are not the same rows "
+                        "(see the rows): re-trace with mode 'rows' or 'full' for these points")
+            return m
         return _measure_stats(m, ta, tb)
-    pair = align_rows(ta, tb)
+    pair = align_rows(ta, tb, exclude)
     m.rows, m.only_a, m.only_b = pair.rows, pair.only_a, pair.only_b
     m.dtype = coarser(ta.dtype, tb.dtype)
     if not pair.rows:
-        m.reason = (f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check that both sides "
+        left_out = exclude and not set(ta.rows).isdisjoint(tb.rows)
+        m.reason = (f"no row both sides have is the same row on both (A has {len(ta.rows)}, B has "
+                    f"{len(tb.rows)}; other tokens or rows named twice, see the rows)" if left_out else
+                    f"no rows in common (A has {len(ta.rows)}, B has {len(tb.rows)}): check that both sides "
                     "traced the same samples (sample keys) and positions")
         return m
     ids = BY_NAME[point].kind == "ids" and pair.a.ndim == pair.b.ndim == 2

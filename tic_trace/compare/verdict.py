@@ -5,10 +5,13 @@
 the worst tokens). The finder calls it on freshly measured points and `rejudge` on a saved report's points,
 so both give the same answer for the same settings.
 
-Verdict: `divergent` when some finding counts (an operator jump, NaN/Inf on one side only, routers that
-compute differently, or near-tie flips that carry error over tolerance to the output, unless near ties are
-accepted); `not_comparable` when some point both sides record could not be compared on any row, or nothing
-was; `consistent` otherwise: earned, never by default.
+Verdict: `not_comparable` when the two models differ in structure (another number of layers) or a side names
+a row more than once (`_identity_notes`); else `divergent` when some finding counts (an operator jump,
+NaN/Inf on one side only, routers that compute differently, or near-tie flips that carry error over tolerance
+to the output, unless near ties are accepted); `not_comparable` when rows of one side match no row of the
+other inside the positions the other traced for the same sample (the sides number the rows differently),
+when some point both sides record could not be compared on any row, or nothing was; `consistent` otherwise:
+earned, never by default. Rows whose tokens differ are left out of the judgement and counted.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, growth_of, judge, judge_point, judge_replay, point_kind)
 from ..report.schema import INCOMPLETE_NOTE, LEADING_CAUSES, Finding, Note, Point, WorstToken, num
+
+ALWAYS, UNLESS_DIVERGENT = "always", "unless_divergent"     # Note.detail["blocks"] (report_schema.IDENTITY_NOTES)
+ROWS_IN_LINE = 3        # rows named in a headline sentence (the note's detail holds more)
 
 NEAR_TIE_REMEDY = ("near ties: only the same router computation on both sides, bit for bit (same GEMM, dtype "
                    "and reduction order), or routing replay (training reuses the rollout's expert choice) "
@@ -38,13 +44,16 @@ class Assessment:
 
 def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool = False,
            worst_tokens: list[WorstToken] | None = None, token_errors: dict | None = None,
-           routing: dict | None = None, contract: list[dict] | None = None, margins=None) -> Assessment:
+           routing: dict | None = None, contract: list[dict] | None = None, margins=None,
+           rows: dict | None = None, identity: dict | None = None, structure: dict | None = None) -> Assessment:
     """Judge `points` (in dataflow order) in place, then the worst tokens, then name causes and the verdict.
 
     With replay facts (a reference) or different effective dtypes at a point, `judge.judge_replay` decides
     whether one side's op is intrinsically (or by precision) the less exact one; the first such finding in
     dataflow order is the first divergence, ahead of the A-B rule. `contract` (report.contract) adds a
-    `weights` finding per point whose parameters differ."""
+    `weights` finding per point whose parameters differ. `rows`, `identity` and `structure` (the report's)
+    give the notes on the rows and the models' structure, which lead the notes and can make the verdict
+    not comparable (`_identity_notes`)."""
     judge_points(points, tolerance, accept_near_tie, margins)
     for w in worst_tokens or []:
         w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
@@ -58,12 +67,16 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     leading = [f for f in computational if f.cause in LEADING_CAUSES]
     counted = leading or computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
-    notes = [n for n in (_not_replayed(points), _accumulated_noise(points, findings), _shared_nonfinite(points))
-             if n is not None]
+    identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
+    notes = identity_notes + [n for n in (_not_replayed(points), _accumulated_noise(points, findings),
+                                          _shared_nonfinite(points)) if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
-    if first is not None:
+    blocks = {n.detail.get("blocks") for n in identity_notes}
+    if ALWAYS in blocks:
+        verdict = "not_comparable"
+    elif first is not None:
         verdict = "divergent"
-    elif not compared or len(compared) < len(points):
+    elif UNLESS_DIVERGENT in blocks or not compared or len(compared) < len(points):
         verdict = "not_comparable"
     else:
         verdict = "consistent"
@@ -92,6 +105,90 @@ def with_incomplete_runs(a: Assessment, notes: list[Note]) -> Assessment:
         if a.verdict == "consistent":
             a.verdict = "not_comparable"
     return a
+
+
+# ------------------------------------------------------------------------------------------------ rows, structure
+
+def layers_text(la: int, lb: int) -> str:
+    return f"side B has {lb} layers, side A {la}" if lb > la else f"side A has {la} layers, side B {lb}"
+
+
+def _count(d: dict, key: str) -> int:
+    v = d.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _listed(items: list, fmt, total: int) -> str:
+    shown = [fmt(x) for x in items[:ROWS_IN_LINE]]
+    return ", ".join(shown) + (" …" if total > len(shown) else "")
+
+
+def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
+    """Notes on what the sides' rows and models are, from the report's `rows`, `identity` and `structure`
+    (so a saved report re-judges the same). Each note's detail holds `short` (its headline sentence) and
+    `blocks` (ALWAYS / UNLESS_DIVERGENT / absent: see report_schema.IDENTITY_NOTES)."""
+    out = []
+    layers = (structure.get("layers") if isinstance(structure, dict) else None) or {}
+    la, lb = layers.get("a"), layers.get("b")
+    if isinstance(la, int) and isinstance(lb, int) and la != lb:
+        short = f"the models differ in structure: {layers_text(la, lb)}"
+        out.append(Note("structure", short + ": the points after the layers (final norm, logits, log-probs) follow "
+                        "another layer on each side and are not compared — compare models with the same number of "
+                        "layers (num_hidden_layers, or the checkpoint each side loaded)",
+                        {"short": short, "blocks": ALWAYS, "layers": {"a": la, "b": lb}}))
+    dup_named = identity.get("duplicates") if isinstance(identity.get("duplicates"), dict) else {}
+    for side in ("a", "b"):
+        n = _count(rows, f"duplicates_{side}")
+        if not n:
+            continue
+        named = [d for d in dup_named.get(side) or [] if isinstance(d, dict)]
+        listed = _listed(named, lambda d: f"{d.get('sample')}@{d.get('position')} ({d.get('times')} times)", n)
+        short = f"side {side.upper()} holds {n} (sample, position) rows more than once: {listed}"
+        out.append(Note("duplicate_rows", short + " — each row must be traced once: give every sample of every "
+                        "pass its own key (tracer.sample_keys, set before each forward) and trace each forward "
+                        "once; these rows are not compared", {"short": short, "blocks": ALWAYS, "side": side,
+                                                             "rows": named}))
+    excluded, n_diff = _count(rows, "excluded"), _count(rows, "different_tokens")
+    if n_diff:
+        diff = [d for d in identity.get("different_tokens") or [] if isinstance(d, dict)]
+        listed = _listed(diff, lambda d: f"{d.get('sample')}@{d.get('position')} (A {d.get('token_a')}, "
+                                         f"B {d.get('token_b')})", n_diff)
+        common = max(_count(rows, "a") - _count(rows, "unmatched_a"), 0)
+        none_left = excluded >= common
+        short = (f"no row is comparable: different tokens at {listed}" if none_left else
+                 f"{excluded} rows left out: different tokens at {listed}")
+        out.append(Note("different_tokens", short + f" ({n_diff} row(s) both sides have hold different tokens; "
+                        "a causal model's later rows of such a sample are left out too) — the sides did not compute "
+                        "the same rows: feed both the same tokens in the same order under the same sample keys (a "
+                        "batch in another order, positions shifted, padding without its attention mask look like "
+                        "this)", {"short": short, "blocks": ALWAYS if none_left else None, "rows": diff}))
+    um = identity.get("unmatched") if isinstance(identity.get("unmatched"), dict) else {}
+    inside_of = {s: _count(um.get(s) if isinstance(um.get(s), dict) else {}, "inside") for s in ("a", "b")}
+    for side, other in (("b", "a"), ("a", "b")):
+        n = _count(rows, f"unmatched_{side}")
+        if not n:
+            continue
+        u = um.get(side) if isinstance(um.get(side), dict) else {}
+        inside = _count(u, "inside")
+        first = [str(x) for x in u.get("first") or []]
+        short = f"{n} of {_count(rows, side)} rows of side {side.upper()} match no row of {other.upper()}"
+        if inside:
+            short += (f" ({inside} at positions inside those side {other.upper()} traced for their sample, e.g. "
+                      f"{_listed(first, str, inside)}: the sides number these rows differently)")
+            why = (" — check the positions each side's model ran these rows at (HF: position_ids, cache_position; "
+                   "a decode step at the wrong position looks like this)")
+        elif inside_of[other]:
+            why = (f" — not compared; with side {other.upper()}'s rows inside this side's span, likely the same "
+                   "rows numbered differently")
+        else:
+            parts = [f"{_count(u, 'other_samples')} of samples side {other.upper()} did not trace"
+                     if _count(u, "other_samples") else "",
+                     f"{_count(u, 'outside')} before or after the positions side {other.upper()} traced for their "
+                     "sample (a cached prefix, a last token never fed back)" if _count(u, "outside") else ""]
+            why = " — not compared: " + "; ".join(x for x in parts if x) if any(parts) else " — not compared"
+        out.append(Note("unmatched_rows", short + why, {"short": short, "side": side,
+                                                        "blocks": UNLESS_DIVERGENT if inside else None, **u}))
+    return out
 
 
 def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: bool, margins=None) -> None:

@@ -328,6 +328,12 @@ class Adapter:
         return None
 
     # --- read time (pure numpy)
+    def kept_rows(self, record_name: str, shape: tuple, n_rows: int) -> list[int] | None:
+        """For a record stored whole (no row index) that holds fewer rows than its pass's row table (e.g.
+        logits computed for the last position of each sample only): the table rows it holds, in its own
+        order; None when the record is not such a record. Default: none is."""
+        return None
+
     def rank_groups(self, ranks: list[int], rank_infos: dict[int, dict]) -> list[list[int]]:
         """Ranks whose shards make up one full tensor (a model-parallel group), in merge order."""
         return [sorted(ranks)]

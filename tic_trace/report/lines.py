@@ -20,3 +20,36 @@ def contract_line(d: dict) -> str:
         body = f"A {a!r}, B {b!r}"
     kind = " [precision]" if d.get("kind") == "precision" else ""
     return f"{sec:<9} {key}{kind}: {body}"
+
+
+def note_short(note: dict) -> str:
+    """A note's sentence for one-line forms: its `detail.short` when it has one, else its summary."""
+    d = note.get("detail") if isinstance(note.get("detail"), dict) else {}
+    return str(d.get("short") or note.get("summary") or "")
+
+
+def identity_notes(report: dict) -> list[dict]:
+    """The notes on the rows and the models' structure (schema.IDENTITY_NOTES), in report order."""
+    from .schema import IDENTITY_NOTES
+    notes = report.get("notes") if isinstance(report, dict) else None
+    return [n for n in notes if isinstance(n, dict) and n.get("kind") in IDENTITY_NOTES] \
+        if isinstance(notes, list) else []
+
+
+def identity_sentence(report: dict) -> str:
+    """What the rows and the structure say, as one sentence list ('' when nothing)."""
+    return "; ".join(note_short(n) for n in identity_notes(report))
+
+
+def blocking_line(report: dict) -> str | None:
+    """The answer when the rows or the structure make the pair not comparable (None otherwise): those
+    sentences first, then the first divergence among what could be compared, then the other row notes."""
+    notes = identity_notes(report)
+    blocking = [n for n in notes if (n.get("detail") or {}).get("blocks")]
+    if report.get("verdict") != "not_comparable" or not blocking:
+        return None
+    line = "NOT COMPARABLE: " + "; ".join(note_short(n) for n in blocking)
+    fd = report.get("first_divergence")
+    if isinstance(fd, dict) and fd.get("key"):
+        line += f"; among what could be compared, the first divergence is at {fd['key']} [{fd.get('cause') or 'operator'}]"
+    return line + "".join("; " + note_short(n) for n in notes if n not in blocking)

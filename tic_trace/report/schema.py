@@ -35,10 +35,18 @@ CAUSES = {
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
+              "structure": "the two models differ in structure (another number of layers): not comparable",
+              "duplicate_rows": "a side names the same (sample, position) row more than once: not comparable",
+              "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
+              "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
 NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
                                 "error): the trace is not the whole run, and the pair is never consistent")
+# Notes about the rows and the models' structure (verdict._identity_notes): they lead the report. `detail.blocks`
+# says what one does to the verdict: "always" (not comparable whatever else is found), "unless_divergent" (not
+# comparable unless a divergence is found on the rows that are comparable), absent (shown, the verdict stands).
+IDENTITY_NOTES = ("structure", "duplicate_rows", "different_tokens", "unmatched_rows")
 ARCHITECTURE_NOTE = "unverified_mapping"
 INCOMPLETE_NOTE = "incomplete_run"
 
@@ -270,6 +278,8 @@ class Report(_Indexable):
     sides: dict
     token_errors: dict = field(default_factory=dict)   # row label -> {point key: per-token error}
     contract: list = field(default_factory=list)       # contract differences (contract.ContractDiff as dicts)
+    structure: dict = field(default_factory=dict)      # structural differences ({"layers": {"a", "b"}}), {} if none
+    identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
@@ -282,14 +292,16 @@ class Report(_Indexable):
             "contract": self.contract, "first_divergence": self.first, "findings": self.findings, "notes": self.notes,
             "points": self.points, "not_comparable": self.not_comparable, "rows": self.rows,
             "worst_tokens": self.worst_tokens, "routing": self.routing, "settings": self.settings,
-            "sides": self.sides, "token_errors": self.token_errors,
+            "sides": self.sides, "token_errors": self.token_errors, "structure": self.structure,
+            "identity": self.identity,
         }
         return encode({**self.extra, **doc})
 
     @classmethod
     def from_json(cls, d: dict) -> "Report":
         known = {"schema", "verdict", "exit_code", "contract", "first_divergence", "findings", "notes", "points",
-                 "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors"}
+                 "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors",
+                 "structure", "identity"}
         fd = d.get("first_divergence")
         wt_names = {f.name for f in fields(WorstToken)}
         return cls(
@@ -305,6 +317,8 @@ class Report(_Indexable):
             sides=dict(d.get("sides") or {}),
             token_errors={k: {kk: num(vv) for kk, vv in v.items()} for k, v in (d.get("token_errors") or {}).items()},
             contract=[dict(x) for x in d.get("contract") or [] if isinstance(x, dict)],
+            structure=dict(d.get("structure") or {}) if isinstance(d.get("structure"), dict) else {},
+            identity=dict(d.get("identity") or {}) if isinstance(d.get("identity"), dict) else {},
             extra={k: v for k, v in d.items() if k not in known})
 
 

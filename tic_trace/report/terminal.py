@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .bounds import TERMINAL, bounded, omitted_lines
-from .lines import contract_line
+from .lines import blocking_line, contract_line, identity_sentence
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
@@ -38,7 +38,9 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def headline(report: dict) -> str:
-    """One line for logs and CI; a side compared with an unverified mapping is named on it."""
+    """One line for logs and CI: the verdict, then what the rows and the models' structure say (rows that match
+    no row of the other side, rows left out, ...), on every verdict; a side compared with an unverified mapping
+    is named on it."""
     refused = architecture_refusal(report)
     if refused and report.get("verdict") == "not_comparable":
         d = [n.get("detail") or {} for n in refused]
@@ -47,13 +49,22 @@ def headline(report: dict) -> str:
                             for x in d)
                 + "): not in the adapter's table of verified architectures (why below); --allow-unverified "
                   "compares anyway")
-    line = _answer_line(report)
+    line = _identity_line(report)
     unverified = unverified_sides(report)
     if unverified:
         d = [n.get("detail") or {} for n in unverified]
         line += " [UNVERIFIED MAPPING: " + ", ".join(f"side {str(x.get('side')).upper()} {x.get('architecture')} "
                                                      f"({x.get('adapter')} adapter)" for x in d) + "]"
     return line
+
+
+def _identity_line(report: dict) -> str:
+    """The answer, led by what the rows and the structure say when they make the pair not comparable."""
+    block = blocking_line(report)
+    if block:
+        return block
+    ident = identity_sentence(report)
+    return _answer_line(report) + ("; " + ident if ident else "")
 
 
 def _answer_line(report: dict) -> str:
@@ -97,6 +108,10 @@ def _answer_line(report: dict) -> str:
         return (f"NOT COMPARABLE: {len(pts) - n} of {len(pts)} canonical points both sides record could not be "
                 "compared (reasons below); no divergence among the others")
     return "NOT COMPARABLE: no canonical point could be compared (see the reasons below)"
+
+
+_ROW_COUNTS = (("unmatched_a", "A-only"), ("unmatched_b", "B-only"), ("excluded", "left out"),
+               ("duplicates_a", "A named twice"), ("duplicates_b", "B named twice"))
 
 
 def _replay_headline(fd: dict, cause: str) -> str:
@@ -156,7 +171,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
                     f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {_f(m.get('max_ulp'), 1)}  "
                     f"bit-equal {100 * (num(m.get('bitwise_equal')) or 0):.1f}%  rows {fd.get('rows')}")
     rows = report.get("rows", {})
-    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"))
+    c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"
+                 + "".join(f"  {label} {rows[k]}" for k, label in _ROW_COUNTS if rows.get(k))))
     _skipped(c, report)
     c.print()
     _curve(c, report)
@@ -368,6 +384,12 @@ def _skipped(c: Console, report: dict) -> None:
             if isinstance(items, list) and items:
                 shown = "; ".join(visible(x, 240) for x in items[:5]) + (" …" if len(items) > 5 else "")
                 c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
+        calls = d.get("repeated_calls")
+        if isinstance(calls, int) and calls > 0:
+            c.print(text(f"side {side.upper()}: {calls} record(s) of points from further calls of the model within "
+                         "one pass, not compared (their rows are not in the pass's row table): trace generate() "
+                         "with auto_step=True, or call tracer.step() between forwards", style="yellow"),
+                    soft_wrap=True)
         notes = d.get("merge_notes")
         if isinstance(notes, dict) and notes:
             shown = "; ".join(f"{visible(k, 40)}: {visible(v, 160)}" for k, v in list(notes.items())[:3])

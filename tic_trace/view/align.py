@@ -19,6 +19,7 @@ from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.format import Pass, Record, Trace, TraceFormatError, open_trace
 
 RowId = tuple[str, int]
+_CALL_SUFFIX = re.compile(r"#\d+")   # the tracer's scope of a module's second, third, ... call in one pass
 
 
 @dataclass
@@ -64,8 +65,12 @@ class CanonicalView:
         self.notes: dict[str, str] = {}     # point key -> the adapter's remark on merging its rank shards
         self.unmapped: list[str] = []      # module-output records no table row claimed
         self.tokens: dict[RowId, int] = {}
+        self.row_ids: set[RowId] = set()    # every named row of the compared passes
+        self.duplicate_rows: dict[RowId, int] = {}   # rows named more than once where one point reads them
         self.rows_total = 0
         self.tracer_notes: list[str] = []   # what the tracer said of the passes it wrote (distinct, in order)
+        self.repeated_calls = 0            # point records of further calls of the model within one pass
+        self._identity: tuple | None = None  # (other view, RowIdentity), see row_identity()
         self._index()
 
     # ------------------------------------------------------------ indexing
@@ -81,6 +86,10 @@ class CanonicalView:
         groups = self.adapter.rank_groups(ranks, infos)
         compiled = [(pm, pm.regex()) for pm in self.adapter.points if self.adapter.applies(pm, self.config)]
         seen_rows: set[RowId] = set()
+        # How often each row is named, per rank group (all its passes), and which points each group feeds:
+        # for the duplicate check at the end.
+        group_rows: dict[int, dict[RowId, int]] = defaultdict(lambda: defaultdict(int))
+        group_points: dict[int, set] = defaultdict(set)
         for gi, group in enumerate(groups):
             lead = group[0]
             for pidx in self.trace.pass_indices(lead):
@@ -92,11 +101,12 @@ class CanonicalView:
                 rows = lead_pass.rows
                 if rows is not None:
                     toks = rows.get("tokens")
+                    counts = group_rows[gi]
                     for i, (k, p) in enumerate(zip(rows["keys"], rows["positions"])):
                         if k is None:
                             continue
-                        if (k, p) not in seen_rows:
-                            seen_rows.add((k, p))
+                        seen_rows.add((k, p))
+                        counts[(k, p)] += 1
                         if toks is not None:
                             self.tokens.setdefault((k, p), toks[i])
                 claimed: set[str] = set()
@@ -127,11 +137,19 @@ class CanonicalView:
                             continue
                         names = {r: rec.name for r, p in per_rank.items() if p.get(rec.name) is not None}
                         self.entries[(pm.point, layer)].append(_Entry(gi, pidx, layer, pm, names))
+                        group_points[gi].add((pm.point, layer))
                         claimed.add(rec.name)
                         got.add(pm.point)
-                self.unmapped.extend(r.name for r in lead_pass.records
-                                     if r.kind == "out" and r.name not in claimed)
+                unclaimed = [r.name for r in lead_pass.records if r.kind == "out" and r.name not in claimed]
+                self.unmapped.extend(unclaimed)
+                # A point's module called again in the same pass (`name#1`): a further forward of the model
+                # (generate() without auto_step, or forwards without tracer.step()). Its rows are not in the
+                # pass's row table, so it cannot be compared: counted, so that the report says so.
+                self.repeated_calls += sum(1 for n in unclaimed if "#" in n
+                                           and any(rx.match(_CALL_SUFFIX.sub("", n)) for _, rx in compiled))
         self.rows_total = len(seen_rows)
+        self.row_ids = seen_rows
+        self.duplicate_rows = _duplicates(group_rows, group_points)
 
     # ------------------------------------------------------------ queries
     def points(self) -> list[tuple[str, int | None]]:
@@ -171,6 +189,8 @@ class CanonicalView:
                 continue
             p = self._pass(ranks[0], e.pass_index)
             rows, distinct = self._rows(ranks[0], e.pass_index, p, lead)
+            if not rows:         # a record that holds none of the pass's rows (all left out when traced)
+                continue
             try:
                 arr, note = self._layout(e, recs, ranks, rows, point, layer)
             except (ValueError, IndexError, KeyError, TypeError) as x:
@@ -208,6 +228,15 @@ class CanonicalView:
     def _rows(self, rank: int, pass_index: int, p: Pass, rec: Record) -> tuple[list[RowId | None], bool]:
         """`_rows_of(p, rec)` and whether its ids are all present and distinct; kept per pass for records that
         hold every row of the pass (a list shared by every caller: never modified)."""
+        if rec.row_index is None and p.rows is not None:
+            kept = self.adapter.kept_rows(rec.name, tuple(rec.stored_shape), len(p.rows["keys"]))
+            if kept is not None:    # a record of some rows only (e.g. logits_to_keep): the adapter says which
+                keys, pos = p.rows["keys"], p.rows["positions"]
+                if any(not 0 <= i < len(keys) for i in kept):
+                    raise TraceFormatError(p.path, f"record {rec.name!r:.100}: the adapter maps it beyond the "
+                                                   f"{len(keys)} rows of the pass")
+                rows = [None if keys[i] is None else (keys[i], int(pos[i])) for i in kept]
+                return rows, None not in rows and len(set(rows)) == len(rows)
         if rec.row_index is not None or p.rows is None:
             rows = _rows_of(p, rec)
             return rows, None not in rows and len(set(rows)) == len(rows)
@@ -317,6 +346,41 @@ def _rows_of(p: Pass, rec: Record) -> list[RowId | None]:
     return [None if keys[i] is None else (keys[i], int(pos[i])) for i in idx]
 
 
+def _duplicates(group_rows: dict[int, dict[RowId, int]], group_points: dict[int, set]) -> dict[RowId, int]:
+    """Rows named more than once where one point reads them: twice in one rank group's passes (one pass, or
+    two), or in two groups that feed the same point (two data-parallel ranks given the same sample keys).
+    Groups feeding different points (pipeline stages) name the same rows legitimately. Row -> times named."""
+    parent = {g: g for g in group_rows}
+
+    def root(g):
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+    owner: dict = {}
+    for g in group_rows:
+        for key in group_points.get(g, ()):
+            if key in owner:
+                parent[root(g)] = root(owner[key])
+            else:
+                owner[key] = g
+    merged: dict[int, dict[RowId, int]] = {}
+    for g, counts in group_rows.items():
+        r = root(g)
+        if r not in merged:
+            merged[r] = dict(counts)
+            continue
+        into = merged[r]
+        for row, n in counts.items():
+            into[row] = into.get(row, 0) + n
+    out: dict[RowId, int] = {}
+    for counts in merged.values():
+        for row, n in counts.items():
+            if n > 1:
+                out[row] = max(out.get(row, 0), n)
+    return out
+
+
 def _adapter_of(trace: Trace) -> Adapter:
     name = trace.manifest.get("framework", "hf")
     try:
@@ -366,19 +430,20 @@ class AlignedPair:
     only_b: int
 
 
-def align_rows(ta: CanonicalTensor, tb: CanonicalTensor) -> AlignedPair:
-    """Rows present on both sides, in side A's order. Rows on one side only are counted, never compared.
-    Sides holding the same rows in the same order (the usual case) are passed through as they are: no
-    gather, no copy (memory-mapped values stay memory-mapped)."""
+def align_rows(ta: CanonicalTensor, tb: CanonicalTensor, exclude: frozenset | set = frozenset()) -> AlignedPair:
+    """Rows present on both sides, in side A's order, less the rows in `exclude` (not the same rows on both
+    sides: RowIdentity). Rows on one side only (or excluded) are counted, never compared. Sides holding the
+    same rows in the same order (the usual case) are passed through as they are: no gather, no copy
+    (memory-mapped values stay memory-mapped)."""
     if ta.values is None or tb.values is None:
         return AlignedPair(None, None, [], len(ta.rows), len(tb.rows))
-    if ta.rows == tb.rows:
+    if ta.rows == tb.rows and not exclude:
         return AlignedPair(ta.values, tb.values, list(ta.rows), 0, 0)
     where_b = {r: i for i, r in enumerate(tb.rows)}
     ia, ib, rows = [], [], []
     for i, r in enumerate(ta.rows):
         j = where_b.get(r)
-        if j is not None:
+        if j is not None and r not in exclude:
             ia.append(i)
             ib.append(j)
             rows.append(r)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ..lines import contract_line
+from ..lines import blocking_line, contract_line, identity_sentence
 from ..schema import architecture_refusal, unverified_sides
 from .cells import _anchor, _d, _e, _gen, _growth, _is_ids, _l, _layer_of, _meaning, _num, _pill, _point_of, _sci
 from .context import Ctx, _only_ops
@@ -48,6 +48,13 @@ def answer_section(c: Ctx) -> str:
         msg = "Not compared: " + " ".join(_e(n.get("summary")) for n in architecture_refusal(r))
     else:
         msg = "Nothing could be compared: see the list of points that are not comparable below."
+    # the rows and the models' structure (the terminal headline's sentences): on the banner whatever the verdict;
+    # when they make the pair not comparable, they are the answer
+    block, ident = blocking_line(r), identity_sentence(r)
+    if block and not first:
+        msg = _e(block)
+    elif ident:
+        msg += f' <span class="note">{_e(ident)}</span>'
     if unverified_sides(r):
         msg += (" <strong>Unverified mapping:</strong> "
                 + " ".join(_e(n.get("summary")) for n in unverified_sides(r)))
@@ -104,9 +111,11 @@ def _summary_facts(c: Ctx, counts: Counter) -> str:
 
 def _rows_text(r: dict) -> str:
     rows = _d(r.get("rows"))
+    extra = "".join(f', {label} <span class="num">{_gen(rows.get(k))}</span>' for k, label in
+                    (("unmatched_a", "A-only"), ("unmatched_b", "B-only"), ("excluded", "left out")) if rows.get(k))
     return (f'<span class="num">{_gen(rows.get("matched"))}</span> tokens matched '
             f'(A has <span class="num">{_gen(rows.get("a"))}</span>, '
-            f'B has <span class="num">{_gen(rows.get("b"))}</span>)')
+            f'B has <span class="num">{_gen(rows.get("b"))}</span>{extra})')
 
 
 def _facts(rows) -> str:
