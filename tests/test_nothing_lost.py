@@ -269,3 +269,28 @@ def test_a_later_tracer_of_the_same_run_keeps_an_earlier_ones_failure(tmp_path):
     TraceWriter(tmp_path / "t", 0, {"framework": "torch"}, {"world_size": 1}, "job")
     lines = open_trace(tmp_path / "t").incomplete_runs()
     assert len(lines) == 1 and "No space left on device" in lines[0], lines
+
+
+# ================================================================================================ structure
+
+def test_another_number_of_experts_is_named_as_a_structural_difference(tmp_path, capsys):
+    """Qwen3-MoE with 4 routed experts against the same model with 8: not an operator divergence at the
+    embedding (before: `embed [operator]`), but the structure, named, and not comparable."""
+    ids = sample_tokens(2, 8)
+    four = build_hf_model(tiny_qwen3_config(moe=True, num_experts=4), seed=0)
+    eight = build_hf_model(tiny_qwen3_config(moe=True, num_experts=8), seed=0)
+    with torch.no_grad():       # every weight the two share is the same: only the experts differ
+        mine = four.state_dict()
+        for k, p in eight.state_dict().items():
+            if k in mine and mine[k].shape == p.shape:
+                p.copy_(mine[k])
+    for name, m in (("a", four), ("b", eight)):
+        with tic_trace.trace(m, tmp_path / name, adapter="hf", points_mode="full"), torch.no_grad():
+            m(ids)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.verdict == "not_comparable", (rep.verdict, rep.first)
+    assert rep.structure == {"experts": {"a": 4, "b": 8}}
+    notes = [n for n in rep.notes if n.kind == "structure"]
+    assert notes and "side A has 4 routed experts per MoE layer, side B 8" in notes[0].summary
+    rc, out = run_cli(["first-divergence", tmp_path / "a", tmp_path / "b"], capsys)
+    assert rc == 3 and "routed experts" in out, out[-2000:]

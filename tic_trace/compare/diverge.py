@@ -74,7 +74,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     both = [k for k in both if k not in after_layers]
     measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)
     kept = [m for m in measured if m.compared or not m.derived]
-    n_layers = min(va.n_layers, vb.n_layers) if structure else va.n_layers or vb.n_layers
+    n_layers = min(va.n_layers, vb.n_layers) if "layers" in structure else va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
     if ref is not None:
         add_replay_facts(points, va, vb, ref, margins, progress)
@@ -92,7 +92,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
     not_comparable = [{"key": "run", "reason": n.summary} for n in incomplete]
     not_comparable += _not_comparable(va, vb, only_a, only_b, measured)
-    if structure:
+    if "layers" in structure:
         la, lb = structure["layers"]["a"], structure["layers"]["b"]
         not_comparable += [{"key": key_name(*k), "reason": f"{layers_text(la, lb)}: {key_name(*k)} follows the "
                             "last layer, another layer on each side"} for k in after_layers]
@@ -109,11 +109,18 @@ def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, 
     make incomparable. Another number of layers: the global points after the layers (final norm, logits,
     log-probs) read the last layer's output, which is a different layer on each side; judged, a final norm
     whose inputs "agree" would be blamed for the missing layer."""
+    out: dict = {}
+    after: list = []
     la, lb = va.n_layers, vb.n_layers
-    if not la or not lb or la == lb:
-        return {}, []
-    after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
-    return {"layers": {"a": int(la), "b": int(lb)}}, after
+    if la and lb and la != lb:
+        after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
+        out["layers"] = {"a": int(la), "b": int(lb)}
+    # Another number of routed experts is another model too (the router's rows differ in width, and what the
+    # experts compute is split differently); 0 is a dense model. Unknown (not described) on a side: no claim.
+    ea, eb = va.config.get("num_experts"), vb.config.get("num_experts")
+    if isinstance(ea, int) and isinstance(eb, int) and ea != eb:
+        out["experts"] = {"a": int(ea), "b": int(eb)}
+    return out, after
 
 
 

@@ -136,6 +136,15 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
                         "another layer on each side and are not compared — compare models with the same number of "
                         "layers (num_hidden_layers, or the checkpoint each side loaded)",
                         {"short": short, "blocks": ALWAYS, "layers": {"a": la, "b": lb}}))
+    experts = (structure.get("experts") if isinstance(structure, dict) else None) or {}
+    ea, eb = experts.get("a"), experts.get("b")
+    if isinstance(ea, int) and isinstance(eb, int) and ea != eb:
+        short = (f"the models differ in structure: side A has {ea or 'no'} routed experts per MoE layer, "
+                 f"side B {eb or 'no'}")
+        out.append(Note("structure", short + ": the router and expert points cannot be compared and every other "
+                        "point follows another model — compare models with the same experts (num_experts, or the "
+                        "checkpoint each side loaded)", {"short": short, "blocks": ALWAYS,
+                                                         "experts": {"a": ea, "b": eb}}))
     dup_named = identity.get("duplicates") if isinstance(identity.get("duplicates"), dict) else {}
     for side in ("a", "b"):
         n = _count(rows, f"duplicates_{side}")

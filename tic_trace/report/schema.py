@@ -35,7 +35,8 @@ CAUSES = {
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
-              "structure": "the two models differ in structure (another number of layers): not comparable",
+              "structure": "the two models differ in structure (another number of layers or of routed experts): "
+                           "not comparable",
               "duplicate_rows": "a side names the same (sample, position) row more than once: not comparable",
               "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
               "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
@@ -278,7 +279,7 @@ class Report(_Indexable):
     sides: dict
     token_errors: dict = field(default_factory=dict)   # row label -> {point key: per-token error}
     contract: list = field(default_factory=list)       # contract differences (contract.ContractDiff as dicts)
-    structure: dict = field(default_factory=dict)      # structural differences ({"layers": {"a", "b"}}), {} if none
+    structure: dict = field(default_factory=dict)      # structural differences ({"layers"|"experts": {"a", "b"}})
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
