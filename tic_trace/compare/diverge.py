@@ -116,9 +116,10 @@ def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, 
         after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
         out["layers"] = {"a": int(la), "b": int(lb)}
     # Another number of routed experts is another model too (the router's rows differ in width, and what the
-    # experts compute is split differently); 0 is a dense model. Unknown (not described) on a side: no claim.
+    # experts compute is split differently). Only two stated MoE counts are compared: 0 is also what an adapter
+    # says of a config field it does not read, and a dense side already lacks every moe.* point (listed).
     ea, eb = va.config.get("num_experts"), vb.config.get("num_experts")
-    if isinstance(ea, int) and isinstance(eb, int) and ea != eb:
+    if isinstance(ea, int) and isinstance(eb, int) and ea > 0 and eb > 0 and ea != eb:
         out["experts"] = {"a": int(ea), "b": int(eb)}
     return out, after
 

@@ -139,8 +139,8 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
     experts = (structure.get("experts") if isinstance(structure, dict) else None) or {}
     ea, eb = experts.get("a"), experts.get("b")
     if isinstance(ea, int) and isinstance(eb, int) and ea != eb:
-        short = (f"the models differ in structure: side A has {ea or 'no'} routed experts per MoE layer, "
-                 f"side B {eb or 'no'}")
+        short = (f"the models differ in structure: side A has {ea} routed experts per MoE layer, "
+                 f"side B {eb}")
         out.append(Note("structure", short + ": the router and expert points cannot be compared and every other "
                         "point follows another model — compare models with the same experts (num_experts, or the "
                         "checkpoint each side loaded)", {"short": short, "blocks": ALWAYS,
