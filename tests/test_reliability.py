@@ -822,6 +822,7 @@ def _check_disabled_cleanly(out: Path, t, outs, ref, warnings, min_passes: int) 
     tr = open_trace(out)
     n = len(tr.pass_indices(0))
     assert n >= min_passes
+    assert tr.incomplete_runs(), "the trace does not say that its run ended early"     # issue 22 item 5
     if n:
         read_everything(out)
         _same_values_across_passes(tr, 0)

@@ -27,7 +27,7 @@ from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
 from .row_errors import RowErrors, row_label as _label
 from .shares import attribution_of, recredited
-from .verdict import Assessment, assess, layers_text
+from .verdict import Assessment, assess, incomplete_run_notes, layers_text, with_incomplete_runs
 
 REPORT_SCHEMA = SCHEMA_ID
 FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
@@ -78,7 +78,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     both = [k for k in both if k not in after_layers]
     measured = measure_all(va, vb, both, workers=workers, backend=backend, progress=progress)
     kept = [m for m in measured if m.compared or not m.derived]
-    n_layers = min(va.n_layers, vb.n_layers) if structure else va.n_layers or vb.n_layers
+    n_layers = min(va.n_layers, vb.n_layers) if "layers" in structure else va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
     if ref is not None:
         add_replay_facts(points, va, vb, ref, margins, progress)
@@ -87,12 +87,17 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     matched = set().union(*(m.rows for m in kept)) if kept else set()
     rows = {"a": va.rows_total, "b": vb.rows_total, "matched": len(matched), **identity.counts()}
     ident = identity.to_json()
-    verdict = assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
-                     token_errors=token_errors, routing=routing, contract=contract, margins=margins, rows=rows,
-                     identity=ident, structure=structure, accept_precision=accept)
+    sides = {"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}
+    incomplete = incomplete_run_notes(sides)
+    verdict = with_incomplete_runs(assess(points, tol, accept_near_tie=accept_near_tie, worst_tokens=worst,
+                                          token_errors=token_errors, routing=routing, contract=contract,
+                                          margins=margins, rows=rows, identity=ident, structure=structure,
+                                          accept_precision=accept),
+                                   incomplete)
     first = _first_divergence(verdict, points, lambda p: _ops_in_region(va, vb, p, set(both), n_layers))
-    not_comparable = _not_comparable(va, vb, only_a, only_b, measured)
-    if structure:
+    not_comparable = [{"key": "run", "reason": n.summary} for n in incomplete]
+    not_comparable += _not_comparable(va, vb, only_a, only_b, measured)
+    if "layers" in structure:
         la, lb = structure["layers"]["a"], structure["layers"]["b"]
         not_comparable += [{"key": key_name(*k), "reason": f"{layers_text(la, lb)}: {key_name(*k)} follows the "
                             "last layer, another layer on each side"} for k in after_layers]
@@ -101,7 +106,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         points=points, not_comparable=not_comparable, rows=rows,
         worst_tokens=worst, routing=routing,
         settings={**_settings(tol, accept_near_tie, margins, ref, accept), "allow_unverified": bool(allow_unverified)},
-        sides={"a": _side(va, checks["a"]), "b": _side(vb, checks["b"])}, token_errors=token_errors,
+        sides=sides, token_errors=token_errors,
         contract=contract, structure=structure, identity=ident,
         attribution=attribution_of(va, vb, ref, verdict.findings, attribution_tokens, progress) if attribution else None)
 
@@ -111,11 +116,19 @@ def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, 
     make incomparable. Another number of layers: the global points after the layers (final norm, logits,
     log-probs) read the last layer's output, which is a different layer on each side; judged, a final norm
     whose inputs "agree" would be blamed for the missing layer."""
+    out: dict = {}
+    after: list = []
     la, lb = va.n_layers, vb.n_layers
-    if not la or not lb or la == lb:
-        return {}, []
-    after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
-    return {"layers": {"a": int(la), "b": int(lb)}}, after
+    if la and lb and la != lb:
+        after = [k for k in both if k[1] is None and BY_NAME.get(k[0]) is not None and BY_NAME[k[0]].head is not None]
+        out["layers"] = {"a": int(la), "b": int(lb)}
+    # Another number of routed experts is another model too (the router's rows differ in width, and what the
+    # experts compute is split differently). Only two stated MoE counts are compared: 0 is also what an adapter
+    # says of a config field it does not read, and a dense side already lacks every moe.* point (listed).
+    ea, eb = va.config.get("num_experts"), vb.config.get("num_experts")
+    if isinstance(ea, int) and isinstance(eb, int) and ea > 0 and eb > 0 and ea != eb:
+        out["experts"] = {"a": int(ea), "b": int(eb)}
+    return out, after
 
 
 
@@ -393,7 +406,8 @@ def _side(v: CanonicalView, check=None) -> dict:
             "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
             "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
-            "repeated_calls": v.repeated_calls}
+            "repeated_calls": v.repeated_calls, "run_incomplete": v.trace.incomplete_runs(),
+            "tracer_notes": v.tracer_notes}
 
 
 # ------------------------------------------------------------------------------------------------ rejudge
@@ -410,9 +424,11 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     marg = margins if margins is not None else Margins.from_json(saved.get("margins"))
     precision = check_accept_precision(saved.get("accept_precision") or () if accept_precision is None
                                        else accept_precision)
-    v = assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
-               token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract, margins=marg,
-               rows=rep.rows, identity=rep.identity, structure=rep.structure, accept_precision=precision)
+    v = with_incomplete_runs(assess(rep.points, tol, accept_near_tie=accept, worst_tokens=rep.worst_tokens,
+                                    token_errors=rep.token_errors, routing=rep.routing, contract=rep.contract,
+                                    margins=marg, rows=rep.rows, identity=rep.identity, structure=rep.structure,
+                                    accept_precision=precision),
+                             incomplete_run_notes(rep.sides))
     rep.first = _first_divergence(v, rep.points, None, rep.first)
     kept = [n for n in rep.notes if n.kind == ARCHITECTURE_NOTE]     # a fact of the traces, not of the judge
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes

@@ -23,7 +23,7 @@ from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, accepted_point, coarser, growth_of, judge, judge_point, judge_replay,
                     point_kind)
-from ..report.schema import Finding, Note, Point, WorstToken, num
+from ..report.schema import INCOMPLETE_NOTE, Finding, Note, Point, WorstToken, num
 from ..store.dtypes import known_dtype
 
 ALWAYS, UNLESS_DIVERGENT = "always", "unless_divergent"     # Note.detail["blocks"] (report_schema.IDENTITY_NOTES)
@@ -88,6 +88,30 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     return Assessment(verdict, findings, notes, first)
 
 
+def incomplete_run_notes(sides: dict) -> list[Note]:
+    """One note per side whose trace says its run ended early (`sides.*.run_incomplete`, from the ranks' files:
+    `Trace.incomplete_runs`). A fact of the traces: the finder and `rejudge` both derive it from the sides."""
+    out = []
+    for side, d in sorted((sides or {}).items()):
+        lines = d.get("run_incomplete") if isinstance(d, dict) else None
+        if isinstance(lines, list) and lines:
+            more = f" (and {len(lines) - 1} more ranks)" if len(lines) > 1 else ""
+            out.append(Note(INCOMPLETE_NOTE, f"side {side.upper()}'s run is incomplete: {lines[0]}{more}. Its "
+                            "trace is not the whole run and what it lost is not compared: never consistent",
+                            {"side": side, "ranks": [str(x) for x in lines[:64]]}))
+    return out
+
+
+def with_incomplete_runs(a: Assessment, notes: list[Note]) -> Assessment:
+    """An incomplete side makes a consistent pair not comparable (a divergence found in what was recorded
+    still stands); the notes lead the assessment's."""
+    if notes:
+        a.notes = notes + a.notes
+        if a.verdict == "consistent":
+            a.verdict = "not_comparable"
+    return a
+
+
 # ------------------------------------------------------------------------------------------------ rows, structure
 
 def layers_text(la: int, lb: int) -> str:
@@ -117,6 +141,15 @@ def _identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
                         "another layer on each side and are not compared — compare models with the same number of "
                         "layers (num_hidden_layers, or the checkpoint each side loaded)",
                         {"short": short, "blocks": ALWAYS, "layers": {"a": la, "b": lb}}))
+    experts = (structure.get("experts") if isinstance(structure, dict) else None) or {}
+    ea, eb = experts.get("a"), experts.get("b")
+    if isinstance(ea, int) and isinstance(eb, int) and ea != eb:
+        short = (f"the models differ in structure: side A has {ea} routed experts per MoE layer, "
+                 f"side B {eb}")
+        out.append(Note("structure", short + ": the router and expert points cannot be compared and every other "
+                        "point follows another model — compare models with the same experts (num_experts, or the "
+                        "checkpoint each side loaded)", {"short": short, "blocks": ALWAYS,
+                                                         "experts": {"a": ea, "b": eb}}))
     dup_named = identity.get("duplicates") if isinstance(identity.get("duplicates"), dict) else {}
     for side in ("a", "b"):
         n = _count(rows, f"duplicates_{side}")

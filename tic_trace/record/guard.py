@@ -60,10 +60,13 @@ class GuardedEntry:
                         "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=4)))
         self._live = False
         self._discard_host_copies()
+        lost = None
         if self._pass is not None:
+            lost = self._pass.index
             try:
                 self._pass.abort()
             except Exception:  # noqa: BLE001
                 pass
             self._pass = None
         self._clear_pass_records()
+        self._run_ended_early(e, lost)

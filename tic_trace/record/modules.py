@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -26,6 +27,71 @@ class _Frame:
     ops: int = 0            # dispatcher ops directly in this frame (names op indices)
     ops_region: int = 0     # dispatcher ops in this frame and its children
     taps: dict = field(default_factory=dict)
+    thread: int = 0         # the thread that entered this call (a module-global tap records its own thread's)
+
+
+def compiled_modules(models: list[torch.nn.Module]) -> list[str]:
+    """The module paths of `torch.compile`d modules (an `OptimizedModule` wrapper, or `Module.compile()` in
+    place) in these models; the root of one model is `<root>`, of several `chunkN`."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # noqa: BLE001 - a torch without dynamo compiles nothing
+        return []
+    out = []
+    multi = len(models) > 1
+    for ci, model in enumerate(models):
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
+                prefix = f"chunk{ci}" if multi else ""
+                out.append(".".join(x for x in (prefix, name) if x) or ROOT)
+    return out
+
+
+class _SharedTap:
+    """The one patch of a module-global function for every tracer that taps it. Each tracer patching the
+    function itself would see every thread's calls and, stopped out of order, restore another's wrapper or
+    remove a live tracer's. The patch calls the function once and hands its output to each attached tracer
+    that traces the calling thread (`ModuleHooks._tap_is_ours`)."""
+
+    _lock = threading.Lock()
+    _installed: dict = {}          # (id(namespace), attr) -> _SharedTap
+
+    def __init__(self, namespace: Any, attr: str):
+        self.namespace, self.attr = namespace, attr
+        self.orig = getattr(namespace, attr)
+        self.tracers: list[tuple[Any, str]] = []      # (tracer, label)
+        orig, tap = self.orig, self
+
+        @functools.wraps(orig)
+        def tapped(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            for tracer, label in tap.tracers:     # attach and detach replace the list, never change it
+                if tracer._live and tracer._tap_is_ours():
+                    tracer._guarded(tracer._on_tap, label, out)
+            return out
+        self.wrapper = tapped
+
+    @classmethod
+    def attach(cls, namespace: Any, attr: str, tracer: Any, label: str) -> "_SharedTap":
+        with cls._lock:
+            key = (id(namespace), attr)
+            tap = cls._installed.get(key)
+            if tap is None or getattr(namespace, attr, None) is not tap.wrapper:
+                tap = cls._installed[key] = cls(namespace, attr)
+                setattr(namespace, attr, tap.wrapper)
+            tap.tracers = tap.tracers + [(tracer, label)]
+            return tap
+
+    def detach(self, tracer: Any) -> None:
+        with self._lock:
+            self.tracers = [(t, lab) for t, lab in self.tracers if t is not tracer]
+            if self.tracers:
+                return
+            key = (id(self.namespace), self.attr)
+            if self._installed.get(key) is self:
+                del self._installed[key]
+            if getattr(self.namespace, self.attr, None) is self.wrapper:   # else patched over since: leave it
+                setattr(self.namespace, self.attr, self.orig)
 
 
 class ModuleHooks:
@@ -33,11 +99,11 @@ class ModuleHooks:
 
     def tap_function(self, namespace: Any, attr: str, label: str | None = None) -> None:
         """Record the outputs of a plain function (e.g. `apply_rotary_pos_emb` in a modeling module) under the
-        module scope that calls it. Restored at `stop()`."""
-        orig = getattr(namespace, attr)
-        wrapper = self._tap_wrapper(orig, label or attr)
-        setattr(namespace, attr, wrapper)
-        self._undo.append(lambda: setattr(namespace, attr, orig))
+        module scope that calls it. The function is module-global, so is its patch (`_SharedTap`): one per
+        function for every tracer, each recording only the calls of the thread it traces. Removed at the last
+        `stop()`, in any order."""
+        tap = _SharedTap.attach(namespace, attr, self, label or attr)
+        self._undo.append(lambda: tap.detach(self))
 
     def tap_method(self, obj: Any, attr: str, label: str | None = None) -> None:
         """Record the outputs of a bound method of one object (e.g. Megatron's `router.gating`)."""
@@ -72,10 +138,19 @@ class ModuleHooks:
                 self._paths[id(mod)] = path
                 self._handles.append(mod.register_forward_pre_hook(
                     functools.partial(self._pre_hook, path), with_kwargs=True))
-                self._handles.append(mod.register_forward_hook(
-                    functools.partial(self._post_hook, path), with_kwargs=True, always_call=True))
+                post = mod.register_forward_hook(functools.partial(self._post_hook, path), with_kwargs=True,
+                                                 always_call=True)
+                self._handles.append(post)
+                self._post_hook_ids[id(mod)] = post.id
             # Engines such as SGLang call the root's `forward` directly, bypassing hooks: wrap the method.
             self._wrap_root(model, root_name)
+        compiled = compiled_modules(self.models)
+        if compiled:
+            self._standing_notes.add(
+                f"torch.compile'd module(s) {', '.join(compiled[:8])}{' …' if len(compiled) > 8 else ''}: under "
+                "the tracer they ran eagerly (its hooks and dispatch mode keep the compiled code from running), "
+                "so the trace is of the eager computation, not of the compiled one the model runs untraced "
+                "(the two can differ in the last bits)")
         if self.adapter is not None:
             self.adapter.prepare(self, self.models)
         if self._writer is None:
@@ -88,6 +163,8 @@ class ModuleHooks:
 
         @functools.wraps(orig)
         def forward(*args, **kwargs):
+            if tracer.failed is not None:     # counted for the incomplete-run note (passes.py)
+                tracer._forwards_not_recorded += 1
             tracer._guarded(tracer._enter, path, args, kwargs, True)
             try:
                 out = orig(*args, **kwargs)
@@ -117,6 +194,7 @@ class ModuleHooks:
             except Exception:  # noqa: BLE001
                 pass
         self._handles.clear()
+        self._post_hook_ids.clear()
         for undo in reversed(self._undo):
             try:
                 undo()
@@ -125,7 +203,21 @@ class ModuleHooks:
         self._undo.clear()
 
     def _pre_hook(self, path, module, args, kwargs):
+        if self._live:
+            self._keep_post_hook_last(module)
         self._guarded(self._enter, path, args, kwargs, False)
+
+    def _keep_post_hook_last(self, module: torch.nn.Module) -> None:
+        """A forward hook registered after the trace started would run after ours, so the recorded output
+        would not be the one the model goes on with (a hook may replace it). Ours moves to the end before
+        each call: torch reads the hooks after `forward` returns, so this call already runs them in order."""
+        hooks = getattr(module, "_forward_hooks", None)
+        hid = self._post_hook_ids.get(id(module))
+        try:
+            if hid is not None and len(hooks) > 1 and next(reversed(hooks)) != hid:
+                hooks.move_to_end(hid)
+        except (KeyError, AttributeError, TypeError):    # another torch's hook table: keep the order it has
+            pass
 
     def _post_hook(self, path, module, args, kwargs, output):
         if output is None and sys.exc_info()[1] is not None and self._stack and self._stack[0].path == path \
@@ -148,7 +240,8 @@ class ModuleHooks:
         self._activity = True
         call = self._calls.get(path, 0)
         self._calls[path] = call + 1
-        frame = _Frame(path=path, scope=path if call == 0 else f"{path}#{call}", call=call)
+        frame = _Frame(path=path, scope=path if call == 0 else f"{path}#{call}", call=call,
+                       thread=threading.get_ident())
         self._stack.append(frame)
         if self.record_inputs is not None and self.record_inputs.want_module(path) and self.filters.want_module(path):
             # Positional inputs only: keyword inputs are masks, caches and rotary tables, rarely activations.
@@ -181,9 +274,20 @@ class ModuleHooks:
         @functools.wraps(orig)
         def tapped(*args, **kwargs):
             out = orig(*args, **kwargs)
-            tracer._guarded(tracer._on_tap, label, out)
+            if tracer._live and tracer._tap_is_ours():
+                tracer._guarded(tracer._on_tap, label, out)
             return out
         return tapped
+
+    def _tap_is_ours(self) -> bool:
+        """Whether a tapped call on this thread belongs to this tracer: the thread runs this tracer's innermost
+        module call (or, outside any, is the thread that started it). Another tracer's model on another thread
+        is not ours to record, nor a call this tracer missed."""
+        try:
+            top = self._stack[-1] if self._stack else None
+        except IndexError:      # the tracer's own thread emptied the stack just now
+            top = None
+        return (top.thread if top is not None else self._start_thread) == threading.get_ident()
 
     def _on_tap(self, label: str, out: Any) -> None:
         frame = self._stack[-1] if self._stack else None

@@ -103,6 +103,7 @@ class PassLifecycle:
                     rec.mode = "stats"
                     self._stager.degraded.append(rec.name)
         self._notes.update(self._stager.take_notes())
+        self._notes.update(self._standing_notes)
         weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
                        blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
@@ -120,6 +121,27 @@ class PassLifecycle:
         self._seq = 0
         self._pass_count += 1
         self._activity = False
+
+    def _run_ended_early(self, e: BaseException, lost_pass: int | None) -> None:
+        """The tracer failed and records nothing more: say so in `rank.msgpack` (`TraceWriter.mark_incomplete`),
+        so that no reader takes the passes written before the failure for the whole run (docs/security.md)."""
+        if self._writer is None:
+            return
+        if self._run_incomplete is None:
+            what = "a write to the trace failed" if isinstance(e, OSError) else "the tracer's own code failed"
+            self._run_incomplete = {"reason": f"{what}: {type(e).__name__}: {e}"[:4000], "lost_pass": lost_pass}
+        self._write_run_incomplete()
+
+    def _write_run_incomplete(self) -> None:
+        """(Re)write the incomplete-run facts with the counts so far; best effort, never raises."""
+        if self._run_incomplete is None or self._writer is None:
+            return
+        info = {**self._run_incomplete, "passes_written": len(self.passes_written),
+                "forwards_not_recorded": self._forwards_not_recorded}
+        try:
+            self._writer.mark_incomplete(info)
+        except Exception:  # noqa: BLE001 - the reader still sees a rank file that says incomplete, or none
+            pass
 
     def _clear_pass_records(self) -> None:
         """Forget what the pass being closed or abandoned recorded: its records, statistics and stored bytes."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -70,6 +71,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._busy = False            # inside our own code: ops we run are not the model's
         self.failed: BaseException | None = None
         self._handles: list = []
+        self._post_hook_ids: dict[int, int] = {}    # id(module) -> our forward hook's id (kept last)
         self._undo: list[Callable[[], None]] = []
         self._mode: _DispatchRecorder | None = None
         self._writer: TraceWriter | None = None
@@ -93,11 +95,15 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._paused = False
         self._n_rows: int | None = None
         self._notes: set[str] = set()
+        self._standing_notes: set[str] = set()    # said in every pass (a torch.compile'd module)
         self._blind: list[str] = []
         self.passes_written: list[Path] = []
         self._paths: dict[int, str] = {}
         self._activity = False
         self._incomplete: str | None = None   # why the open pass is not a whole forward
+        self._run_incomplete: dict | None = None   # why the run ended early (a failure), in rank.msgpack
+        self._forwards_not_recorded = 0       # root forwards after that failure
+        self._start_thread = threading.get_ident()
         # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
         self.hash_weights = True
         self._param_hasher = ParameterHasher()
@@ -114,6 +120,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         """Install the hooks and begin recording. Raises `TraceDirectoryInUse` (a FileExistsError), before
         touching the model, if the output directory holds another run's passes for this rank: a trace never
         mixes runs. Any other problem disables tracing with a warning; the model runs on untouched."""
+        self._start_thread = threading.get_ident()    # taps outside any module call: this thread's
         try:
             if not self.filters.want_rank(self.rank):
                 return self
@@ -153,6 +160,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self._uninstall()
+        self._write_run_incomplete()  # a failed run: the final count of forwards it did not record
 
     def step(self, tag: str | None = None) -> None:
         """Close the current pass (one engine forward) and start the next, optionally tagged."""

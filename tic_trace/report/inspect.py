@@ -53,6 +53,9 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
     if model:
         console.print(text("model: " + ", ".join(f"{k}={v}" for k, v in model.items() if v not in (None, "", 0))))
     _architecture(tr, console)
+    for line in tr.incomplete_runs():
+        console.print(text(f"RUN INCOMPLETE (the tracer stopped recording; never consistent): {line}",
+                           style="bold red"), soft_wrap=True)
     for line in tr.skipped():
         console.print(text(f"skipped (incomplete, never compared): {line}", style="yellow"))
     if tr.ignored:

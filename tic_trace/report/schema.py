@@ -35,18 +35,22 @@ CAUSES = {
 LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
-              "structure": "the two models differ in structure (another number of layers): not comparable",
+              "structure": "the two models differ in structure (another number of layers or of routed experts): "
+                           "not comparable",
               "duplicate_rows": "a side names the same (sample, position) row more than once: not comparable",
               "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
               "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
               "implementations": "points where the sides are reproduced by different clean implementations",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
+NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
+                                "error): the trace is not the whole run, and the pair is never consistent")
 # Notes about the rows and the models' structure (verdict._identity_notes): they lead the report. `detail.blocks`
 # says what one does to the verdict: "always" (not comparable whatever else is found), "unless_divergent" (not
 # comparable unless a divergence is found on the rows that are comparable), absent (shown, the verdict stands).
 IDENTITY_NOTES = ("structure", "duplicate_rows", "different_tokens", "unmatched_rows")
 ARCHITECTURE_NOTE = "unverified_mapping"
+INCOMPLETE_NOTE = "incomplete_run"
 
 
 def _architecture_notes(report: Any, refused: bool) -> list[dict]:
@@ -277,7 +281,7 @@ class Report(_Indexable):
     sides: dict
     token_errors: dict = field(default_factory=dict)   # row label -> {point key: per-token error}
     contract: list = field(default_factory=list)       # contract differences (contract.ContractDiff as dicts)
-    structure: dict = field(default_factory=dict)      # structural differences ({"layers": {"a", "b"}}), {} if none
+    structure: dict = field(default_factory=dict)      # structural differences ({"layers"|"experts": {"a", "b"}})
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     attribution: dict | None = None                    # which difference explains how much of the gap (attribution.py)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim

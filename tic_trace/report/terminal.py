@@ -393,10 +393,12 @@ def _skipped(c: Console, report: dict) -> None:
     for side, d in sorted((report.get("sides") or {}).items()):
         if not isinstance(d, dict):
             continue
-        for what, items in (("incomplete pass skipped", d.get("skipped_passes")),
-                            ("entry outside the trace layout ignored", d.get("ignored_entries"))):
+        for what, items in (("rank whose run is incomplete", d.get("run_incomplete")),
+                            ("incomplete pass skipped", d.get("skipped_passes")),
+                            ("entry outside the trace layout ignored", d.get("ignored_entries")),
+                            ("tracer note", d.get("tracer_notes"))):
             if isinstance(items, list) and items:
-                shown = "; ".join(visible(x, 120) for x in items[:5]) + (" …" if len(items) > 5 else "")
+                shown = "; ".join(visible(x, 240) for x in items[:5]) + (" …" if len(items) > 5 else "")
                 c.print(text(f"side {side.upper()}: {len(items)} {what}: {shown}", style="yellow"))
         calls = d.get("repeated_calls")
         if isinstance(calls, int) and calls > 0:

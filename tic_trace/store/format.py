@@ -470,6 +470,9 @@ class Trace:
     def rank_info(self, rank: int) -> dict:
         if rank not in self._rank_info:
             path = self.path / rank_dir_name(rank) / "rank.msgpack"
+            if not os.path.lexists(path):
+                raise TraceFormatError(path, "missing: the run is incomplete (its tracer failed and could not "
+                                             "even write how it ended, e.g. a full disk)")
             self._rank_info[rank] = schema.validate(read_framed(path, KIND_RANK, self.path), schema.RankInfo,
                                                     path, "rank file")
         return self._rank_info[rank]
@@ -492,6 +495,22 @@ class Trace:
                 except TraceFormatError as e:
                     why = f"incomplete, and unreadable: {e.problem}"
                 out.append(f"rank {r} pass {i}: {why}")
+        return out
+
+    def incomplete_runs(self) -> list[str]:
+        """One line per rank whose run ended early (its tracer failed: a write, or its own code): passes after
+        the failure are missing, so the trace is not the whole run. A missing rank file says the same."""
+        out = []
+        for r in self._list_ranks():
+            try:
+                got = self.rank_info(r).get("incomplete")
+            except TraceFormatError as e:
+                out.append(f"rank {r}: {e.problem}")
+                continue
+            if got is not None:
+                lost = "" if got.get("lost_pass") is None else f"; pass {got['lost_pass']} lost"
+                out.append(f"rank {r}: {got['reason']}{lost}; {got.get('passes_written', '?')} passes written, "
+                           f"{got.get('forwards_not_recorded', '?')} later forwards not recorded")
         return out
 
     def open_pass(self, rank: int, index: int) -> Pass:

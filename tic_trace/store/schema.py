@@ -87,6 +87,14 @@ class Manifest(TypedDict, total=False):
     parallel: dict[str, Union[int, bool, None]]
 
 
+class RunIncomplete(TypedDict, total=False):
+    """`rank.msgpack`'s `incomplete`: the tracer failed (a write, or its own code) and recorded no more."""
+    reason: Required[ShortText]
+    lost_pass: Count | None          # the pass being written when it failed (not kept)
+    passes_written: Count            # complete passes of this run before the failure
+    forwards_not_recorded: Count     # root forwards that ran after the failure (at stop(); a lower bound)
+
+
 class RankInfo(TypedDict, total=False):
     """`rank00003/rank.msgpack`: this rank's place in the job."""
     rank: Count
@@ -95,6 +103,7 @@ class RankInfo(TypedDict, total=False):
     pid: int
     run: ShortText
     coords: dict[str, Union[int, bool, None, list[int]]]
+    incomplete: RunIncomplete
 
 
 class RowTable(TypedDict, total=False):

@@ -162,13 +162,49 @@ class TraceWriter:
         # later sees a trace, not a stray directory); rank-specific facts live in rank.msgpack.
         write_framed(self.root / "manifest.msgpack", KIND_MANIFEST, m)
         self.rank_dir.mkdir(exist_ok=True)
-        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK, {"rank": rank, **rank_info, "run": run})
+        self._rank_info = {"rank": rank, **rank_info, "run": run}
+        earlier = _incomplete_of_run(self.rank_dir, run) if existing else None
+        # A later tracer of the same run (one per micro-batch) must not erase an earlier one's failure.
+        write_framed(self.rank_dir / "rank.msgpack", KIND_RANK,
+                     self._rank_info if earlier is None else {**self._rank_info, "incomplete": earlier})
         self.next_index = max(existing) + 1 if existing else 0
+
+    def mark_incomplete(self, incomplete: dict) -> bool:
+        """Say in `rank.msgpack` that this rank's run ended early (`schema.RunIncomplete`). On a full disk the
+        old rank file is removed first (its blocks are the room the new one needs); if even then the new one
+        cannot be written, the rank is left without a rank file, which readers report as incomplete
+        (`Trace.incomplete_runs`): never a rank file that says nothing went wrong. False in that case."""
+        path = self.rank_dir / "rank.msgpack"
+        doc = {**self._rank_info, "incomplete": incomplete}
+        try:
+            write_framed(path, KIND_RANK, doc)
+            return True
+        except OSError:
+            pass
+        try:
+            os.unlink(path)
+        except OSError:     # already gone, or the directory with it: the retry below says which
+            pass
+        try:
+            write_framed(path, KIND_RANK, doc)
+            return True
+        except OSError:
+            return False
 
     def begin_pass(self, meta: dict, durable: bool = False) -> PassWriter:
         w = PassWriter(self.rank_dir, self.next_index, {**meta, "run": self.run}, durable)
         self.next_index += 1
         return w
+
+
+def _incomplete_of_run(rank_dir: Path, run: str) -> dict | None:
+    """The `incomplete` facts an earlier tracer of `run` left in this rank's file, if any."""
+    try:
+        info = read_framed(rank_dir / "rank.msgpack", KIND_RANK, rank_dir.parent)
+    except (TraceFormatError, OSError):
+        return None
+    got = info.get("incomplete") if isinstance(info, dict) and info.get("run") == run else None
+    return got if isinstance(got, dict) else None
 
 
 def claim_run_directory(root: Path, rank: int, run: str) -> list[int]:

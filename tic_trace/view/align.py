@@ -68,6 +68,7 @@ class CanonicalView:
         self.row_ids: set[RowId] = set()    # every named row of the compared passes
         self.duplicate_rows: dict[RowId, int] = {}   # rows named more than once where one point reads them
         self.rows_total = 0
+        self.tracer_notes: list[str] = []   # what the tracer said of the passes it wrote (distinct, in order)
         self.repeated_calls = 0            # point records of further calls of the model within one pass
         self._identity: tuple | None = None  # (other view, RowIdentity), see row_identity()
         self._index()
@@ -94,6 +95,9 @@ class CanonicalView:
             for pidx in self.trace.pass_indices(lead):
                 per_rank = {r: self._pass(r, pidx) for r in group if pidx in self.trace.pass_indices(r)}
                 lead_pass = per_rank[lead]
+                for n in (n for p in per_rank.values() for n in p.meta.get("notes") or []):
+                    if n not in self.tracer_notes and len(self.tracer_notes) < 50:    # bounded: shown as is
+                        self.tracer_notes.append(n)
                 rows = lead_pass.rows
                 if rows is not None:
                     toks = rows.get("tokens")

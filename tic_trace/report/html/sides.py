@@ -39,8 +39,10 @@ def _scalar(v) -> str:
 def _reader_remarks(d: dict) -> str:
     """What the reader left out or merged against the model's declaration (the terminal prints the same)."""
     rows = {}
-    for label, items in (("incomplete passes skipped", d.get("skipped_passes")),
-                         ("entries outside the trace layout", d.get("ignored_entries"))):
+    for label, items in (("run incomplete", d.get("run_incomplete")),
+                         ("incomplete passes skipped", d.get("skipped_passes")),
+                         ("entries outside the trace layout", d.get("ignored_entries")),
+                         ("tracer notes", d.get("tracer_notes"))):
         if isinstance(items, list) and items:
             rows[label] = "; ".join(str(x) for x in items[:20]) + (" …" if len(items) > 20 else "")
     notes = d.get("merge_notes")
