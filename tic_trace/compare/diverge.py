@@ -27,7 +27,8 @@ from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
 from .row_errors import RowErrors, row_label as _label
 from .shares import attribution_of, recredited
-from .verdict import Assessment, assess, incomplete_run_notes, layers_text, with_incomplete_runs
+from .identity_notes import incomplete_run_notes, layers_text, with_incomplete_runs
+from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
 FLIPS_SHOWN = 64          # flips listed per layer in the report (the counts cover all of them)
