@@ -30,9 +30,6 @@ CAUSES = {
     "precision": "the sides compute a point's output in different precisions (fp32 on one, bf16 on the other)",
     "weights": "the parameters behind a point differ bit for bit between the sides (or from the checkpoint)",
 }
-# Findings that compare each side with the exact op or read the contract lead the report: the first of them
-# in dataflow order is the first divergence, ahead of the A-B rule (docs/replay.md).
-LEADING_CAUSES = ("intrinsic", "precision")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
               "structure": "the two models differ in structure (another number of layers or of routed experts): "
@@ -45,7 +42,7 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
                                     "compared with every point possibly mis-mapped"}
 NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
                                 "error): the trace is not the whole run, and the pair is never consistent")
-# Notes about the rows and the models' structure (verdict._identity_notes): they lead the report. `detail.blocks`
+# Notes about the rows and the models' structure (compare/identity_notes.py): they lead the report. `detail.blocks`
 # says what one does to the verdict: "always" (not comparable whatever else is found), "unless_divergent" (not
 # comparable unless a divergence is found on the rows that are comparable), absent (shown, the verdict stands).
 IDENTITY_NOTES = ("structure", "duplicate_rows", "different_tokens", "unmatched_rows")
