@@ -149,17 +149,45 @@ def scenario_train_step0(out: Path) -> dict:
 # ================================================================== the whole flow
 
 
+def _start_engine_and_trainer(args) -> None:
+    """One process holding both sides, as the flow scenarios run them: SGLang's distributed state, Megatron's
+    CPU shims and model parallel state, slime's args set (undone by `_stop_engine_and_trainer`)."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.global_vars import set_args
+
+    from tic_trace.testing import megatron_cpu as mc
+    from tic_trace.testing import sglang_cpu as sc
+    sc.init_sglang_distributed(tp_size=1)
+    mc.apply_all()
+    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+    sr.install_cpu_accelerator()
+    sr.install_cpu_shims()
+    set_args(args)
+
+
+def _stop_engine_and_trainer(server) -> None:
+    from megatron.core import parallel_state as mps
+
+    from tic_trace.adapters.sglang_server import close_sessions
+    from tic_trace.testing import megatron_cpu as mc
+    from tic_trace.testing import sglang_cpu as sc
+    close_sessions()
+    if server is not None:
+        server.stop()
+    mps.destroy_model_parallel()
+    mc.remove_shims()
+    sc.destroy_sglang_distributed()
+
+
 def scenario_flow(out: Path) -> dict:
     """Rollouts 0 and 1 (two samples each) through slime's generate_and_rm -> generate -> post over HTTP to
     SGLang's model code, train data built by slime's RolloutManager code, the actor's ref and log-prob
     passes through slime's train_actor -> compute_log_prob -> forward_only on Megatron's schedule.
     Rollout 1 runs with a fault planted in Megatron's layer-1 input RMSNorm."""
-    from megatron.core import parallel_state as mps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.training.global_vars import set_args
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
-    from tic_trace.testing import megatron_cpu as mc
     from tic_trace.testing import sglang_cpu as sc
     from tic_trace.testing.faults import plant
     ts = _integration()
@@ -176,13 +204,7 @@ def scenario_flow(out: Path) -> dict:
         "--custom-megatron-before-train-step-hook-path", "tic_trace.testing.slime_real.user_before_train_step",
         "--custom-generate-function-path", "tic_trace.testing.slime_real.user_generate"]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
-    sc.init_sglang_distributed(tp_size=1)
-    mc.apply_all()
-    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
-    sr.install_cpu_accelerator()
-    sr.install_cpu_shims()
-    set_args(args)
+    _start_engine_and_trainer(args)
     result = {"requests": {}, "passes": {}, "micro_batches": {}}
     server = None
     try:
@@ -206,13 +228,7 @@ def scenario_flow(out: Path) -> dict:
                 plant(model, "megatron", "rmsnorm_eps", 1)
             actor.train(rollout_id, refs)
     finally:
-        from tic_trace.adapters.sglang_server import close_sessions
-        close_sessions()
-        if server is not None:
-            server.stop()
-        mps.destroy_model_parallel()
-        mc.remove_shims()
-        sc.destroy_sglang_distributed()
+        _stop_engine_and_trainer(server)
     for rollout_id in (0, 1):
         result["passes"][rollout_id] = _passes(out / "traces" / f"rollout_{rollout_id:05d}" / "megatron")
     result["dir"] = str(out / "traces")
@@ -251,12 +267,8 @@ def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
     in its SGLang model."""
     import logging
 
-    from megatron.core import parallel_state as mps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.training.global_vars import set_args
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
-    from tic_trace.testing import megatron_cpu as mc
     from tic_trace.testing import sglang_cpu as sc
     from tic_trace.testing.drift_runs import training_steps
     ts = _integration()
@@ -275,13 +287,7 @@ def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
         "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4"]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
-    sc.init_sglang_distributed(tp_size=1)
-    mc.apply_all()
-    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
-    sr.install_cpu_accelerator()
-    sr.install_cpu_shims()
-    set_args(args)
+    _start_engine_and_trainer(args)
     server = None
     try:
         sg_model = sc.build_sglang_model(hf.config, hf)
@@ -305,13 +311,7 @@ def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
             samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
             actor.train(rollout_id, sr.train_data_refs(args, samples))
     finally:
-        from tic_trace.adapters.sglang_server import close_sessions
-        close_sessions()
-        if server is not None:
-            server.stop()
-        mps.destroy_model_parallel()
-        mc.remove_shims()
-        sc.destroy_sglang_distributed()
+        _stop_engine_and_trainer(server)
     return {"dir": str(out / "traces"), "log": [ln for ln in lines if " traced (" in ln],
             "stale_from": DRIFT_STALE_FROM, "rollouts": DRIFT_ROLLOUTS}
 

@@ -229,6 +229,7 @@ class ReportFinding(TypedDict, total=False):
     summary: Required[str]
     remedy: str
     detail: dict[str, Any]
+    share: Number | None
 
 
 class ReportNote(TypedDict, total=False):
@@ -288,6 +289,7 @@ class ReportDoc(TypedDict, total=False):
     settings: dict[str, Any]
     sides: dict[str, dict[str, Any]]
     token_errors: dict[str, dict[str, Number]]
+    attribution: dict[str, Any]
 
 
 # ---------------------------------------------------------------- validation

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .precision_faults import _attention_with, _scores, _sdpa_attention
+from .precision_faults import _attention_with, _scores, _sdpa_attention, fp32_rope_tables
 
 
 def _wrap(module, fn) -> None:
@@ -106,7 +106,6 @@ def rope_fp32_tables(model) -> Iterator[None]:
     attn0 = model.model.layers[0].self_attn
     ns = sys.modules[type(attn0).__module__]
     orig = ns.apply_rotary_pos_emb
-    rotary = model.model.rotary_emb
 
     def rotate(q, k, cos, sin, *a, **kw):
         if cos.dtype == q.dtype:                # another model's call (bf16 tables): HF's own code
@@ -119,12 +118,7 @@ def rope_fp32_tables(model) -> Iterator[None]:
             return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
         return rot(q), rot(k)
 
-    def pre(mod, args, kwargs):
-        h, pos = kwargs["hidden_states"], kwargs.get("position_ids")
-        if pos is None:
-            pos = torch.arange(h.shape[1], device=h.device)[None]
-        kwargs["position_embeddings"] = rotary(h.float(), pos)
-        return args, kwargs
+    pre = fp32_rope_tables(model)
     hooks = [lay.self_attn.register_forward_pre_hook(pre, with_kwargs=True) for lay in model.model.layers]
     ns.apply_rotary_pos_emb = rotate
     try:

@@ -119,9 +119,9 @@ def _plant_softmax_bf16(model, layer):
     _attention_with(model, layer, f"tic_softmax_bf16_{id(model)}_{layer}", _softmax_bf16_attention)
 
 
-def _plant_rope_fp32(model, layer):
-    """cos/sin kept in fp32 (q_rope/k_rope come out fp32); attention then casts q, k back to bf16."""
-    attn = _layer(model, layer).self_attn
+def fp32_rope_tables(model) -> Callable:
+    """A forward pre-hook (with kwargs) for an HF attention module: its cos/sin tables computed in fp32 from
+    the model's rotary embedding instead of the hidden states' dtype."""
     rotary = model.model.rotary_emb
 
     def pre(mod, args, kwargs):
@@ -130,7 +130,13 @@ def _plant_rope_fp32(model, layer):
             pos = torch.arange(h.shape[1], device=h.device)[None]
         kwargs["position_embeddings"] = rotary(h.float(), pos)
         return args, kwargs
-    attn.register_forward_pre_hook(pre, with_kwargs=True)
+    return pre
+
+
+def _plant_rope_fp32(model, layer):
+    """cos/sin kept in fp32 (q_rope/k_rope come out fp32); attention then casts q, k back to bf16."""
+    attn = _layer(model, layer).self_attn
+    attn.register_forward_pre_hook(fp32_rope_tables(model), with_kwargs=True)
     eager = sys.modules[type(attn).__module__].eager_attention_forward
 
     def cast_qk(module, q, k, v, mask, **kw):
@@ -170,18 +176,22 @@ def _plant_fp32_residual(model, layer):
     _wrap(_layer(model, layer), forward)
 
 
-def _plant_fused_silu_up(model, layer):
-    """silu(gate) * up fused in fp32 with one rounding, where HF rounds silu(gate) and the product apart."""
+def _experts_with(model, layer, act: Callable) -> None:
+    """One layer's HF experts (fused gate_up_proj layout) with `act(gate, up)` for act(gate) * up."""
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(top_k_index).tolist():
             tok, slot = torch.where(top_k_index == e)
             gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = (F.silu(gate.float()) * up.float()).to(hidden_states.dtype)     # the fused kernel
-            y = F.linear(h, self.down_proj[e]) * top_k_weights[tok, slot, None]
+            y = F.linear(act(gate, up), self.down_proj[e]) * top_k_weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
     _wrap(_layer(model, layer).mlp.experts, forward)
+
+
+def _plant_fused_silu_up(model, layer):
+    """silu(gate) * up fused in fp32 with one rounding, where HF rounds silu(gate) and the product apart."""
+    _experts_with(model, layer, lambda gate, up: (F.silu(gate.float()) * up.float()).to(gate.dtype))  # fused
 
 
 def _plant_mlp_norm_no_upcast(model, layer):
@@ -198,16 +208,7 @@ def _plant_final_norm_no_upcast(model, layer):
 
 def _plant_silu_bf16(model, layer):
     """The experts' SiLU evaluated as gate * sigmoid(gate) in bf16: one more rounding than torch's silu."""
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            tok, slot = torch.where(top_k_index == e)
-            gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = (gate * torch.sigmoid(gate)) * up
-            y = F.linear(h, self.down_proj[e]) * top_k_weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-    _wrap(_layer(model, layer).mlp.experts, forward)
+    _experts_with(model, layer, lambda gate, up: (gate * torch.sigmoid(gate)) * up)
 
 
 def _sg_plant_qk_norm_no_upcast(model, layer):
