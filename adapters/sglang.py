@@ -138,7 +138,10 @@ class SGLangAdapter(Adapter):
         tp, _ = _tp()
         partial: dict[str, list[int]] = {p: [] for p in PARTIAL_POINTS}
         shared = False
-        n_exp = int(getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None) or 0)
+        # One fact under three config names (Qwen `num_experts`, Mixtral `num_local_experts`, DeepSeek/GLM
+        # `n_routed_experts`), as the HF adapter reads it.
+        n_exp = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+                    or getattr(text, "n_routed_experts", None) or 0)
         for i, lay in enumerate(layers):
             idx = int(getattr(lay, "layer_id", i) if getattr(lay, "layer_id", None) is not None else i)
             att, mlp = getattr(lay, "self_attn", None), getattr(lay, "mlp", None)

@@ -751,3 +751,22 @@ def test_forward_hooks_spec_every_n_traces_periodic_rollouts_as_statistics(tmp_p
         assert v.trace.open_pass(0, 0).record("model.embed_tokens:out").mode == mode, rid
     with pytest.raises(ValueError, match="mode"):
         forward_hooks_spec("x", None, periodic_mode="sometimes")
+
+
+def test_mixtral_expert_count_is_read_under_its_own_config_name(sglang_env):
+    """Mixtral's config names its routed experts `num_local_experts`: the adapter reads it as the expert count
+    (as the HF adapter does), never as 0 experts, and the class stays refused by name."""
+    import transformers
+    from sglang.srt.models import mixtral
+
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2, architectures=["MixtralForCausalLM"])
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    with set_default_torch_dtype(torch.float32), torch.device("meta"):
+        model = mixtral.MixtralForCausalLM(cfg)
+    ad = SGLangAdapter()
+    config = ad.describe([model])
+    assert config["num_experts"] == 4 and config["num_experts_per_tok"] == 2
+    check = ad.check_architecture({"architecture": "MixtralForCausalLM"})
+    assert not check.verified and "block_sparse_moe" in check.why
