@@ -343,7 +343,7 @@ class _TwoThreads(torch.nn.Module):
         got = {}
 
         def work():
-            self.entered.wait(10)        # the main thread is inside the tracer now
+            self.entered.wait(120)        # the main thread is inside the tracer now
             got["side"] = self.side(x)
             self.released.set()
         th = threading.Thread(target=work)
@@ -366,7 +366,7 @@ def test_module_calls_on_another_thread_while_the_tracer_is_busy_are_said(tmp_pa
         def want_module(self, path):
             if path == "main" and not released.is_set():   # asked by the tracer while it records `main`
                 entered.set()
-                released.wait(10)
+                released.wait(120)   # long: a loaded CI machine (the wait ends when released)
             return super().want_module(path)
 
     x = torch.randn(3, 4)
