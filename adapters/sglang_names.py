@@ -119,6 +119,12 @@ REFUSED = {
     "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
     "Gemma2ForCausalLM": "sandwich norms: `post_attention_layernorm` normalises the attention branch, "
                          "`pre_feedforward_layernorm` returns the residual",
+    "Gemma3ForCausalLM": "sandwich norms as Gemma2, per-layer-type RoPE (sliding and full attention)",
+    "GptOssForCausalLM": "attention sinks, clamped SwiGLU experts with biases, its router not in the table",
+    "Phi3ForCausalLM": "SGLang's Llama model code (`llama.py`), which the table was never run against "
+                       "another framework on",
+    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
+                            "(its gated q projection emits query and gate together)",
 }
 
 
