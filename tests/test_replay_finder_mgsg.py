@@ -72,6 +72,8 @@ SG_FAULTS = {
 # `mg_router_fp32`, run here too.
 _PF = PRECISION_FAULTS
 MOE_FAULTS = {
+    "mg_rmsnorm_no_upcast": ("A", _PF["rmsnorm_no_upcast"].plant_megatron, {}, f"L{LAYER}.attn_norm", "A",
+                             "intrinsic", "no fp32 upcast"),
     "mg_mlp_norm_no_upcast": ("A", _PF["mlp_norm_no_upcast"].plant_megatron, {}, f"L{LAYER}.mlp_norm", "A",
                               "intrinsic", "no fp32 upcast"),
     "mg_k_norm_no_upcast": ("A", _PF["k_norm_no_upcast"].plant_megatron, {}, f"L{LAYER}.attn.k_norm", "A",
@@ -90,6 +92,11 @@ MOE_FAULTS = {
     "sg_router_fp32": ("B", _PF["router_fp32"].plant_sglang, {}, f"L{LAYER}.moe.router_logits", "A",
                        "precision", None),
 }
+
+
+def _moe_trace(name: str) -> str:
+    """The Megatron trace of a MoE suite fault: MG_FAULTS' own where it is a MoE fault there too."""
+    return name if MG_FAULTS.get(name, (None, None, "dense"))[2] == "moe" else f"moe_{name}"
 
 
 def _megatron(out, cfg, sd, plant=None, dense=False, **overrides):
@@ -146,8 +153,8 @@ def sides(tmp_path_factory):
                 if k == kind:
                     out[name] = _megatron(d / name, cfg, hf.state_dict(), plant, **over)
             for name, (where, plant, over, *_rest) in MOE_FAULTS.items():
-                if kind == "moe" and where == "A" and name not in out:
-                    out[name] = _megatron(d / name, cfg, hf.state_dict(), plant, **over)
+                if kind == "moe" and where == "A" and _moe_trace(name) not in out:
+                    out[_moe_trace(name)] = _megatron(d / _moe_trace(name), cfg, hf.state_dict(), plant, **over)
     sc.init_sglang_distributed(tp_size=1)
     try:
         out["sg_moe"] = _rollout(out["ck_moe"], d / "sg_moe")
@@ -260,7 +267,7 @@ def test_moe_precision_fault_found_with_its_side_and_fingerprint(tmp_path, sides
     known fault the blamed side's output reproduces (or, for an fp32 choice, both dtypes), once the top-k
     weights' precision difference is accepted; nothing before it is divergent."""
     where, plant, _over, key, side, cause, words = MOE_FAULTS[name]
-    a = sides[name] if where == "A" else sides["mg_moe"]
+    a = sides[_moe_trace(name)] if where == "A" else sides["mg_moe"]
     b = _rollout(sides["ck_moe"], tmp_path / "sg", plant) if where == "B" else sides["sg_moe"]
     rep = find_divergence(str(a), str(b), reference=ExactReference(str(sides["ck_moe"])),
                           accept_precision=["moe.topk_weights"])
