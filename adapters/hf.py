@@ -146,6 +146,9 @@ class HFAdapter(Adapter):
             "router_scoring": str(getattr(text, "scoring_func", "softmax")),
             "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
             "dtype": str(getattr(models[0], "dtype", "")).removeprefix("torch."),
+            # transformers' own TP degree (`tp_size`: None unless the model was sharded with a tp_plan): the
+            # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
+            "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
         }
         arch = self.architecture(out)
         if arch is not None:

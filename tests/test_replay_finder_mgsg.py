@@ -65,6 +65,40 @@ SG_FAULTS = {
 }
 
 
+# The bf16 MoE suite (issue 23): precision faults planted in one side of the default Megatron <-> SGLang MoE
+# pair, judged with the top-k weights' known precision difference accepted. name -> (side planted, planter,
+# Megatron config overrides, expected key, blamed side, cause, the fault variant the blamed side must match
+# or, for a precision finding, None: the dtypes are named instead). Megatron's router in fp32 is MG_FAULTS'
+# `mg_router_fp32`, run here too.
+_PF = PRECISION_FAULTS
+MOE_FAULTS = {
+    "mg_rmsnorm_no_upcast": ("A", _PF["rmsnorm_no_upcast"].plant_megatron, {}, f"L{LAYER}.attn_norm", "A",
+                             "intrinsic", "no fp32 upcast"),
+    "mg_mlp_norm_no_upcast": ("A", _PF["mlp_norm_no_upcast"].plant_megatron, {}, f"L{LAYER}.mlp_norm", "A",
+                              "intrinsic", "no fp32 upcast"),
+    "mg_k_norm_no_upcast": ("A", _PF["k_norm_no_upcast"].plant_megatron, {}, f"L{LAYER}.attn.k_norm", "A",
+                            "intrinsic", "no fp32 upcast"),
+    "mg_silu_bf16": ("A", _PF["silu_bf16"].plant_megatron, {}, f"L{LAYER}.moe.experts_out", "A", "intrinsic",
+                     "silu in bf16 (an extra rounding), top-k weight applied before down_proj"),
+    "mg_router_fp32": ("A", None, {"moe_router_dtype": "fp32"}, "L0.moe.router_logits", "B", "precision", None),
+    "sg_mlp_norm_no_upcast": ("B", _PF["mlp_norm_no_upcast"].plant_sglang, {}, f"L{LAYER}.mlp_norm", "B",
+                              "intrinsic", "no fp32 upcast"),
+    "sg_qk_norm_no_upcast": ("B", _PF["qk_norm_no_upcast"].plant_sglang, {}, f"L{LAYER}.attn.q_norm", "B",
+                             "intrinsic", "no fp32 upcast"),
+    "sg_k_norm_no_upcast": ("B", _PF["k_norm_no_upcast"].plant_sglang, {}, f"L{LAYER}.attn.k_norm", "B",
+                            "intrinsic", "no fp32 upcast"),
+    "sg_silu_bf16": ("B", _PF["silu_bf16"].plant_sglang, {}, f"L{LAYER}.moe.experts_out", "B", "intrinsic",
+                     "silu in bf16 (an extra rounding), fp32 combine"),
+    "sg_router_fp32": ("B", _PF["router_fp32"].plant_sglang, {}, f"L{LAYER}.moe.router_logits", "A",
+                       "precision", None),
+}
+
+
+def _moe_trace(name: str) -> str:
+    """The Megatron trace of a MoE suite fault: MG_FAULTS' own where it is a MoE fault there too."""
+    return name if MG_FAULTS.get(name, (None, None, "dense"))[2] == "moe" else f"moe_{name}"
+
+
 def _megatron(out, cfg, sd, plant=None, dense=False, **overrides):
     """One bf16 Megatron forward over the full prompt+response sequences (one batch column per sample,
     right-padded; padding rows get no key)."""
@@ -118,9 +152,13 @@ def sides(tmp_path_factory):
             for name, (plant, over, k, *_rest) in MG_FAULTS.items():
                 if k == kind:
                     out[name] = _megatron(d / name, cfg, hf.state_dict(), plant, **over)
+            for name, (where, plant, over, *_rest) in MOE_FAULTS.items():
+                if kind == "moe" and where == "A" and _moe_trace(name) not in out:
+                    out[_moe_trace(name)] = _megatron(d / _moe_trace(name), cfg, hf.state_dict(), plant, **over)
     sc.init_sglang_distributed(tp_size=1)
     try:
         out["sg_moe"] = _rollout(out["ck_moe"], d / "sg_moe")
+        out["sg_moe_chunked3"] = _rollout(out["ck_moe"], d / "sg_moe_chunked3", chunked=3)
         out["sg_dense"] = _rollout(out["ck_dense"], d / "sg_dense")
         out["sg_dense_chunked4"] = _rollout(out["ck_dense"], d / "sg_dense_chunked4", chunked=4)
         out["sg_dense_chunked3"] = _rollout(out["ck_dense"], d / "sg_dense_chunked3", chunked=3)
@@ -208,6 +246,44 @@ TOPK_W = [("precision", "L0.moe.topk_weights"), ("precision", "L1.moe.topk_weigh
 
 def _listed(rep, causes=NOT_CLEAN):
     return [(f.cause, f.key, f.divergent) for f in rep.findings if f.cause in causes]
+
+
+@pytest.mark.parametrize("sg", ["sg_moe", "sg_moe_chunked3"])
+def test_clean_moe_pair_with_topk_weights_accepted_blames_no_side(sides, sg):
+    """Clean bf16 MoE pairs (plain and chunked prefill of 3): with the top-k weights' precision accepted,
+    nothing is divergent and no side is blamed at any replayed point."""
+    rep = find_divergence(str(sides["mg_moe"]), str(sides[sg]), reference=ExactReference(str(sides["ck_moe"])),
+                          accept_precision=["moe.topk_weights"])
+    assert rep.verdict == "consistent" and rep.first is None, rep.first and rep.first["summary"]
+    assert not [(f.cause, f.key) for f in rep.findings if f.divergent]
+    blamed = [p.key for p in rep.points if (p.replay or {}).get("side") and not (p.replay or {}).get("accepted")]
+    assert not blamed, blamed
+    assert len([p for p in rep.points if p.intrinsic and "excess" in (p.intrinsic.get("b") or {})]) > 40
+
+
+@pytest.mark.parametrize("name", sorted(MOE_FAULTS))
+def test_moe_precision_fault_found_with_its_side_and_fingerprint(tmp_path, sides, name):
+    """Each fault of the bf16 MoE suite is the answer at exactly its point and layer, with the side, and the
+    known fault the blamed side's output reproduces (or, for an fp32 choice, both dtypes), once the top-k
+    weights' precision difference is accepted; nothing before it is divergent."""
+    where, plant, _over, key, side, cause, words = MOE_FAULTS[name]
+    a = sides[_moe_trace(name)] if where == "A" else sides["mg_moe"]
+    b = _rollout(sides["ck_moe"], tmp_path / "sg", plant) if where == "B" else sides["sg_moe"]
+    rep = find_divergence(str(a), str(b), reference=ExactReference(str(sides["ck_moe"])),
+                          accept_precision=["moe.topk_weights"])
+    _assert_found(rep, key, side, cause)
+    f = next(f for f in rep.findings if f.key == key and f.cause == cause)
+    if words is not None:
+        got = f.detail[side.lower()]
+        assert got["match_kind"] == "fault" and f"{side}'s" in f.summary and f"matches *{words}*" in f.summary, \
+            (got.get("match"), got.get("match_kind"), f.summary)
+    else:
+        assert "bfloat16" in f.summary and "float32" in f.summary, f.summary
+    before = [g.key for g in rep.findings if g.divergent and g.key != key]
+    order = [p.key for p in rep.points]
+    assert not [k for k in before if order.index(k) < order.index(key)], before
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
 
 
 def test_default_moe_pair_with_topk_weights_accepted_is_consistent(sides):

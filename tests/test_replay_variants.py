@@ -89,6 +89,44 @@ def test_clean_implementation_pair_is_not_blamed(tmp_path, pair_base, clean, key
         assert v.b.match == match and v.reason.startswith("implementation difference"), v.reason
     if clean.startswith("tp"):     # the case is real: the old single-GEMM constant would have blamed B
         assert v.b.excess > DEFAULT_MARGINS.limit(v.b.envelope_key) and v.b.excess > 1.15 * v.a.excess, v.b
+        # each side says the TP degree it runs at, as a sharded transformers model does (`tp_size`)
+        assert _tp_of(b) == int(clean[2]) and _tp_of(a) == 1
+
+
+def test_tp_degrees_from_the_manifest():
+    """The recorded degree decides the row-parallel shard counts tried; a manifest without one (a trace from
+    before HF recorded it) keeps every power of two up to 8."""
+    from tic_trace.replay.variants import TP_UNKNOWN, tp_degrees
+    assert tp_degrees({"model": {"tensor_model_parallel_size": 1}}) == ()
+    assert tp_degrees({"model": {"tensor_model_parallel_size": 2}}) == (2,)
+    assert tp_degrees({"parallel": {"tp_size": 4}}) == (4,)
+    assert tp_degrees({"model": {"dtype": "bfloat16"}}) == TP_UNKNOWN == (2, 4, 8)
+    assert tp_degrees({"model": {"tensor_model_parallel_size": True}}) == TP_UNKNOWN     # not a degree
+
+
+def _tp_of(trace) -> int:
+    return CanonicalView(str(trace)).trace.manifest["model"]["tensor_model_parallel_size"]
+
+
+def test_o_proj_fault_found_at_the_recorded_tp_degree(tmp_path, pair_base):
+    """An HF trace records the TP degree its model runs at (1 for a plain model), and the row-parallel
+    variants follow it: an o_proj that sums 4 bf16 partial GEMMs in a TP = 1 model is found at its point,
+    B. Without a recorded degree (a trace from before it was recorded) the o_proj is judged against TP = 2,
+    4 and 8, where the same output is a clean TP = 4 row-parallel layer and passes."""
+    dist, ck, a = pair_base
+    b = _side_b(dist, tmp_path / "b", fault="o_proj_bf16_partials")
+    assert _tp_of(a) == _tp_of(b) == 1
+    ref = ExactReference(str(ck))
+    got = first_intrinsic_divergence(str(a), str(b), ref)
+    assert got is not None and (got.key, got.side, got.kind) == ("L1.attn.out", "B", "intrinsic"), got
+    assert got.b.excess > DEFAULT_MARGINS.limit_of(got.b) and got.b.clean_worst == "fp32_accumulate", got.b
+    old = [CanonicalView(str(t)) for t in (a, b)]
+    for v in old:
+        del v.trace.manifest["model"]["tensor_model_parallel_size"]
+    walk = intrinsic_walk(*old, ref)
+    v = next(v for v in walk if v.key == "L1.attn.out")
+    assert v.side is None and v.b.match == "row_parallel_tp4" and v.b.match_kind == "clean", (v.reason, v.b)
+    assert not [w.key for w in walk if w.side], [(w.key, w.reason) for w in walk if w.side]
 
 
 FAULTS = [("rmsnorm_no_upcast", "no fp32 upcast"), ("mlp_norm_no_upcast", "no fp32 upcast"),

@@ -38,8 +38,11 @@ def _row_parallel_forward(k: int):
 
 
 def tp_row_parallel(k: int, down: bool = True) -> Callable:
-    """Every o_proj (and every dense or shared-expert down_proj) as a TP=k row-parallel layer."""
+    """Every o_proj (and every dense or shared-expert down_proj) as a TP=k row-parallel layer. The model
+    says its degree as transformers' own tensor parallelism does (`_tp_size`, read by `model.tp_size`), so
+    its trace records TP = k as a sharded HF model's would."""
     def plant(model) -> None:
+        model._tp_size = k
         fwd = _row_parallel_forward(k)
         for lay in model.model.layers:
             _wrap(lay.self_attn.o_proj, fwd)

@@ -219,6 +219,110 @@ def _sg_plant_qk_norm_no_upcast(model, layer):
         _wrap(lay.self_attn.q_norm, _rmsnorm_bf16)
 
 
+def _plant_o_proj_bf16_partials(model, layer):
+    """One layer's o_proj with its reduction split in 4 and the partial GEMMs summed in bf16 (a split-K
+    kernel keeping bf16 partials) in a model that runs at TP = 1: what a TP = 4 row-parallel layer computes,
+    clean only where the trace runs at TP = 4."""
+    def forward(self, x):
+        n = x.shape[-1] // 4
+        out = None
+        for i in range(4):
+            p = F.linear(x[..., i * n:(i + 1) * n], self.weight[:, i * n:(i + 1) * n])
+            out = p if out is None else out + p                       # the fault: bf16 partial sums
+        return out
+    _wrap(_layer(model, layer).self_attn.o_proj, forward)
+
+
+def _mg_wrap_norm(model, layer, which: Callable) -> None:
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    if lay is not None:
+        _wrap(which(lay), _rmsnorm_bf16_torch)
+
+
+def _mg_plant_mlp_norm_no_upcast(model, layer):
+    _mg_wrap_norm(model, layer, lambda lay: lay.pre_mlp_layernorm)
+
+
+def _mg_plant_k_norm_no_upcast(model, layer):
+    _mg_wrap_norm(model, layer, lambda lay: lay.self_attention.k_layernorm)
+
+
+def _mg_plant_silu_bf16(model, layer):
+    """megatron-core's experts (SequentialMLP, local spec) with SiLU as gate * sigmoid(gate) in bf16: each
+    expert of the layer gets a config copy whose activation is that (the config is shared by every layer)."""
+    from .faults import _mg_layer
+    lay = _mg_layer(model, layer)
+    for expert in getattr(getattr(getattr(lay, "mlp", None), "experts", None), "local_experts", None) or []:
+        cfg = copy.copy(expert.config)
+        cfg.activation_func = lambda g: g * torch.sigmoid(g)       # the fault: an extra bf16 rounding
+        object.__setattr__(expert, "config", cfg)
+
+
+def _sg_plant_mlp_norm_no_upcast(model, layer):
+    """SGLang's fused residual add + post-attention RMSNorm, the add as SGLang does it (fp32, rounded: the
+    residual stream `mid` unchanged) and the norm of the rounded sum without the fp32 upcast."""
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    if lay is None:
+        return
+    norm = lay.post_attention_layernorm
+
+    def forward(self, x, residual=None, *args, **kwargs):
+        if residual is None:
+            return _rmsnorm_bf16(self, x)
+        mid = (x.float() + residual.float()).to(x.dtype)
+        return _rmsnorm_bf16(self, mid), mid
+    _wrap(norm, forward)
+
+
+def _sg_plant_k_norm_no_upcast(model, layer):
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    if lay is not None:
+        _wrap(lay.self_attn.k_norm, _rmsnorm_bf16)
+
+
+def _sg_plant_silu_bf16(model, layer):
+    """SGLang's CPU experts (`moe_forward_native`, which builds a `SiluAndMul` per call) with SiLU as
+    gate * sigmoid(gate) in bf16, for this layer's experts only: the class's native forward is swapped
+    while this layer's experts run."""
+    from sglang.srt.layers.activation import SiluAndMul
+
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    experts = getattr(getattr(lay, "mlp", None), "experts", None)
+    if experts is None:
+        return
+    orig = experts.forward
+
+    def silu_bf16(self, x):
+        g, u = x.chunk(2, dim=-1)
+        return (g * torch.sigmoid(g)) * u                            # the fault: an extra bf16 rounding
+
+    def forward(*args, **kwargs):
+        native = SiluAndMul.forward_native
+        SiluAndMul.forward_native = silu_bf16
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            SiluAndMul.forward_native = native
+    experts.forward = forward
+
+
+def _sg_plant_router_fp32(model, layer):
+    """SGLang's router GEMM in fp32 (fp32 logits; the top-k reads them): an fp32 router on the rollout side."""
+    from .faults import _sg_layer
+    lay = _sg_layer(model, layer)
+    gate = getattr(getattr(lay, "mlp", None), "gate", None)
+    if gate is None:
+        return
+
+    def forward(x):
+        return F.linear(x.float(), gate.weight.float()), None     # ReplicatedLinear returns (output, bias)
+    gate.forward = forward
+
+
 PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("rmsnorm_no_upcast", "attn_norm", True, "planted",
                    "input RMSNorm computed in bf16 (no fp32 upcast)", _plant_rmsnorm_no_upcast,
@@ -231,7 +335,8 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("rope_fp32_tables", "attn.q_rope", True, "clean",
                    "RoPE cos/sin kept in fp32 (q/k rotated in fp32)", _plant_rope_fp32),
     PrecisionFault("router_fp32", "moe.router_logits", True, "clean",
-                   "router GEMM and softmax in fp32 (moe_router_dtype=fp32)", _plant_router_fp32, moe_only=True),
+                   "router GEMM and softmax in fp32 (moe_router_dtype=fp32)", _plant_router_fp32, moe_only=True,
+                   plant_sglang=_sg_plant_router_fp32),
     PrecisionFault("fp32_residual", "mid", True, "clean",
                    "residual stream kept in fp32 (fp32_residual_connection)", _plant_fp32_residual),
     PrecisionFault("lm_head_fp32", "logits", False, "clean",
@@ -239,14 +344,18 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("fused_silu_up", "moe.experts_out", True, "clean",
                    "silu(gate)*up fused in fp32 (one rounding)", _plant_fused_silu_up, moe_only=True),
     PrecisionFault("mlp_norm_no_upcast", "mlp_norm", True, "planted",
-                   "post-attention RMSNorm computed in bf16 (no fp32 upcast)", _plant_mlp_norm_no_upcast),
+                   "post-attention RMSNorm computed in bf16 (no fp32 upcast)", _plant_mlp_norm_no_upcast,
+                   plant_megatron=_mg_plant_mlp_norm_no_upcast, plant_sglang=_sg_plant_mlp_norm_no_upcast),
     PrecisionFault("k_norm_no_upcast", "attn.k_norm", True, "planted",
-                   "K-norm computed in bf16 (no fp32 upcast)", _plant_k_norm_no_upcast),
+                   "K-norm computed in bf16 (no fp32 upcast)", _plant_k_norm_no_upcast,
+                   plant_megatron=_mg_plant_k_norm_no_upcast, plant_sglang=_sg_plant_k_norm_no_upcast),
     PrecisionFault("final_norm_no_upcast", "final_norm", False, "planted",
                    "final RMSNorm computed in bf16 (no fp32 upcast)", _plant_final_norm_no_upcast),
     PrecisionFault("silu_bf16", "moe.experts_out", True, "planted",
                    "experts' SiLU as gate * sigmoid(gate) in bf16 (an extra rounding)", _plant_silu_bf16,
-                   moe_only=True),
+                   moe_only=True, plant_megatron=_mg_plant_silu_bf16, plant_sglang=_sg_plant_silu_bf16),
+    PrecisionFault("o_proj_bf16_partials", "attn.out", True, "planted",
+                   "o_proj's reduction in 4 chunks summed in bf16 (at TP = 1)", _plant_o_proj_bf16_partials),
 ]}
 # Since the replay compares each side with clean variants on its own inputs (replay/variants.py), a fused
 # silu x up is a clean implementation, named as such ("implementation difference"), not a precision fault.
