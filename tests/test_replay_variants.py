@@ -132,7 +132,7 @@ def test_o_proj_fault_found_at_the_recorded_tp_degree(tmp_path, pair_base):
 FAULTS = [("rmsnorm_no_upcast", "no fp32 upcast"), ("mlp_norm_no_upcast", "no fp32 upcast"),
           ("final_norm_no_upcast", "no fp32 upcast"), ("qk_norm_no_upcast", "no fp32 upcast"),
           ("k_norm_no_upcast", "no fp32 upcast"), ("softmax_bf16", "bf16 softmax"),
-          ("silu_bf16", "silu in bf16 (an extra rounding)")]
+          ("silu_bf16", "silu in bf16 (an extra rounding)"), ("kv_fp8", "fp8 KV cache")]
 
 
 @pytest.mark.parametrize("fault,words", FAULTS, ids=[f for f, _ in FAULTS])

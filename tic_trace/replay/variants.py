@@ -227,6 +227,15 @@ def _softmax_bf16(q, k, v, mask, scale, dt):
     return (e / e.sum(-1, keepdim=True)) @ v
 
 
+def _kv_fp8(kernel):
+    """The KV cache in fp8 (e4m3, unit scales: an engine's `--kv-cache-dtype fp8_e4m3` without calibrated
+    scales): k and v rounded to fp8 before the kernel reads them back in the activations' dtype."""
+    def fn(q, k, v, mask, scale, dt):
+        f8 = torch.float8_e4m3fn
+        return kernel(q, k.to(f8).to(dt), v.to(f8).to(dt), mask, scale, dt)
+    return fn
+
+
 def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
     def run(v: VariantInput) -> torch.Tensor:
         q, kk, vv, kv_rows = v.feeds["attn.q_rope"], v.feeds["attn.k_rope"], v.feeds["attn.v"], v.feeds["__kv_rows__"]
@@ -256,7 +265,8 @@ def _attention_variants() -> list[Variant]:
                     _attention(_flash)),
             Variant("sdpa_math", "SDPA math path", True, _attention(_sdpa(SDPBackend.MATH))),
             Variant("sdpa", "fused SDPA kernel", True, _attention(_sdpa(SDPBackend.FLASH_ATTENTION))),
-            Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16))]
+            Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16)),
+            Variant("kv_fp8", "fp8 KV cache", False, _attention(_kv_fp8(_eager)))]
 
 
 # ---------------------------------------------------------------- gated MLPs and experts

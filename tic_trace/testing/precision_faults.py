@@ -115,6 +115,18 @@ def _mg_plant_qk_norm_no_upcast(model, layer):
         _wrap(lay.self_attention.q_layernorm, _rmsnorm_bf16_torch)
 
 
+def _kv_fp8_attention(module, q, k, v, mask, scaling=None, **kw):
+    """HF's eager attention reading its K and V from an fp8 (e4m3, unit-scale) cache."""
+    f8 = torch.float8_e4m3fn
+    k, v = k.to(f8).to(q.dtype), v.to(f8).to(q.dtype)
+    p = torch.softmax(_scores(module, q, k, scaling, mask), dim=-1, dtype=torch.float32).to(q.dtype)
+    return _finish(module, p, v)
+
+
+def _plant_kv_fp8(model, layer):
+    _attention_with(model, layer, f"tic_kv_fp8_{id(model)}_{layer}", _kv_fp8_attention)
+
+
 def _plant_softmax_bf16(model, layer):
     _attention_with(model, layer, f"tic_softmax_bf16_{id(model)}_{layer}", _softmax_bf16_attention)
 
@@ -332,6 +344,8 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
                    plant_megatron=_mg_plant_qk_norm_no_upcast, plant_sglang=_sg_plant_qk_norm_no_upcast),
     PrecisionFault("softmax_bf16", "attn.core", True, "planted",
                    "attention softmax evaluated in bf16", _plant_softmax_bf16),
+    PrecisionFault("kv_fp8", "attn.core", True, "planted",
+                   "K and V read back from an fp8 (e4m3) KV cache", _plant_kv_fp8),
     PrecisionFault("rope_fp32_tables", "attn.q_rope", True, "clean",
                    "RoPE cos/sin kept in fp32 (q/k rotated in fp32)", _plant_rope_fp32),
     PrecisionFault("router_fp32", "moe.router_logits", True, "clean",
