@@ -79,7 +79,7 @@ TRACING_SERVER_ARGS = (
 
 def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_samples: int = 4,
                        mode: str = "rows", filters: list[str] | None = None, *, every: int = 0,
-                       periodic_mode: str = "stats") -> list[dict]:
+                       periodic_mode: str = "subset") -> list[dict]:
     """The JSON-able value of SGLang's ``--forward-hooks`` (slime: ``--sglang-forward-hooks``) that traces
     the server's forwards with this adapter.
 
@@ -173,7 +173,7 @@ class _HookSession:
         ids = self.config.get("rollout_ids")
         self.rollout_ids = None if ids is None else {int(i) for i in ids}
         self.every = int(self.config.get("every") or 0)
-        self.periodic_mode = self.config.get("periodic_mode") or "stats"
+        self.periodic_mode = self.config.get("periodic_mode") or "subset"
         if self.periodic_mode not in MODES:
             raise ValueError(f"tic-trace hook: periodic_mode must be one of {MODES}, got {self.periodic_mode!r}")
         self.max_samples = int(self.config.get("max_samples", 4) if self.config.get("max_samples") is not None else 4)
