@@ -58,7 +58,17 @@ HOOK_FACTORY = "tic_trace.adapters.sglang_server:forward_hook_factory"
 #: Modules the hook is registered on (SGLang wants at least one); the hook itself only finds the model
 #: when the factory could not, and notices torch.compile. The tracer works through the model's forward.
 HOOK_TARGETS = ["model.embed_tokens", "*.embed_tokens"]
-MODES = ("stats", "full", "rows")
+#: How canonical-point records are kept: the tracer's modes, and ``subset`` (``rows`` of the rows that
+#: tic_trace.record.row_subset keeps by (sample, position): the same rows the Megatron side keeps).
+MODES = ("stats", "full", "rows", "subset")
+
+
+def tracer_points_mode(mode: str) -> tuple[str, Any]:
+    """A hook mode as the tracer's ``points_mode`` and ``row_subset``."""
+    if mode == "subset":
+        from tic_trace.record.row_subset import RowSubset
+        return "rows", RowSubset()
+    return mode, None
 
 TRACING_SERVER_ARGS = (
     "--cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled (or the deprecated "
@@ -69,7 +79,7 @@ TRACING_SERVER_ARGS = (
 
 def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_samples: int = 4,
                        mode: str = "rows", filters: list[str] | None = None, *, every: int = 0,
-                       periodic_mode: str = "stats") -> list[dict]:
+                       periodic_mode: str = "subset") -> list[dict]:
     """The JSON-able value of SGLang's ``--forward-hooks`` (slime: ``--sglang-forward-hooks``) that traces
     the server's forwards with this adapter.
 
@@ -78,7 +88,8 @@ def forward_hooks_spec(out_dir: str, rollout_ids: list[int] | None = None, max_s
     ``{out_dir}/rollout_{id:05d}/sglang/`` (a forward without such rows writes nothing; other requests' rows
     of a traced forward have no key, and in ``rows`` mode their values are not stored). ``rollout_ids``
     None: every forward, every row, into ``{out_dir}``. ``mode``: how canonical-point records are kept
-    (``rows`` = the traced rows' values, ``full``, ``stats``); dispatcher ops are statistics. ``filters``:
+    (``rows`` = the traced rows' values, ``subset`` = those of a few rows per sample chosen by (sample,
+    position), ``full``, ``stats``); dispatcher ops are statistics. ``filters``:
     module-path globs to record (``re:`` for a regex). ``every`` N > 0: rollouts whose id is a multiple of N
     are traced too, in ``periodic_mode`` when they are not in ``rollout_ids`` (slime's ``--tic-trace-every``).
     """
@@ -162,7 +173,7 @@ class _HookSession:
         ids = self.config.get("rollout_ids")
         self.rollout_ids = None if ids is None else {int(i) for i in ids}
         self.every = int(self.config.get("every") or 0)
-        self.periodic_mode = self.config.get("periodic_mode") or "stats"
+        self.periodic_mode = self.config.get("periodic_mode") or "subset"
         if self.periodic_mode not in MODES:
             raise ValueError(f"tic-trace hook: periodic_mode must be one of {MODES}, got {self.periodic_mode!r}")
         self.max_samples = int(self.config.get("max_samples", 4) if self.config.get("max_samples") is not None else 4)
@@ -238,10 +249,10 @@ class _HookSession:
         root = self.root
         root.forward = self._top          # the new tracer wraps the chain of earlier tracers, not this session
         try:
-            mode = self._mode_for(rollout)
+            mode, subset = tracer_points_mode(self._mode_for(rollout))
             t = Tracer(root, out, adapter=_adapter_cls()(rid_filter=self._select(rollout)), mode="stats",
                        points_mode=mode, filters=filters, rank=self._rank(), auto_step=True,
-                       sample_rows=[] if mode == "rows" else None,
+                       sample_rows=[] if mode == "rows" else None, row_subset=subset,
                        manifest={"sglang_hook": {k: v for k, v in self.config.items() if k != "out_dir"}})
             t.start()
             self._top = root.forward
@@ -285,7 +296,7 @@ class _HookSession:
             if not picked[rollout]:
                 continue
             t = self._tracer_for(rollout)
-            if self._mode_for(rollout) == "rows":
+            if self._mode_for(rollout) in ("rows", "subset"):
                 t.sample_rows = picked[rollout]
             out.append(t)
         return out

@@ -236,7 +236,7 @@ def scenario_flow(out: Path) -> dict:
     return result
 
 
-DRIFT_ROLLOUTS = 7       # rollouts 0-5 listed (rows), rollout 6 traced by --tic-trace-every 6 only (stats)
+DRIFT_ROLLOUTS = 7       # rollouts 0-5 listed (rows), rollout 6 traced by --tic-trace-every 6 only (subset)
 DRIFT_STALE_FROM = 3     # from this rollout on the engine keeps the weights it had
 
 
@@ -259,67 +259,129 @@ def _push_weights(hf, states_r, actor, sg_model, *, engine: bool) -> None:
 def scenario_drift(out: Path, fault: str = "stale_sync") -> dict:
     """Seven rollouts through slime's own flow (as scenario_flow: generate_and_rm -> generate -> post over HTTP
     to SGLang's model code; train_actor -> compute_log_prob -> forward_only on Megatron's schedule) with
-    --tic-trace-rollout-ids 0,1,2,3,4,5 --tic-trace-every 6: every rollout traced, rollout 6 in stats mode.
-    Between rollouts a training step moves the weights (tic_trace.testing.drift_runs.training_steps: slime's
-    optimizer runs at lr 0 here, the step is applied to the weights directly) and the update is pushed to both
-    sides. From rollout DRIFT_STALE_FROM on, `fault` acts in the engine: "stale_sync" skips the push to it,
+    --tic-trace-rollout-ids 0,1,2,3,4,5 --tic-trace-every 6: every rollout traced, rollout 6 in the periodic
+    default mode. Between rollouts a training step moves the weights (tic_trace.testing.drift_runs.training_steps:
+    slime's optimizer runs at lr 0 here, the step is applied to the weights directly) and the update is pushed to
+    both sides. From rollout DRIFT_STALE_FROM on, `fault` acts in the engine: "stale_sync" skips the push to it,
     "precision" / "routing" plant tic_trace.testing.drift_runs' engine faults (a bf16 residual add, a top-k bias)
     in its SGLang model."""
-    import logging
-
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
-
-    from tic_trace.testing import sglang_cpu as sc
     from tic_trace.testing.drift_runs import training_steps
     ts = _integration()
     hf, ckpt = _checkpoint(out)
     states = training_steps(hf, DRIFT_ROLLOUTS)
-    hf.load_state_dict(states[0])
-    lines: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-    logging.getLogger("tic_trace.slime").addHandler(_Keep())
+    lines = _keep_log_lines()
     argv = sr.base_argv(ckpt, hf.config) + [
         "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2,3,4,5",
-        "--tic-trace-every", str(DRIFT_ROLLOUTS - 1), "--tic-trace-max-samples", "2", "--lr", "0.0",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
-        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4"]
+        "--tic-trace-every", str(DRIFT_ROLLOUTS - 1), *DRIFT_ARGV]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
     _start_engine_and_trainer(args)
     server = None
     try:
-        sg_model = sc.build_sglang_model(hf.config, hf)
-        register_forward_hooks(sg_model, args.sglang_forward_hooks)
-        server = sr.EngineServer(sc.SGLangRollout(sg_model), expected=2)
+        server = sr.EngineServer(None, expected=2)
         args.sglang_router_port = server.start()
-        from slime.utils.http_utils import init_http_client
-        init_http_client(args)
-        from slime.utils.misc import load_function
-        load_function(args.custom_megatron_init_path)(args)
-        model = sr.model_chunks(hf)
-        actor = sr.train_actor(args, model, with_ref=False)
-        for rollout_id in range(DRIFT_ROLLOUTS):
-            if rollout_id:
-                _push_weights(hf, states[rollout_id], actor, sg_model,
-                              engine=fault != "stale_sync" or rollout_id < DRIFT_STALE_FROM)
-            if rollout_id == DRIFT_STALE_FROM and fault != "stale_sync":
-                from tic_trace.testing.drift_runs import plant_engine_fault
-                plant_engine_fault(sg_model, fault)
-            server.seen.clear()
-            samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
-            actor.train(rollout_id, sr.train_data_refs(args, samples))
+        _drift_rollouts(args, hf, states, server, fault, DRIFT_STALE_FROM)
     finally:
         _stop_engine_and_trainer(server)
     return {"dir": str(out / "traces"), "log": [ln for ln in lines if " traced (" in ln],
             "stale_from": DRIFT_STALE_FROM, "rollouts": DRIFT_ROLLOUTS}
 
 
+#: What every drift scenario adds to slime's command line (besides which rollouts are traced).
+DRIFT_ARGV = ["--tic-trace-max-samples", "2", "--lr", "0.0", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
+              "64", "--custom-rm-path", "tic_trace.testing.slime_real.constant_reward",
+              "--sglang-server-concurrency", "4"]
+
+
+def _keep_log_lines() -> list[str]:
+    """The integration's log lines (the one line per traced rollout), as they are logged."""
+    import logging
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    logging.getLogger("tic_trace.slime").addHandler(_Keep())
+    return lines
+
+
+def _drift_rollouts(args, hf, states, server, fault: str | None, fault_from: int, actor=None):
+    """One rollout per entry of `states` (the trainer's weights at each), one run into ``args.tic_trace_dir``,
+    in the world `_start_engine_and_trainer` set up: a fresh engine model (its hooks from
+    ``args.sglang_forward_hooks``) behind `server` and the trainer (`actor`, reset to ``states[0]``; None: a new
+    one), both from ``states[0]``; `fault` (None: none) from rollout `fault_from` on. Returns the trainer."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+    from slime.utils.http_utils import init_http_client
+    from slime.utils.misc import load_function
+
+    from tic_trace.testing import sglang_cpu as sc
+    from tic_trace.testing.drift_runs import plant_engine_fault
+    hf.load_state_dict(states[0])
+    sg_model = sc.build_sglang_model(hf.config, hf)
+    register_forward_hooks(sg_model, args.sglang_forward_hooks)
+    server.engine = sc.SGLangRollout(sg_model)
+    init_http_client(args)
+    load_function(args.custom_megatron_init_path)(args)
+    if actor is None:
+        actor = sr.train_actor(args, sr.model_chunks(hf), with_ref=False)
+    else:                               # slime's train actor is made once per job: the next run's start weights
+        _push_weights(hf, states[0], actor, sg_model, engine=False)
+    for rollout_id in range(len(states)):
+        if rollout_id:
+            _push_weights(hf, states[rollout_id], actor, sg_model,
+                          engine=fault != "stale_sync" or rollout_id < fault_from)
+        if rollout_id == fault_from and fault in ("precision", "routing"):
+            plant_engine_fault(sg_model, fault)
+        server.seen.clear()
+        samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
+        actor.train(rollout_id, sr.train_data_refs(args, samples))
+    return actor
+
+
+DEFAULT_MODE_RUNS = {"clean": None, "precision": "precision", "routing": "routing"}
+DEFAULT_MODE_ROLLOUTS = 5     # rollout 0 listed (rows), 1-4 periodic in the default mode
+DEFAULT_MODE_FAULT_FROM = 3
+
+
+def scenario_drift_default_mode(out: Path) -> dict:
+    """Three runs in one engine+trainer world, each of DEFAULT_MODE_ROLLOUTS rollouts through slime's own flow
+    with --tic-trace-every 1 and no --tic-trace-mode: rollout 0 (the default --tic-trace-rollout-ids) in rows,
+    every other one in the periodic default mode. The weights move between rollouts and reach both sides; from
+    rollout DEFAULT_MODE_FAULT_FROM on the engine runs a bf16 residual add ("precision") or a top-k bias
+    ("routing"); "clean" has no fault. Each run into OUT/<run>/traces."""
+    from tic_trace.adapters.sglang_server import close_sessions
+    from tic_trace.testing.drift_runs import training_steps
+    ts = _integration()
+    hf, ckpt = _checkpoint(out)
+    states = training_steps(hf, DEFAULT_MODE_ROLLOUTS)     # every run on the same weights over time
+    lines = _keep_log_lines()
+    argv = sr.base_argv(ckpt, hf.config) + ["--tic-trace", "--tic-trace-every", "1", *DRIFT_ARGV]
+    args = ts.configure(sr.parse_args(argv + ["--tic-trace-dir", str(out / "clean" / "traces")], ts.add_arguments))
+    result = {"runs": {}, "fault_from": DEFAULT_MODE_FAULT_FROM, "rollouts": DEFAULT_MODE_ROLLOUTS,
+              "periodic_mode": args.tic_trace_periodic_mode}
+    _start_engine_and_trainer(args)
+    server = None
+    try:
+        server = sr.EngineServer(None, expected=2)
+        port = server.start()
+        actor = None
+        for run, fault in DEFAULT_MODE_RUNS.items():
+            args.tic_trace_dir = str(out / run / "traces")
+            ts.configure(args)              # idempotent: the SGLang hook spec now names this run's directory
+            args.sglang_router_port = port
+            del lines[:]
+            actor = _drift_rollouts(args, hf, states, server, fault, DEFAULT_MODE_FAULT_FROM, actor)
+            close_sessions()                # the engine model's tracers end with the run
+            result["runs"][run] = {"dir": args.tic_trace_dir, "log": [ln for ln in lines if " traced (" in ln]}
+    finally:
+        _stop_engine_and_trainer(server)
+    return result
+
+
 SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow,
              "drift": scenario_drift,
              "drift_precision": lambda out: scenario_drift(out, "precision"),
-             "drift_routing": lambda out: scenario_drift(out, "routing")}
+             "drift_routing": lambda out: scenario_drift(out, "routing"),
+             "drift_default_mode": scenario_drift_default_mode}
 
 
 def main() -> None:

@@ -770,3 +770,31 @@ def test_mixtral_expert_count_is_read_under_its_own_config_name(sglang_env):
     assert config["num_experts"] == 4 and config["num_experts_per_tok"] == 2
     check = ad.check_architecture({"architecture": "MixtralForCausalLM"})
     assert not check.verified and "block_sparse_moe" in check.why
+
+
+def test_forward_hooks_spec_periodic_default_keeps_the_identity_row_subset(tmp_path, new_model):
+    """The periodic default (`subset`): a periodic rollout stores the values of exactly the rows that
+    tic_trace.record.row_subset keeps by (rid, position), in the prefill and in the decode steps alike."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    from tic_trace.record.row_subset import RowSubset
+    model = new_model()
+    out = tmp_path / "slime"
+    register_forward_hooks(model, forward_hooks_spec(str(out), [3], max_samples=2, mode="rows", every=2))
+    like = {"2-0": "req-a", "2-1": "req-b"}
+    sc.SGLangRollout(model).generate({rid: PROMPTS[src] for rid, src in like.items()}, 3,
+                                     forced_tokens={rid: RESPONSES[src] for rid, src in like.items()})
+    close_sessions()
+    tr = CanonicalView(str(out / "rollout_00002" / "sglang")).trace
+    subset, stored, named = RowSubset(), [], []
+    for i in tr.pass_indices(0):
+        p = tr.open_pass(0, i)
+        rows = [(k, pos) for k, pos in zip(p.rows["keys"], p.rows["positions"]) if k is not None]
+        named += rows
+        rec = p.record("model.embed_tokens:out")
+        if rec.has_data:
+            assert rec.mode == "rows"
+            stored += [(p.rows["keys"][j], p.rows["positions"][j]) for j in rec.row_index]
+    assert sorted(stored) == sorted(r for r in named if subset.keeps(*r))
+    assert 0 < len(stored) < len(named)
+    assert tr.manifest["tracer"]["row_subset"] == subset.describe()

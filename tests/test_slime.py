@@ -229,12 +229,13 @@ def test_flags_off_leave_slime_defaults_and_import_nothing():
     assert out is args and vars(args) == snap
     assert set(sys.modules) == before, sorted(set(sys.modules) - before)
     ours = {k: v for k, v in vars(args).items() if k.startswith("tic_trace")}
-    # tic_trace_mode None: rows for --tic-trace-rollout-ids, stats for --tic-trace-every (configure resolves it)
+    # tic_trace_mode None: rows for --tic-trace-rollout-ids, subset for --tic-trace-every (configure resolves it)
     assert ours == {"tic_trace": False, "tic_trace_dir": None, "tic_trace_rollout_ids": "0",
                     "tic_trace_max_samples": 4, "tic_trace_mode": None, "tic_trace_filter": None,
                     "tic_trace_every": 0, "tic_trace_disk_budget": None}
     assert {k: v for k, v in vars(args).items() if not k.startswith("tic_trace")} == plain
-    assert ts.MODES == __import__("tic_trace.record.filters", fromlist=["MODES"]).MODES
+    # the tracer's modes, and `subset` (rows mode with the identity row subset)
+    assert ts.MODES == (*__import__("tic_trace.record.filters", fromlist=["MODES"]).MODES, "subset")
     # importing the flag module pulls in no framework adapter and no framework
     code = ("import sys; import tic_trace.integrations.slime; "
             "bad = [m for m in ('tic_trace.adapters.megatron', 'tic_trace.adapters.sglang', 'megatron', 'sglang', "
@@ -420,9 +421,15 @@ def test_every_n_selects_rollouts_and_their_mode():
                                            "--debug-train-only"]))
     from tic_trace.integrations.slime.config import mode_for, traced
     assert [r for r in range(16) if traced(args, r)] == [0, 3, 5, 10, 15]
-    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "stats")
+    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "subset")
     ts.configure(args)                                 # idempotent
-    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "stats")
+    assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "subset")
+    from tic_trace.integrations.slime.config import tracer_points_mode
+    from tic_trace.record.row_subset import RowSubset
+    assert tracer_points_mode("subset") == ("rows", RowSubset()) and tracer_points_mode("rows") == ("rows", None)
+    stats = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-every", "2", "--tic-trace-mode", "stats",
+                                            "--debug-train-only"]))
+    assert (mode_for(stats, 0), mode_for(stats, 2)) == ("stats", "stats")
     full = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-every", "2", "--tic-trace-mode", "full",
                                            "--debug-train-only"]))
     assert (mode_for(full, 0), mode_for(full, 2)) == ("full", "full")
@@ -438,7 +445,7 @@ def test_disk_budget_prunes_oldest_value_traces_and_keeps_statistics(tmp_path, c
     args = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path), "--tic-trace-rollout-ids",
                                            "1,2,3", "--tic-trace-every", "4", "--tic-trace-disk-budget", "2500",
                                            "--debug-train-only"]))
-    sizes = {0: 100, 1: 1000, 2: 1000, 3: 1000, 4: 100}       # 0 and 4 are periodic (stats)
+    sizes = {0: 100, 1: 1000, 2: 1000, 3: 1000, 4: 100}       # 0 and 4 are periodic (subset)
     for rid, n in sizes.items():
         for side in ("megatron", "sglang"):
             d = tmp_path / f"rollout_{rid:05d}" / side
@@ -448,5 +455,32 @@ def test_disk_budget_prunes_oldest_value_traces_and_keeps_statistics(tmp_path, c
         after_rollout_traced(args, 4)
     assert (tmp_path / "rollout_00001" / "PRUNED").is_file() and not (tmp_path / "rollout_00001" / "megatron").exists()
     assert (tmp_path / "rollout_00002" / "megatron").is_dir() and (tmp_path / "rollout_00000" / "megatron").is_dir()
-    assert "rollout 4 traced (stats): megatron " in caplog.text and "50 B" in caplog.text
+    assert "rollout 4 traced (subset): megatron " in caplog.text and "50 B" in caplog.text
     assert "removed the traces of rollouts 1" in caplog.text
+
+
+def _fill(base, sizes: dict) -> None:
+    for rid, n in sizes.items():
+        for side in ("megatron", "sglang"):
+            d = base / f"rollout_{rid:05d}" / side
+            d.mkdir(parents=True)
+            (d / "pass00000.bin").write_bytes(b"x" * (n // 2))
+
+
+def test_disk_budget_removes_periodic_subset_traces_after_the_value_traces(tmp_path):
+    """The periodic default (`subset`) holds values too: when removing every `rows` rollout is not enough, the
+    oldest subset rollouts go next (never the one just traced); `stats` periodic rollouts are never removed."""
+    from tic_trace.integrations.slime.budget import PRUNED_MARK, prune
+    sub = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path / "sub"),
+                                          "--tic-trace-rollout-ids", "1", "--tic-trace-every", "2",
+                                          "--tic-trace-disk-budget", "300", "--debug-train-only"]))
+    _fill(tmp_path / "sub", {0: 200, 1: 1000, 2: 200, 4: 200, 6: 200})   # 1 listed (rows); 0, 2, 4, 6 subset
+    assert prune(sub, 6) == [1, 0, 2, 4]            # rows first (1), then subset oldest first (0, 2, 4); 6 kept
+    assert (tmp_path / "sub" / "rollout_00006" / "megatron").is_dir()
+    assert all((tmp_path / "sub" / f"rollout_{r:05d}" / PRUNED_MARK).is_file() for r in (0, 1, 2, 4))
+    stats = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-dir", str(tmp_path / "st"),
+                                            "--tic-trace-rollout-ids", "1", "--tic-trace-every", "2",
+                                            "--tic-trace-mode", "stats", "--tic-trace-disk-budget", "100",
+                                            "--debug-train-only"]))
+    _fill(tmp_path / "st", {2: 200, 4: 200})
+    assert prune(stats, 4) == []                    # statistics-only rollouts are kept, whatever the budget

@@ -131,13 +131,14 @@ def test_real_flow_slime_report(flow, tmp_path):
 def test_real_drift_names_a_stale_weight_sync_at_its_rollout(tmp_path):
     """Seven rollouts through slime's own flow with --tic-trace-every: the engine stops getting the weight update
     at rollout 3; `tic-trace drift` names the weight sync from rollout 3 on, before the numerics, and the onset at
-    rollout 3. Each traced rollout logged one line with its trace paths and sizes; rollout 6 (periodic) is stats."""
+    rollout 3. Each traced rollout logged one line with its trace paths and sizes; rollout 6 (periodic) is in the
+    periodic default mode (subset)."""
     from tic_trace.tools.cli import main as cli_main
     res = run_scenario("drift", tmp_path)
     stale = res["stale_from"]
     assert len(res["log"]) == res["rollouts"], res["log"]
     assert all("megatron " in ln and "sglang " in ln and "(none written)" not in ln for ln in res["log"])
-    assert "traced (stats)" in res["log"][-1] and "traced (rows)" in res["log"][0]
+    assert "traced (subset)" in res["log"][-1] and "traced (rows)" in res["log"][0]
     out = tmp_path / "drift.json"
     assert cli_main(["drift", res["dir"], "--json", str(out), "--html", str(tmp_path / "drift.html")]) == 1
     doc = json.loads(out.read_text())
@@ -167,3 +168,60 @@ def test_real_drift_names_an_engine_fault_at_its_rollout_and_point(tmp_path, fau
         assert on["key"] == key
     else:
         assert any(c["kind"] == "routing" and c["summary"].startswith(f"layer {LAYER}:") for c in on["changes"])
+
+
+# ------------------------------------------------------------------ the periodic default mode
+
+
+@pytest.fixture(scope="module")
+def default_mode_runs(tmp_path_factory):
+    """Three runs (clean, precision, routing) of five rollouts in one engine+trainer world, --tic-trace-every 1
+    and no --tic-trace-mode: rollouts 1-4 are traced in the periodic default mode only."""
+    return run_scenario("drift_default_mode", tmp_path_factory.mktemp("slime-drift-default"))
+
+
+def _drift_doc(run: dict, out: Path, expect_rc: int) -> dict:
+    from tic_trace.tools.cli import main as cli_main
+    assert cli_main(["drift", run["dir"], "--json", str(out)]) == expect_rc
+    doc = json.loads(out.read_text())
+    assert doc["weight_sync"] is None
+    rollouts = doc["rollouts"]
+    # every periodic rollout is compared on numbers: its rows met on both sides, errors at every layer's points
+    assert [r["status"] for r in rollouts] == ["compared"] * len(rollouts)
+    for r in rollouts[1:]:
+        assert r["verdict"] != "not_comparable" and r["rows"] > 0, r
+        assert isinstance(r["errors"]["mid"]["1"], float) and isinstance(r["dlogprob"], float), r["errors"].keys()
+    return doc
+
+
+def test_real_drift_default_periodic_mode_logs_its_traces(default_mode_runs):
+    res = default_mode_runs
+    for run in res["runs"].values():
+        log = run["log"]
+        assert len(log) == res["rollouts"], log
+        assert "traced (rows)" in log[0] and all("traced (subset)" in ln for ln in log[1:]), log
+        assert all("megatron " in ln and "sglang " in ln and "(none written)" not in ln for ln in log)
+
+
+def test_real_drift_default_periodic_mode_clean_run_has_no_onset(default_mode_runs, tmp_path):
+    doc = _drift_doc(default_mode_runs["runs"]["clean"], tmp_path / "clean.json", 0)
+    assert doc["onset"] is None and doc["onset_note"].startswith("no onset")
+    assert {r["verdict"] for r in doc["rollouts"]} == {"consistent"}
+
+
+@pytest.mark.parametrize("fault", ["precision", "routing"])
+def test_real_drift_default_periodic_mode_names_the_onset(default_mode_runs, tmp_path, fault):
+    """A bf16 residual add / a top-k bias in the engine's layer 1 from rollout 3: with only the periodic
+    default traces after rollout 0, the onset is at rollout 3 and its point, with its error."""
+    from tic_trace.testing.drift_runs import LAYER
+    res = default_mode_runs
+    doc = _drift_doc(res["runs"][fault], tmp_path / f"{fault}.json", 1)
+    on = doc["onset"]
+    assert on["rollout_id"] == res["fault_from"] and on["layer"] == LAYER, on
+    assert isinstance(on["error"], float) and on["error"] > on["threshold"] >= on["baseline"]
+    start = res["fault_from"]
+    assert [r["verdict"] for r in doc["rollouts"][:start]] == ["consistent"] * start
+    if fault == "precision":
+        assert on["key"] == "L1.mid"
+    else:
+        assert on["point"].startswith("moe."), on

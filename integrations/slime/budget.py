@@ -3,9 +3,10 @@
 Called by the Megatron side when its trace of a rollout closes (the SGLang side of that rollout was written
 while it was generated, before training), on torch.distributed rank 0 only. `--tic-trace-disk-budget`: when
 everything under `--tic-trace-dir` is over the budget, the oldest rollouts traced with values (`rows` /
-`full`) are removed, both sides, oldest first, never the rollout just traced; statistics-only rollouts (the
-periodic `stats` traces, a few hundred KB) are kept. A removed rollout keeps its directory with a `PRUNED`
-file saying why, so `tic-trace drift` names it instead of dropping it silently."""
+`full`) are removed, both sides, oldest first, never the rollout just traced; then, if that was not enough, the
+oldest `subset` rollouts (the periodic default: a few rows per sample, the drift timeline's numerics);
+statistics-only rollouts are kept. A removed rollout keeps its directory with a `PRUNED` file saying why, so
+`tic-trace drift` names it instead of dropping it silently."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tic_trace.integrations.slime.config import mode_for, rollout_dir, traced
+from tic_trace.integrations.slime.config import CHEAP_MODES, mode_for, rollout_dir, traced
 
 log = logging.getLogger("tic_trace.slime")
 PRUNED_MARK = "PRUNED"        # tic_trace.drift.timeline.PRUNED_MARK reads it
@@ -57,19 +58,28 @@ def _rank0() -> bool:
         return True
 
 
+def _prune_rank(args: Any, rid: int) -> int | None:
+    """In which round the budget removes rollout `rid`: 0 for `rows`/`full`, 1 for the cheap periodic modes,
+    None (never) for statistics-only rollouts. A directory no rule traces (an earlier run's) counts as values."""
+    mode = mode_for(args, rid) if traced(args, rid) else "rows"
+    return None if mode == "stats" else 1 if mode in CHEAP_MODES else 0
+
+
 def prune(args: Any, keep: int) -> list[int]:
-    """Remove the oldest value-holding rollouts until the traces fit `args.tic_trace_disk_budget`."""
+    """Remove the oldest value-holding rollouts until the traces fit `args.tic_trace_disk_budget`: `rows` /
+    `full` ones first, then `subset` ones, each oldest first."""
     budget = getattr(args, "tic_trace_disk_budget", None)
     base = Path(args.tic_trace_dir)
     if not budget or not base.is_dir():
         return []
     total = tree_size(base)
     removed = []
-    for d in sorted(p for p in base.glob("rollout_*") if p.is_dir() and p.name[8:].isdigit()):
+    dirs = [(int(p.name[8:]), p) for p in base.glob("rollout_*") if p.is_dir() and p.name[8:].isdigit()]
+    ranked = [(r, rid, d) for rid, d in dirs if (r := _prune_rank(args, rid)) is not None]
+    for _rank, rid, d in sorted(ranked):
         if total <= budget:
             break
-        rid = int(d.name[8:])
-        if rid == keep or (d / PRUNED_MARK).exists() or (traced(args, rid) and mode_for(args, rid) == "stats"):
+        if rid == keep or (d / PRUNED_MARK).exists():
             continue
         size = tree_size(d)
         for s in SIDES:

@@ -16,12 +16,16 @@ from typing import Any
 
 log = logging.getLogger("tic_trace.slime")
 
-MODES = ("stats", "full", "rows")
+#: `subset`: `rows` of a few rows per sample chosen by (sample, position) alone (tic_trace.record.row_subset),
+#: so that both sides keep the same rows however they batch them: comparable numerics at a small cost.
+MODES = ("stats", "full", "rows", "subset")
 DEFAULT_ROLLOUT_IDS = "0"
 DEFAULT_MAX_SAMPLES = 4
 DEFAULT_MODE = "rows"
 #: How rollouts traced only because of --tic-trace-every are recorded unless --tic-trace-mode says otherwise.
-PERIODIC_MODE = "stats"
+PERIODIC_MODE = "subset"
+#: Modes whose rollouts the disk budget removes last (the cheap periodic ones) or never (statistics only).
+CHEAP_MODES = ("subset",)
 
 #: The package whose attributes the hook paths name (slime's load_function wants ``pkg.module.attr``).
 _HERE = __name__.rpartition(".")[0]   # "tic_trace.integrations.slime"
@@ -70,17 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"n_samples_per_prompt is below this (default {DEFAULT_MAX_SAMPLES}).")
     g.add_argument("--tic-trace-every", type=int, default=0,
                    help="Also trace every N-th rollout (ids divisible by N), for `tic-trace drift`; 0 (default): "
-                        "only --tic-trace-rollout-ids. These periodic traces are 'stats' unless --tic-trace-mode "
+                        "only --tic-trace-rollout-ids. These periodic traces are 'subset' unless --tic-trace-mode "
                         "is given.")
     g.add_argument("--tic-trace-disk-budget", type=str, default=None,
                    help="Most bytes the traces may take under --tic-trace-dir (e.g. 20G, 500M): past it, the "
-                        "oldest rollouts traced with values ('rows'/'full') are removed, statistics-only ones "
-                        "kept. Default: no budget.")
+                        "oldest rollouts traced with values ('rows'/'full') are removed, then the oldest 'subset' "
+                        "ones; statistics-only ones are kept. Default: no budget.")
     g.add_argument("--tic-trace-mode", type=str, default=None, choices=MODES,
                    help="How the canonical points are recorded: 'rows' (values of the traced samples' tokens, "
-                        "default for --tic-trace-rollout-ids), 'full' (whole tensors), 'stats' (statistics only, "
-                        "default for --tic-trace-every; cannot join differently batched passes). Dispatcher ops "
-                        "are always recorded as statistics.")
+                        "default for --tic-trace-rollout-ids), 'subset' (values of a few of those tokens per "
+                        "sample, chosen by position: 0, powers of two, one in 512; default for --tic-trace-every), "
+                        "'full' (whole tensors), 'stats' (statistics only; cannot join differently batched "
+                        "passes). Dispatcher ops are always recorded as statistics.")
     g.add_argument("--tic-trace-filter", type=str, nargs="+", default=None,
                    help="Module-path globs to record (both frameworks' names, e.g. '*layers.0*' "
                         "'*layers.1*'); 're:' prefix for a regex. Default: every module.")
@@ -218,10 +223,19 @@ def _listed(args: Any) -> list[int]:
 
 def mode_for(args: Any, rollout_id: int) -> str:
     """The points mode of a traced rollout: --tic-trace-mode for listed rollouts (default rows), the periodic
-    mode (default stats) for rollouts traced only because of --tic-trace-every."""
+    mode (default subset) for rollouts traced only because of --tic-trace-every."""
     if int(rollout_id) in _listed(args):
         return args.tic_trace_mode
     return getattr(args, "tic_trace_periodic_mode", None) or PERIODIC_MODE
+
+
+def tracer_points_mode(mode: str) -> tuple[str, Any]:
+    """A --tic-trace-mode as the tracer's ``points_mode`` and ``row_subset`` (``subset``: ``rows`` with the
+    identity rule of tic_trace.record.row_subset, the one the SGLang hook applies too)."""
+    if mode == "subset":
+        from tic_trace.record.row_subset import RowSubset
+        return "rows", RowSubset()
+    return mode, None
 
 
 # ================================================================== configure

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from tic_trace.integrations.slime.config import (
-    chained_hook, enabled, mode_for, rollout_dir, sample_key, selected, traced, warn_once,
+    chained_hook, enabled, mode_for, rollout_dir, sample_key, selected, traced, tracer_points_mode, warn_once,
 )
 from tic_trace.integrations.slime.version import check_megatron_side
 
@@ -61,9 +61,10 @@ class _Session:
         from tic_trace import Filters
         a = self.args
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        points_mode, subset = tracer_points_mode(mode_for(a, self.rollout_id))
         self.tracer = tic_trace.trace(
-            self.chunks, self.out_dir, adapter=_megatron_adapter(a), mode="stats", points_mode=mode_for(a, self.rollout_id),
-            filters=Filters(modules=a.tic_trace_filter) if a.tic_trace_filter else None, rank=rank,
+            self.chunks, self.out_dir, adapter=_megatron_adapter(a), mode="stats", points_mode=points_mode,
+            row_subset=subset, filters=Filters(modules=a.tic_trace_filter) if a.tic_trace_filter else None, rank=rank,
             # the packing appends one padding pseudo-sequence: no key
             sample_keys=keys + [None], tag=self.phase,
             manifest={"slime": {"rollout_id": self.rollout_id, "phase": self.phase, "store_prefix": "",

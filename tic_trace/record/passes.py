@@ -31,6 +31,8 @@ class PassLifecycle:
              "created": time.time(),
              "tracer": {"mode": self.mode, "points_mode": self.points_mode, "record_views": self.record_views,
                         "skip_recompute": self.skip_recompute, "sample_rows": self.sample_rows}}
+        if getattr(self, "row_subset", None) is not None:
+            m["tracer"]["row_subset"] = self.row_subset.describe()
         if self.adapter is not None:
             m["model"] = self.adapter.describe(self.models)
             m["parallel"] = self.adapter.parallel_layout()

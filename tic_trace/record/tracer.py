@@ -29,6 +29,7 @@ from .guard import GuardedEntry
 from .host_copy import DEFAULT_CAP_BYTES, HostStager
 from .modules import ModuleHooks, _Frame
 from .passes import PassLifecycle, new_run_id
+from .row_subset import RowSubset
 from .stat_slots import StatSlots
 from .weights import ParameterHasher
 
@@ -43,7 +44,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
                  auto_step: bool = False, sample_rows: Sequence[int] | None = None,
                  sample_keys: Sequence[str] | None = None, tag: str | None = None, manifest: dict | None = None,
                  run: str | None = None, pinned_cap_bytes: int = DEFAULT_CAP_BYTES, on_cap: str = "wait",
-                 reuse_aliases: bool = True, durable: bool = False):
+                 reuse_aliases: bool = True, durable: bool = False, row_subset: RowSubset | None = None):
         if mode not in MODES or (points_mode is not None and points_mode not in MODES):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}/{points_mode!r}")
         self.models = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -56,6 +57,8 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self.auto_step = auto_step
         self.sample_rows = list(sample_rows) if sample_rows is not None else None
         self.sample_keys = list(sample_keys) if sample_keys is not None else None
+        # rows mode: of the sample rows, only those whose (key, position) the subset keeps (row_subset.py)
+        self.row_subset = row_subset
         self.tag = tag
         self.extra_manifest = dict(manifest or {})
         # A trace directory holds one run (docs/security.md). Tracers that deliberately write one run together
@@ -235,8 +238,8 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
                           "positions": [int(p) for p in positions],
                           "tokens": None if tokens is None else [int(t) for t in tokens]}
             self._n_rows = len(keys)
-            if self.sample_rows is not None:
-                sel = [i for i in self.sample_rows if 0 <= i < self._n_rows]
+            sel = self._selected_rows()
+            if sel is not None:
                 self._row_select = torch.tensor(sel, dtype=torch.long)
                 self._row_select_list = sel
                 self._row_select_dev = {}
@@ -244,6 +247,18 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
                 self._row_select = None
         except Exception as e:  # noqa: BLE001
             self._fail(e)
+
+    def _selected_rows(self) -> list[int] | None:
+        """The rows of the current pass whose values `rows` mode stores: `sample_rows` that are rows of the table,
+        and, with a `row_subset`, only those it keeps (None where the pass then stores no row: statistics only)."""
+        if self.sample_rows is None:
+            return None
+        sel = [i for i in self.sample_rows if 0 <= i < self._n_rows]
+        if self.row_subset is None:
+            return sel
+        keys, positions = self._rows["keys"], self._rows["positions"]
+        sel = [i for i in sel if self.row_subset.keeps(keys[i], positions[i])]
+        return sel or None
 
     def __enter__(self) -> "Tracer":
         return self.start()

@@ -66,12 +66,19 @@ class ModelConfig(TypedDict, total=False):
     dtype: str | None
 
 
+class RowSubsetSettings(TypedDict, total=False):
+    """`tracer.row_subset`: the identity rule that chose a `rows` trace's rows (record/row_subset.py)."""
+    rule: ShortText
+    stride: int
+
+
 class TracerSettings(TypedDict, total=False):
     mode: str
     points_mode: str
     record_views: bool
     skip_recompute: bool
     sample_rows: list[int] | None
+    row_subset: RowSubsetSettings
 
 
 class Manifest(TypedDict, total=False):
