@@ -1,12 +1,15 @@
 """Clean variants on each side's own inputs (tic_trace/replay/variants.py): the per-point envelope and the
 fingerprint, on real HF Qwen3-MoE bf16 pairs with clean implementations and precision faults planted in the
-computation of side B (tic_trace/testing/clean_variants.py, precision_faults.py), on random-init weights and
-on trained-like statistics (tic_trace/testing/trained_like.py)."""
+computation of side B (tic_trace/testing/clean_variants.py, precision_faults.py), on three weight
+distributions: random init, wide log-normal norm gains, and trained-like statistics (those gains with massive
+activations and attention sinks, tic_trace/testing/trained_like.py)."""
 import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
+
+import tic_trace
 
 from tic_trace.compare.judge import decode_intrinsic, encode_intrinsic
 from tic_trace.replay.intrinsic import IntrinsicError, replay_side
@@ -25,21 +28,32 @@ IDS = sample_tokens(2, 16)
 
 def _model(dist: str):
     m = bf16_model()
-    if dist == "massive":         # log-normal gains, massive channels on each sample's first row, sinks
+    if dist in ("gains", "massive"):     # log-normal norm gains over orders of magnitude (0.002-41)
         trained_like.lognormal_norm_gains(m, seed=1, sigma=1.5, high=41.0, include_qk=True)
+    if dist == "massive":         # and massive channels on each sample's first row, attention sinks
         trained_like.massive_activations(m, sorted({int(IDS[0, 0]), int(IDS[1, 0])}), channels=(3, 17), scale=2000.0,
                                          positive=True)
         trained_like.attention_sinks(m)
     return m
 
 
-@pytest.fixture(scope="module", params=["random", "massive"])
+@pytest.fixture(scope="module", params=["random", "gains", "massive"])
 def pair_base(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"variants_{request.param}")
     a = _model(request.param)
     a.save_pretrained(d / "ck")
     trace_hf(a, d / "a", IDS)
     return request.param, d / "ck", d / "a"
+
+
+def _trace_split(model, path):
+    """Each sample in a forward of its own, in the other order: other GEMM shapes, the same rows."""
+    with tic_trace.trace(model, path, adapter="hf", points_mode="full") as t, torch.no_grad():
+        for i in reversed(range(IDS.shape[0])):
+            t.sample_keys = [f"s{i}"]
+            model(IDS[i:i + 1])
+            t.step()
+    assert t.failed is None, t.failed
 
 
 def _side_b(dist, path, clean=None, fault=None):
@@ -50,7 +64,10 @@ def _side_b(dist, path, clean=None, fault=None):
     if fault:
         PRECISION_FAULTS[fault].plant(m, 1)
     with ctx:
-        trace_hf(m, path, IDS)
+        if clean == "batch_split":
+            _trace_split(m, path)
+        else:
+            trace_hf(m, path, IDS)
     return path
 
 
@@ -73,6 +90,8 @@ def test_variants_reproduce_clean_hf_bf16(pair_base):
 CLEAN_PAIRS = [("tp2_row_parallel", "L0.attn.out", "row_parallel_tp2"),
                ("tp4_row_parallel", "L1.attn.out", "row_parallel_tp4"),
                ("sdpa", "L0.attn.core", "sdpa"),
+               ("sdpa_math", "L0.attn.core", None),
+               ("batch_split", "L1.moe.experts_out", None),
                ("flash_attention", "L0.attn.core", None),
                ("fused_norm", "L1.attn_norm", "fp32_gain_before_cast"),
                ("rope_fp32_tables", "L1.attn.q_rope", "fp32_tables")]
