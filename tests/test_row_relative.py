@@ -106,3 +106,33 @@ def test_fault_on_an_ordinary_row_after_the_massive_rows_is_found_at_its_point(e
     assert fd["decided_by_row"] == f"s{b}@{t}", fd["worst_rows"]
     keys = [p.key for p in rep.points]
     assert all(p.status != "divergent" for p in rep.points[:keys.index("L2.mlp.out")])
+
+
+def test_excess_is_row_relative_so_massive_rows_do_not_hide_ordinary_rows_errors():
+    """A side's excess over the rounding floor (IntrinsicError.excess, and each clean variant's, which set the
+    envelope) is measured per row against that row's own floor: one row 10^4x the others, correctly rounded,
+    no longer hides a 3x-floor error in every ordinary row (over all elements at once it reads ~1.0)."""
+    import numpy as np
+
+    from tic_trace.replay.grid import grid_spacing, round_to, row_relative_excess
+    from tic_trace.replay.intrinsic import intrinsic_error
+
+    rng = np.random.default_rng(0)
+    exact = rng.standard_normal((32, 64))
+    exact[0] *= 1e4                                   # the massive row (BOS)
+    rounded = round_to(exact, "bfloat16")
+    y = rounded + 2 * grid_spacing(rounded, "bfloat16") * rng.choice([-1.0, 1.0], exact.shape)
+    y[0] = rounded[0]                                 # ordinary rows 2 bf16 steps off, the massive one rounded
+    e = intrinsic_error("mid", 1, y.astype(np.float32), exact, "bfloat16")
+    assert e.dtype == "bfloat16"
+    all_elements = e.rel_l2 / e.rel_floor
+    assert all_elements < 1.1                          # the massive row's floor swamps the rest
+    assert e.excess == e.row_excess and e.excess > 4.0, (e.excess, all_elements)
+    floor = rounded - exact
+    # a correctly rounded side is 1.0 whatever its rows' scales; a uniform error reads the same either way
+    assert row_relative_excess(floor, floor) == pytest.approx(1.0)
+    uniform = rng.standard_normal((32, 64))
+    f = round_to(uniform, "bfloat16") - uniform
+    assert row_relative_excess(2 * f, f) == pytest.approx(2.0)
+    # rows too short for their own floor fall back to the all-elements ratio (top-k weights: k values a row)
+    assert row_relative_excess(f[:, :4], f[:, :4]) == 0.0

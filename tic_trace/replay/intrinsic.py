@@ -19,7 +19,7 @@ import torch
 from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.dtypes import dtype_info, known_dtype
 from ..view.align import CanonicalTensor, CanonicalView
-from .grid import effective_dtype, grid_spacing, round_to  # noqa: F401 - public here too
+from .grid import effective_dtype, grid_spacing, round_to, row_relative_excess  # noqa: F401 - public here too
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
 from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
@@ -59,12 +59,17 @@ class IntrinsicError:
     match_equal: float = 0.0   # share of this side's elements bit-equal to that variant's
     match_dist: float = 0.0    # this side's distance from it, in units of the rounding floor
     clean_dist: float = 0.0    # this side's distance from the nearest clean variant, same units
+    row_excess: float = 0.0    # the excess measured per row against its own floor, RMS over rows
+                               # (grid.row_relative_excess; 0: not measured, old reports)
 
     @property
     def excess(self) -> float:
-        """rel_l2 in units of the unavoidable rounding error: 1.0 = correctly rounded, ~1.4 = two roundings."""
+        """The error in units of the unavoidable rounding error: 1.0 = correctly rounded, ~1.4 = two roundings.
+        Row-relative where measured (`row_excess`), else rel_l2 / rel_floor over all elements."""
         if self.kind == "ids":
             return 1.0 if self.rel_l2 == 0 else math.inf
+        if self.row_excess > 0:
+            return self.row_excess
         if self.rel_floor > 0:
             return self.rel_l2 / self.rel_floor
         return 1.0 if self.rel_l2 == 0 else math.inf
@@ -137,7 +142,8 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
         scale_err=_row_scale(d, r0), scale_floor=_row_scale(f0, r0),
         head_scale_err=_head_scale(d, r0, head_dim), head_scale_floor=_head_scale(f0, r0, head_dim),
-        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "", op=op)
+        nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "", op=op,
+        row_excess=row_relative_excess(d, f0))
 
 
 def _row_scale(d: np.ndarray, r: np.ndarray) -> float:

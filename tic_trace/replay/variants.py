@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .grid import round_to
+from .grid import round_to, row_relative_excess
 from .reference import NotReplayable
 
 F64 = torch.float64
@@ -434,9 +434,13 @@ def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, 
     r = exact.reshape(n, -1)
     yy = y.reshape(n, -1).astype(np.float64)
     nr = float(np.sqrt((r ** 2).sum()))
-    floor = float(np.sqrt(((round_to(r, dtype) - r) ** 2).sum()))
+    f0 = round_to(r, dtype) - r
+    floor = float(np.sqrt((f0 ** 2).sum()))
     if nr == 0 or floor == 0:
         return out
+
+    def excess(v: np.ndarray) -> float:      # as the side's own (IntrinsicError.excess): row-relative
+        return row_relative_excess(v - r, f0) or float(np.sqrt(((v - r) ** 2).sum())) / floor
     for var in VARIANTS.get(key, ()):
         try:
             got = var.fn(vin)
@@ -450,7 +454,7 @@ def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, 
                 continue
             out.append(VariantResult(var.name + (f"_{suffix}" if suffix else ""), var.clean,
                                      var.what + (f" ({suffix.upper()})" if suffix else ""),
-                                     float(np.sqrt(((v - r) ** 2).sum())) / floor,
+                                     excess(v),
                                      float(np.sqrt(((yy - v) ** 2).sum())) / floor, float((yy == v).mean())))
     return out
 
