@@ -11,7 +11,7 @@ import torch
 
 from tic_trace import find_divergence
 from tic_trace.graph.canonical import parse_key
-from tic_trace.testing.hf_models import build_hf_model, sample_tokens
+from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
 
 from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
 from conftest import trace_hf
@@ -19,10 +19,10 @@ from conftest import trace_hf
 IDS = sample_tokens(2, 10)
 
 
-def _model(name: str):
+def _model(name: str, dtype=torch.float32):
     cfg = GEMMA_PHI3_GPTOSS[name]()
     cfg._attn_implementation = "eager"
-    model = build_hf_model(cfg)
+    model = build_hf_model(cfg) if dtype == torch.float32 else build_hf_model_stable(cfg, dtype=dtype)
     assert type(model).__name__ == name
     return model
 
@@ -169,3 +169,41 @@ def test_gpt_oss_swiglu_clamp_fault_is_found_at_the_experts(tmp_path):
     def plant(model):
         _layer(model, 1).mlp.experts.limit = 0.05
     assert _first(tmp_path, "GptOssForCausalLM", plant) == ("moe.experts_out", 1)
+
+
+# ------------------------------------------------------------------------------------------------ bf16, replayed
+
+def _replayed_first(tmp_path, name: str, plant) -> tuple[str, str, str]:
+    """(key, cause, blamed side) of the first divergence of a bf16 pair, B planted, both replayed against the
+    checkpoint both ran: the architecture's own op replayed exactly names the side that computes it worse."""
+    model = _model(name, torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    plant(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
+    return rep.first["key"], rep.first["cause"], rep.first["replay"]["side"]
+
+
+def _no_upcast(norm: torch.nn.Module) -> None:
+    """A Gemma RMSNorm computed in the input's dtype throughout (no fp32 upcast): a precision fault."""
+    def forward(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight)
+    norm.forward = forward
+
+
+def test_gemma2_bf16_sandwich_norm_without_upcast_is_blamed_on_its_side(tmp_path):
+    got = _replayed_first(tmp_path, "Gemma2ForCausalLM",
+                          lambda m: _no_upcast(_layer(m, 1).post_attention_layernorm))
+    assert got == ("L1.attn.post_norm", "intrinsic", "B")
+
+
+def test_gemma3_bf16_q_norm_without_upcast_is_blamed_on_its_side(tmp_path):
+    got = _replayed_first(tmp_path, "Gemma3ForCausalLM", lambda m: _no_upcast(_layer(m, 0).self_attn.q_norm))
+    assert got == ("L0.attn.q_norm", "intrinsic", "B")
+
+
+def test_gpt_oss_bf16_experts_with_another_clamp_are_blamed_on_their_side(tmp_path):
+    def plant(model):
+        _layer(model, 1).mlp.experts.limit = 0.05
+    assert _replayed_first(tmp_path, "GptOssForCausalLM", plant) == ("L1.moe.experts_out", "intrinsic", "B")
