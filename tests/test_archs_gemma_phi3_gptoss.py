@@ -207,3 +207,27 @@ def test_gpt_oss_bf16_experts_with_another_clamp_are_blamed_on_their_side(tmp_pa
     def plant(model):
         _layer(model, 1).mlp.experts.limit = 0.05
     assert _replayed_first(tmp_path, "GptOssForCausalLM", plant) == ("L1.moe.experts_out", "intrinsic", "B")
+
+
+def test_phi3_with_partial_rotary_bf16_clean_pair_is_consistent_and_replayed_everywhere(tmp_path):
+    """Phi-4-mini is a Phi3ForCausalLM rotating part of each head (partial_rotary_factor 0.75): the replay's
+    RoPE rotates the same dims, so a clean bf16 pair is consistent with every point replayed."""
+    import transformers as T
+
+    from arch_configs_gemma_phi3_gptoss import COMMON
+    cfg = T.Phi3Config(**{k: v for k, v in COMMON.items() if k != "head_dim"},
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    cfg._attn_implementation = "eager"
+    model = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
+    assert rep.verdict == "consistent" and not [n for n in rep.notes if n.kind == "not_replayed"]
+    far = [(p.key, e["excess"], e["limit"]) for p in rep.points for e in (p.intrinsic or {}).values()
+           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    assert not far, far
+    rope = next(p for p in rep.points if p.key == "L0.attn.q_rope")
+    # reproduced by a clean RoPE (a replay rotating other dims would match none and be far from exact)
+    e = rope.intrinsic["a"]
+    assert e["match_kind"] == "clean" and e["match"] in ("bf16_tables", "fp32_tables") and e["excess"] < 2, e
