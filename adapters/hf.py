@@ -151,7 +151,8 @@ class HFAdapter(Adapter):
         cfg = getattr(models[0], "config", None)
         if cfg is None:
             return {}
-        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act"))
+        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act",
+                                   "hidden_activation"))       # Gemma's name for it
         return {k.lstrip("_"): v for k, v in out.items()}
 
     def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
