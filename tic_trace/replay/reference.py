@@ -20,9 +20,10 @@ import torch
 
 from ..graph.canonical import BY_NAME
 from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
+from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .model_spec import ModelSpec, yarn_inv_freq_and_scale
-from .not_replayable import NotReplayable  # noqa: F401 - public here (its home before arch_ops needed it)
+from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 
 RowId = tuple[str, int]
 F64 = torch.float64
@@ -58,7 +59,6 @@ def gated_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Ten
 def rope_inv_freq(spec: ModelSpec, layer: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float64) and the cos/sin scale, for the RoPE kinds HF configs state (at `layer`:
     that layer type's RoPE where the config gives one per layer type, Gemma3)."""
-    from .arch_spec import rope_of_layer
     r = rope_of_layer(spec, layer)
     dim = int(spec.head_dim * r.partial_rotary_factor)
     if r.kind == "yarn":
