@@ -231,3 +231,27 @@ def test_phi3_with_partial_rotary_bf16_clean_pair_is_consistent_and_replayed_eve
     # reproduced by a clean RoPE (a replay rotating other dims would match none and be far from exact)
     e = rope.intrinsic["a"]
     assert e["match_kind"] == "clean" and e["match"] in ("bf16_tables", "fp32_tables") and e["excess"] < 2, e
+
+
+def test_gemma3_with_linear_scaled_global_rope_bf16_clean_pair_is_consistent(tmp_path):
+    """Real Gemma3 checkpoints scale the global layers' RoPE (linear, factor 8) and leave the local ones plain:
+    each layer replayed with its own layer type's RoPE, a clean bf16 pair is consistent, no contract difference."""
+    import transformers as T
+
+    from arch_configs_gemma_phi3_gptoss import COMMON
+    cfg = T.Gemma3TextConfig(**COMMON, sliding_window=4, query_pre_attn_scalar=16,
+                             layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    cfg._attn_implementation = "eager"
+    model = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
+    assert rep.verdict == "consistent" and not [n for n in rep.notes if n.kind == "not_replayed"]
+    assert [d for d in rep.contract if d["section"] != "reference"] == []
+    for key in ("L0.attn.q_rope", "L1.attn.q_rope"):      # sliding (plain, base 1e4) and full (linear x8, 1e6)
+        e = next(p for p in rep.points if p.key == key).intrinsic["a"]
+        assert e["match_kind"] == "clean" and e["excess"] < 2, (key, e)
