@@ -62,7 +62,7 @@ OVERRIDDEN = frozenset((pm.point, a) for pm in POINTS for a in pm.opts["archs"])
 
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
-_T = "`tests/test_archs_gemma_phi3_gptoss.py`"
+_T = "`tests/test_supported_archs.py`, `tests/test_archs_gemma_phi3_gptoss.py`"
 
 ARCHITECTURES = (
     Architecture("Gemma2ForCausalLM", ("Gemma 2",),
