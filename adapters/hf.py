@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
 _L = r"model\.layers\.(?P<layer>\d+)"
@@ -45,7 +46,7 @@ POINTS = (
     PointMap("output", _L + r":out(\[0\])?"),
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
-)
+) + _more.POINTS       # Gemma2/3, Phi-3, GPT-OSS rows (each for its architectures only)
 
 
 _QK = ("attn.q_norm", "attn.k_norm")
@@ -74,20 +75,14 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
                  "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
                  "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
+    *_more.ARCHITECTURES,
 )}
 
 REFUSED = {
-    "Gemma2ForCausalLM": "sandwich norms: `post_attention_layernorm` normalises the attention branch before the "
-                         "residual add (the table would call it `mlp_norm` and its input `mid`), "
-                         "`pre/post_feedforward_layernorm` are not mapped",
-    "Gemma3ForCausalLM": "sandwich norms as Gemma2 (`post_attention_layernorm` is not the pre-MLP norm), "
-                         "per-layer-type RoPE (sliding and full attention)",
     "DeepseekV3ForCausalLM": "multi-latent attention (`q_a/q_b/kv_a/kv_b` projections: no q, k, v), sigmoid "
                              "router with a score-correction bias and group-limited top-k, dense first layers",
     "Glm4MoeForCausalLM": "sigmoid router with a score-correction bias, shared experts and dense first layers, "
                           "partial RoPE: not verified",
-    "GptOssForCausalLM": "the router is `mlp.router` (not `mlp.gate`), attention sinks, YaRN RoPE: not verified",
-    "Phi3ForCausalLM": "fused `qkv_proj` and `gate_up_proj`: no q, k, v records",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention (`linear_attn`) besides gated "
                             "full attention",
 }
@@ -112,7 +107,7 @@ class HFAdapter(Adapter):
                         tracer.tap_function(ns, "apply_rotary_pos_emb")
                         tapped.add(ns.__name__)
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
-                                 "re:\\.post_attention_layernorm$"])
+                                 "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$"])
 
     def describe(self, models: list) -> dict:
         cfg = getattr(models[0], "config", None)
@@ -159,7 +154,8 @@ class HFAdapter(Adapter):
         cfg = getattr(models[0], "config", None)
         if cfg is None:
             return {}
-        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act"))
+        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act",
+                                   "hidden_activation"))       # Gemma's name for it
         return {k.lstrip("_"): v for k, v in out.items()}
 
     def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):
@@ -192,6 +188,9 @@ class HFAdapter(Adapter):
         return out_keys, out_pos, out_tok
 
     def applies(self, pm: PointMap, config: dict) -> bool:
+        only, arch = pm.opts.get("archs"), config.get("architecture")
+        if (arch not in only) if only is not None else (pm.point, arch) in _more.OVERRIDDEN:
+            return False                    # a row for other architectures, or one they replace
         if pm.point in _QK and not config.get("qk_norm", True):
             return False                    # the attention has no QK-norm module (read off the model)
         return super().applies(pm, config)
@@ -199,7 +198,7 @@ class HFAdapter(Adapter):
     def kept_rows(self, record_name: str, shape: tuple, n_rows: int) -> list[int] | None:
         """The logits of `logits_to_keep=k` (an int: what `generate()` passes, k=1): `[B, k, V]` for a pass of
         B*S rows holds the last k positions of each sample, rows b*S + S-k .. b*S + S-1."""
-        if record_name != "lm_head:out" or len(shape) != 3:
+        if record_name not in _LOGITS_RECORDS or len(shape) != 3:
             return None
         b, k = int(shape[0]), int(shape[1])
         if b <= 0 or k <= 0 or n_rows % b or b * k >= n_rows:
@@ -210,9 +209,12 @@ class HFAdapter(Adapter):
     def token_dims(self, record_name: str) -> int | None:
         if "apply_rotary_pos_emb" in record_name:
             return 0
-        if ".mlp.gate:" in record_name or ".mlp.experts:" in record_name:
+        if ".mlp.gate:" in record_name or ".mlp.router:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2
+
+
+_LOGITS_RECORDS = ("lm_head:out", "<root>:out['logits']")
 
 
 def _positions(kwargs: dict, b: int, s: int, mask):
@@ -262,10 +264,11 @@ def _keep_rows(tracer: Any, keep, b: int, s: int) -> None:
     import torch
     if keep is None or isinstance(keep, int) or not isinstance(keep, torch.Tensor):
         return
-    if keep.dim() == 2 and keep.dtype == torch.bool and tuple(keep.shape) == (b, s):
-        tracer.set_record_rows(r"lm_head:out", [i * s + j for i, j in keep.nonzero().tolist()])
-    elif keep.dim() >= 1:
-        tracer.set_record_rows(r"lm_head:out", [-1] * b)
+    for rx in (r"lm_head:out", r"<root>:out\['logits'\]"):    # the root's: Gemma's soft-capped logits
+        if keep.dim() == 2 and keep.dtype == torch.bool and tuple(keep.shape) == (b, s):
+            tracer.set_record_rows(rx, [i * s + j for i, j in keep.nonzero().tolist()])
+        elif keep.dim() >= 1:
+            tracer.set_record_rows(rx, [-1] * b)
 
 
 def _rope_theta(cfg) -> float | None:

@@ -26,6 +26,7 @@ from tic_trace.compare.diverge import rejudge
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
 from tic_trace.tools.cli import main as cli
 
+from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
 from conftest import trace_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,16 +48,13 @@ VERIFIED = {
     "Qwen2MoeForCausalLM": lambda: T.Qwen2MoeConfig(**COMMON, **MOE, num_experts=4, shared_expert_intermediate_size=64),
     "MixtralForCausalLM": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "OlmoeForCausalLM": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+    **GEMMA_PHI3_GPTOSS,
 }
 # Architectures the red team found mapped wrongly (or with false contract differences): refused by name.
 REFUSED = {
-    "Gemma2ForCausalLM": lambda: T.Gemma2Config(**COMMON),
-    "Gemma3ForCausalLM": lambda: T.Gemma3TextConfig(**COMMON),
     "DeepseekV3ForCausalLM": lambda: T.DeepseekV3Config(**_MLA, **_DEEPSEEK_MOE, kv_lora_rank=32, q_lora_rank=24,
                                                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
     "Glm4MoeForCausalLM": lambda: T.Glm4MoeConfig(**COMMON, **_DEEPSEEK_MOE),
-    "GptOssForCausalLM": lambda: T.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
-    "Phi3ForCausalLM": lambda: T.Phi3Config(**_NO_HEAD_DIM),
     "Qwen3NextForCausalLM": lambda: T.Qwen3NextConfig(**COMMON, **MOE, num_experts=4,
                                                       layer_types=["linear_attention", "full_attention"]),
 }
@@ -129,8 +127,11 @@ def test_verified_hf_architecture_clean_pair(tmp_path, name):
         if pm.point in arch.lacks:
             assert not [n for n in names if pm.regex().match(n)], (name, pm.point)
     # the points are what their names say: the residual stream around attention and MLP adds up
+    present = {p for p, _ in v.points()}
+    att_branch, mlp_branch = (p if p in present else f for p, f in (("attn.post_norm", "attn.out"),
+                                                                     ("mlp.post_norm", "mlp.out")))
     for layer in range(2):
-        inp, att, mid, mlp, out = (v.load(p, layer).values for p in ("input", "attn.out", "mid", "mlp.out", "output"))
+        inp, att, mid, mlp, out = (v.load(p, layer).values for p in ("input", att_branch, "mid", mlp_branch, "output"))
         np.testing.assert_allclose(inp + att, mid, rtol=0, atol=1e-6)
         np.testing.assert_allclose(mid + mlp, out, rtol=0, atol=1e-6)
 
@@ -194,14 +195,13 @@ def test_unverified_hf_architecture_is_refused_by_name(tmp_path, name):
     assert rejudge(doc) == doc               # a saved refusal stays one
 
 
-def _mid_is_not_the_residual(v: CanonicalView) -> bool:
-    inp, att, mid = (v.load(p, 1).values for p in ("input", "attn.out", "mid"))
-    return not np.allclose(inp + att, mid, rtol=0, atol=1e-4)
+# A class no table names (Mistral: mapped like Llama, never verified here) is unverified as a refused one is
+_UNLISTED = {"MistralForCausalLM": lambda: T.MistralConfig(**COMMON)}
 
 
-@pytest.mark.parametrize("name", ["Gemma2ForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("name", ["MistralForCausalLM", "DeepseekV3ForCausalLM"])
 def test_cli_refuses_then_traces_with_the_opt_in_saying_unverified_everywhere(tmp_path, capsys, name):
-    a, b, _ = _pair(tmp_path, REFUSED[name])
+    a, b, _ = _pair(tmp_path, {**REFUSED, **_UNLISTED}[name])
     capsys.readouterr()
     assert cli(["first-divergence", str(a), str(b)]) == 3
     out = capsys.readouterr().out
@@ -225,14 +225,6 @@ def test_cli_refuses_then_traces_with_the_opt_in_saying_unverified_everywhere(tm
     assert f"UNVERIFIED MAPPING: architecture {name}" in capsys.readouterr().out
     rep = find_divergence(str(a), str(b), allow_unverified=True)
     assert rep.verdict == "consistent" and len(_arch_notes(rep)) == 2
-
-
-def test_gemma2_is_refused_because_the_table_maps_it_wrongly(tmp_path):
-    """Why the refusal: traced anyway, Gemma2's `mid` (the input of post_attention_layernorm) is the attention
-    branch, not the residual stream, so input + attn.out != mid; a verified class satisfies the identity
-    (test_verified_hf_architecture_clean_pair)."""
-    a, _, _ = _pair(tmp_path, REFUSED["Gemma2ForCausalLM"])
-    assert _mid_is_not_the_residual(CanonicalView(str(a)))
 
 
 # ------------------------------------------------------------------------------------------------ contract
@@ -270,7 +262,7 @@ def test_config_keys_under_other_names_are_no_contract_difference(tmp_path):
 def test_rope_scaling_spelled_differently_is_no_difference_but_another_factor_is(tmp_path):
     """GPT-OSS's YaRN as the loaded config states it (defaults filled in) against its checkpoint, and against
     a config.json that spells the kind `type` and leaves the defaults out: no difference. Another factor is."""
-    desc, ck = _ckpt(tmp_path / "same", REFUSED["GptOssForCausalLM"])
+    desc, ck = _ckpt(tmp_path / "same", VERIFIED["GptOssForCausalLM"])
     assert desc["rope_scaling"]["rope_type"] == "yarn"
     assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
 
@@ -279,13 +271,13 @@ def test_rope_scaling_spelled_differently_is_no_difference_but_another_factor_is
         cfg["rope_theta"] = rope.pop("rope_theta", cfg.get("rope_theta"))
         cfg["rope_scaling"] = {"type": rope.pop("rope_type"), "factor": rope["factor"],
                                "original_max_position_embeddings": rope["original_max_position_embeddings"]}
-    desc, ck = _ckpt(tmp_path / "old", REFUSED["GptOssForCausalLM"], old_spelling)
+    desc, ck = _ckpt(tmp_path / "old", VERIFIED["GptOssForCausalLM"], old_spelling)
     assert ck["rope_scaling"] != desc["rope_scaling"]            # spelled differently, really
     assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
 
     def other_factor(cfg):
         (cfg.get("rope_parameters") or cfg["rope_scaling"])["factor"] = 8.0
-    desc, ck = _ckpt(tmp_path / "other", REFUSED["GptOssForCausalLM"], other_factor)
+    desc, ck = _ckpt(tmp_path / "other", VERIFIED["GptOssForCausalLM"], other_factor)
     assert [d.key for d in _diff_dicts("config", desc, ck, CONFIG_KEYS)] == ["rope_scaling"]
 
 
@@ -356,11 +348,11 @@ def test_a_custom_adapter_without_a_table_is_unverified():
 
 def test_tracing_an_unverified_model_never_breaks_the_forward(tmp_path, caplog):
     """The architecture is recorded at trace start: a loud log line, the forward's output untouched."""
-    model = build_hf_model(_config(REFUSED["Gemma2ForCausalLM"]))
+    model = build_hf_model(_config(REFUSED["Qwen3NextForCausalLM"]))
     with torch.no_grad():
         want = model(IDS).logits
     with caplog.at_level("WARNING", logger="tic_trace.adapter"):
         with tic_trace.trace(model, tmp_path / "t", adapter="hf", points_mode="full") as t, torch.no_grad():
             got = model(IDS).logits
     assert t.failed is None and torch.equal(got, want)
-    assert any("UNVERIFIED MAPPING" in r.getMessage() and "Gemma2ForCausalLM" in r.getMessage() for r in caplog.records)
+    assert any("UNVERIFIED MAPPING" in r.getMessage() and "Qwen3NextForCausalLM" in r.getMessage() for r in caplog.records)

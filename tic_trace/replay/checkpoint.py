@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
+from .arch_spec import arch_shapes
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -59,6 +60,9 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     if m is None:
         return None
     rest = m.group(2)
+    arch = arch_shapes(rest, spec)      # Phi-3's fused projections, GPT-OSS's experts (arch_spec.py)
+    if arch is not None:
+        return arch
     x = _EXPERT.fullmatch(rest)
     if x is not None:
         return [H, f] if x.group(2) == "down_proj" else [f, H]

@@ -22,6 +22,7 @@ from ..view.align import CanonicalTensor, CanonicalView
 from .grid import effective_dtype, grid_spacing, round_to, row_relative_excess  # noqa: F401 - public here too
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
+from .arch_variants import ARCH_VARIANTS
 from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
 
 _KV_FEEDS = ("attn.k_rope", "attn.v", "__kv_rows__")     # attention's every key/value row: not row-selected
@@ -262,13 +263,14 @@ class SideReplayer:
                        exact: np.ndarray) -> IntrinsicError:
         """The clean variants and known faults of the op, on (at most VARIANT_ROWS of) this side's own
         inputs: the point's envelope and this side's fingerprint (variants.py). 16-bit outputs only."""
-        if err.dtype not in DTYPES or err.kind != "float" or err.envelope_key not in VARIANTS:
+        variants = ARCH_VARIANTS.get(err.envelope_key) or VARIANTS.get(err.envelope_key)
+        if err.dtype not in DTYPES or err.kind != "float" or not variants:
             return err
         sel = variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
-        vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp)
-        fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype))
+        vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
+        fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants))
         return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
 
     def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:

@@ -203,7 +203,11 @@ _OP_WORDS = {"attn_norm": "RMSNorm", "mlp_norm": "RMSNorm", "final_norm": "RMSNo
              "attn.k_norm": "K-norm", "attn.q_rope": "RoPE", "attn.k_rope": "RoPE", "attn.core": "attention",
              "attn.q": "q_proj", "attn.k": "k_proj", "attn.v": "v_proj", "attn.out": "o_proj",
              "moe.router_logits": "router GEMM", "moe.topk_weights": "top-k weights", "moe.experts_out": "experts",
-             "gated_mlp": "gated MLP", "logits": "lm_head"}
+             "gated_mlp": "gated MLP", "logits": "lm_head",
+             # the ops of arch_ops.arch_op_of (Gemma, GPT-OSS)
+             "offset_rmsnorm": "RMSNorm (1 + w)", "attention_ext": "attention", "gated_mlp_act": "gated MLP",
+             "softcapped_logits": "lm_head + soft-cap", "router_bias_gemm": "router GEMM",
+             "clamped_swiglu_experts": "experts"}
 
 
 def fingerprint_text(e: IntrinsicError, side: str) -> str:

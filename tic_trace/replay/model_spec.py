@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .arch_spec import arch_facts  # Gemma, Phi-3, GPT-OSS facts
+
 # A real config.json is a few KB (multimodal ones tens of KB): anything this large is not one.
 CONFIG_MAX_BYTES = 4 << 20
 _BIG = 1 << 31            # bound of any count in config.json: a Python int, never an int64 wrap
@@ -151,14 +153,36 @@ class _Config:
         return _Config(v, self.where, f"{self.prefix}{key}.")
 
 
-def _rope_spec(c: _Config) -> RopeSpec:
+LAYER_TYPES = ("full_attention", "sliding_attention")     # the layer types a config may give a RoPE each
+
+
+def rope_params(c: _Config) -> "_Config":
+    """The config's RoPE object (`rope_parameters`, else the older `rope_scaling`; empty when neither)."""
     key = "rope_parameters" if c.has("rope_parameters") else "rope_scaling"
-    p = c.obj(key) or _Config({}, c.where, f"{c.prefix}{key}.")
+    return c.obj(key) or _Config({}, c.where, f"{c.prefix}{key}.")
+
+
+def layer_rope_specs(c: _Config) -> dict[str, RopeSpec]:
+    """Gemma3 style: one RoPE per layer type ({} when the config gives one RoPE for the model)."""
+    p = rope_params(c)
     nested = sorted(k for k, v in p.d.items() if isinstance(v, dict))
-    if nested:      # Gemma3 style: one RoPE per layer type; the reference knows one RoPE per model
-        raise CheckpointError(f"{c.where}: key '{c.prefix}{key}' holds one RoPE per layer type "
-                              f"({', '.join(nested[:3])}; Gemma3 style), which the exact reference does not "
-                              "replay (nor that model's other ops): leave out --reference to compare A with B alone")
+    if not nested:
+        return {}
+    if set(nested) - set(LAYER_TYPES) or set(p.d) - set(nested):
+        raise CheckpointError(f"{c.where}: key '{p.prefix[:-1]}' holds RoPE objects for {', '.join(nested[:3])}: "
+                              f"the exact reference knows one RoPE per model or one per layer type "
+                              f"({', '.join(LAYER_TYPES)}), not both mixed or others")
+    return {k: _rope_from(c, p.obj(k)) for k in nested}
+
+
+def _rope_spec(c: _Config) -> RopeSpec:
+    by_type = layer_rope_specs(c)
+    if by_type:     # the model's RoPE is the full-attention layers' (each layer's: arch_spec.rope_of_layer)
+        return by_type.get("full_attention") or next(iter(by_type.values()))
+    return _rope_from(c, rope_params(c))
+
+
+def _rope_from(c: _Config, p: _Config) -> RopeSpec:
     theta = p.num("rope_theta", 0.0, 1e12, default=None, lo_open=True)
     if theta is None:
         theta = c.num("rope_theta", 0.0, 1e12, default=10000.0, lo_open=True)
@@ -208,12 +232,14 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         vocab_size=c.int("vocab_size", 1, _BIG),
         # eps >= 0: a negative one makes the normalisation's square root undefined (a non-finite reference)
         rms_norm_eps=c.num("rms_norm_eps", 0.0, 1.0, default=1e-6),
-        rope=_rope_spec(c), hidden_act=c.str("hidden_act", "silu"),
+        # Gemma names its activation `hidden_activation`
+        rope=_rope_spec(c), hidden_act=c.str("hidden_act", "") or c.str("hidden_activation", "silu"),
         attention_bias=c.bool("attention_bias", model_type == "qwen2"),
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         num_experts=experts, num_experts_per_tok=topk,
         # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
-        norm_topk_prob=c.bool("norm_topk_prob", False) or model_type == "mixtral",
+        # (GPT-OSS's softmax over the top-k logits is the same renormalisation)
+        norm_topk_prob=c.bool("norm_topk_prob", False) or model_type in ("mixtral", "gpt_oss"),
         scoring_func=c.str("scoring_func", "softmax"),
         routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
         n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,
@@ -221,7 +247,8 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         n_shared_experts=c.int("n_shared_experts", 0, 1 << 16, default=0),
         max_position_embeddings=c.int("max_position_embeddings", 1, _BIG, default=None),
         intermediate_size=c.int("intermediate_size", 0, 1 << 24, default=0),
-        moe_intermediate_size=c.int("moe_intermediate_size", 0, 1 << 24, default=0))
+        moe_intermediate_size=c.int("moe_intermediate_size", 0, 1 << 24, default=0),
+        extra=arch_facts(c, model_type, hidden, layer_rope_specs(c)))
 
 
 def yarn_inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_pos: int | None):

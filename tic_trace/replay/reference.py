@@ -19,16 +19,14 @@ from typing import Callable
 import torch
 
 from ..graph.canonical import BY_NAME
+from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
+from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .model_spec import ModelSpec, yarn_inv_freq_and_scale
+from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 
 RowId = tuple[str, int]
 F64 = torch.float64
-
-
-class NotReplayable(Exception):
-    """This point cannot be recomputed here (no weights, rows missing, an op outside the schema): the reason
-    is said to the user, and the A-B rule decides the point as before."""
 
 
 # ---------------------------------------------------------------- pure float64 ops
@@ -58,9 +56,10 @@ def gated_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Ten
     return linear(fn(linear(x, wg)) * linear(x, wu), wd)
 
 
-def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the cos/sin scale, for the RoPE kinds HF configs state."""
-    r = spec.rope
+def rope_inv_freq(spec: ModelSpec, layer: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float64) and the cos/sin scale, for the RoPE kinds HF configs state (at `layer`:
+    that layer type's RoPE where the config gives one per layer type, Gemma3)."""
+    r = rope_of_layer(spec, layer)
     dim = int(spec.head_dim * r.partial_rotary_factor)
     if r.kind == "yarn":
         return yarn_inv_freq_and_scale(r, spec.head_dim, spec.max_position_embeddings)
@@ -70,9 +69,9 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     return inv, 1.0
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec, layer: int | None = None) -> torch.Tensor:
     """Rotate-half RoPE of x [rows, heads, head_dim] at `positions` [rows] (partial rotary: first dims only)."""
-    inv, scale = rope_inv_freq(spec)
+    inv, scale = rope_inv_freq(spec, layer)
     inv = inv.to(x.device)
     ang = positions.to(F64)[:, None] * inv[None, :]
     emb = torch.cat([ang, ang], dim=-1)
@@ -147,6 +146,10 @@ class _LayerWeights:
             if full in self._cache:
                 self.ref.read.append(full)
                 return self._cache[full]
+        for n in names:             # a tensor the checkpoint stores fused (Phi-3's qkv_proj), or under another name
+            t = derived_weight(self, n)
+            if t is not None:
+                return t
         if optional:
             return None
         raise NotReplayable(f"checkpoint has no {' / '.join(self.prefix + n for n in names)}")
@@ -171,6 +174,10 @@ class _LayerWeights:
 # ---------------------------------------------------------------- the reference
 
 def op_of(point: str, spec: ModelSpec) -> str:
+    return arch_op_of(point, spec) or _generic_op_of(point, spec)
+
+
+def _generic_op_of(point: str, spec: ModelSpec) -> str:
     """The op replayed at `point` where it depends on the model ('' = the point's own op): a dense model's
     `mlp.out` and a shared expert are a gated MLP (gate, up, act, product, down: five roundings in bf16); a
     MoE model's `mlp.out` adds the experts' output and, Qwen2-MoE style, the shared expert's scaled by a
@@ -187,6 +194,13 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
     """Canonical points whose recorded values the op producing `point` reads (canonical.SCHEMA's feeds, with
     the model's own shape: RoPE reads the projection itself when the model has no QK-norm, a dense MLP only
     its norm; `input`/`final_norm` read the previous layer's `output`, written `<prev>.output`)."""
+    arch = arch_inputs_of(point, spec)
+    if arch is not None:
+        return arch
+    if point == "mid":              # without sandwich norms (attn.post_norm, mlp.post_norm: Gemma's)
+        return ("input", "attn.out")
+    if point == "output":
+        return ("mid", "mlp.out")
     if point in ("attn.q_rope", "attn.k_rope") and not has_qk_norm:
         return ("attn.q",) if point == "attn.q_rope" else ("attn.k",)
     if point == "mlp.out":
@@ -226,6 +240,7 @@ class ExactReference:
         # tensor must not change the op replayed at every RoPE point.
         self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
                                for n in self.ckpt.info)
+        self.arch_ops = arch_ops(self.spec, _OPS)      # the ops this architecture computes otherwise (arch_ops.py)
 
     def for_view(self, view) -> "ExactReference":
         """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
@@ -251,7 +266,7 @@ class ExactReference:
                 tokens: dict[RowId, int] | None = None) -> torch.Tensor:
         """The exact output [rows, ...] of the op producing (point, layer) from `feeds` (float64, rows
         aligned with `rows`). Raises NotReplayable with the reason when it cannot."""
-        fn = _OPS.get(point)
+        fn = self.arch_ops.get(point) or _OPS.get(point)
         if fn is None:
             raise NotReplayable(f"{point} has no exact reference")
         self.read = []
@@ -293,7 +308,7 @@ def _rope(which: str) -> Callable:
     def op(ref: ExactReference, layer, feeds, rows, tokens):
         (x,) = feeds.values()
         pos = torch.tensor([p for _, p in rows], dtype=F64, device=x.device)
-        return apply_rope(x, pos, ref.spec)
+        return apply_rope(x, pos, ref.spec, layer)
     return op
 
 
@@ -325,8 +340,10 @@ def _attention(ref: ExactReference, layer, feeds, rows, tokens):
 
 
 def _add(a: str, b: str) -> Callable:
+    """The residual add of its two feeds (`b`, or the sandwich norm standing in for it: inputs_of)."""
     def op(ref, layer, feeds, rows, tokens):
-        return feeds[a] + feeds[b]
+        x, y = feeds.values()
+        return x + y
     return op
 
 

@@ -46,6 +46,7 @@ class VariantInput:
     rows: list
     dtype: torch.dtype
     tp: tuple[int, ...]
+    point: str = ""             # the canonical point (an op shared by several points reads its own weight)
 
     def w(self, *names: str, optional: bool = False):
         return self.ref.weights(self.layer).get(*names, optional=optional)
@@ -108,10 +109,12 @@ def _proj_variants(which: str, feed: str, row_parallel: bool) -> list[Variant]:
                      v.w(f"self_attn.{which}_proj.bias", optional=True))
     out = [Variant("fp32_accumulate", "fp32 accumulation", True, single)]
     if row_parallel:
+        def parallel(v: VariantInput, k: int) -> torch.Tensor:
+            y = _row_parallel(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype, k)
+            b = v.w(f"self_attn.{which}_proj.bias", optional=True)      # GPT-OSS: added after the reduction
+            return y if b is None else (y.float() + b.float()).to(v.dtype)
         out.append(Variant("row_parallel", "row-parallel, bf16 partials summed", True,
-                           lambda v: _tp_worst(v, lambda k: _row_parallel(v.feeds[feed],
-                                                                          v.w(f"self_attn.{which}_proj.weight"),
-                                                                          v.dtype, k))))
+                           lambda v: _tp_worst(v, lambda k: parallel(v, k))))
     return out
 
 
@@ -171,7 +174,7 @@ def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tens
 def _tables(v: VariantInput, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin in fp32 as HF and the engines build them: fp32 inverse frequencies times fp32 positions."""
     from .reference import rope_inv_freq
-    inv, scale = rope_inv_freq(v.spec)
+    inv, scale = rope_inv_freq(v.spec, v.layer)
     pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
     ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]
     emb = torch.cat([ang, ang], dim=-1)
@@ -426,9 +429,11 @@ def variant_rows(n: int) -> list[int]:
     return sorted({int(i) for i in np.linspace(0, n - 1, VARIANT_ROWS)})
 
 
-def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, dtype: str) -> list[VariantResult]:
+def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, dtype: str,
+                 variants: list[Variant] | None = None) -> list[VariantResult]:
     """Every variant of `key` (a point, or the op replayed: `reference.op_of`) on these inputs, measured
-    against the exact value and against the side's output `y` (both [rows, ...] of the same rows)."""
+    against the exact value and against the side's output `y` (both [rows, ...] of the same rows).
+    `variants`: these instead of VARIANTS' (the architecture-specific ops': arch_variants.py)."""
     out = []
     n = exact.shape[0]
     r = exact.reshape(n, -1)
@@ -441,7 +446,7 @@ def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, 
 
     def excess(v: np.ndarray) -> float:      # as the side's own (IntrinsicError.excess): row-relative
         return row_relative_excess(v - r, f0) or float(np.sqrt(((v - r) ** 2).sum())) / floor
-    for var in VARIANTS.get(key, ()):
+    for var in (variants if variants is not None else VARIANTS.get(key, ())):
         try:
             got = var.fn(vin)
         except (NotReplayable, NotImplementedError, RuntimeError, ValueError, KeyError, IndexError):

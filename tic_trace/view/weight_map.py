@@ -70,6 +70,12 @@ _HF_POINTS = (
     (re.compile(r"self_attn\.q_proj\."), "attn.q"), (re.compile(r"self_attn\.k_proj\."), "attn.k"),
     (re.compile(r"self_attn\.v_proj\."), "attn.v"), (re.compile(r"self_attn\.o_proj\."), "attn.out"),
     (re.compile(r"self_attn\.q_norm\."), "attn.q_norm"), (re.compile(r"self_attn\.k_norm\."), "attn.k_norm"),
+    # names only Gemma (sandwich norms), Phi-3 (fused q/k/v) and GPT-OSS (router, sinks) use; Gemma's
+    # post_attention_layernorm is its attn.post_norm, read above as the Llama family's mlp_norm (a dtype fallback)
+    (re.compile(r"pre_feedforward_layernorm\."), "mlp_norm"),
+    (re.compile(r"post_feedforward_layernorm\."), "mlp.post_norm"),
+    (re.compile(r"self_attn\.qkv_proj\."), "attn.q"), (re.compile(r"self_attn\.sinks"), "attn.core"),
+    (re.compile(r"mlp\.router\."), "moe.router_logits"),
     (re.compile(r"mlp\.gate\."), "moe.router_logits"), (re.compile(r"mlp\.experts\."), "moe.experts_out"),
     (re.compile(r"mlp\.shared_experts?\."), "moe.shared_out"), (re.compile(r"mlp\."), "mlp.out"),
 )

@@ -1,0 +1,6 @@
+"""The one exception of the exact replay (reference.py, arch_ops.py): a point it cannot recompute."""
+
+
+class NotReplayable(Exception):
+    """This point cannot be recomputed here (no weights, rows missing, an op outside the schema): the reason
+    is said to the user, and the A-B rule decides the point as before."""
