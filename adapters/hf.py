@@ -17,6 +17,8 @@ from typing import Any
 
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
+from tic_trace.adapters.hf_deepseek import LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts
+
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
 
@@ -29,8 +31,8 @@ POINTS = (
     PointMap("attn.v", _A + r"\.v_proj:out", "heads", opts={"heads": "kv"}),
     PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", opts={"heads": "q"}),
     PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", opts={"heads": "kv"}),
-    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb:out\[0\]", "bhsd"),
-    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb:out\[1\]", "bhsd"),
+    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[0\]", "bhsd"),
+    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[1\]", "bhsd"),
     PointMap("attn.core", _A + r"\.o_proj:in\[0\]", note="o_proj input = attention output"),
     PointMap("attn.out", _A + r"\.o_proj:out"),
     PointMap("mid", _L + r"\.post_attention_layernorm:in\[0\]", note="post-attention norm input = residual"),
@@ -40,11 +42,13 @@ POINTS = (
     PointMap("moe.topk_weights", _L + r"\.mlp\.gate:out\[1\]", "weights_by_sorted_ids",
              also={"ids": "model.layers.{layer}.mlp.gate:out[2]"}),
     PointMap("moe.experts_out", _L + r"\.mlp\.experts:out"),
-    PointMap("moe.shared_out", _L + r"\.mlp\.shared_expert:out"),
+    PointMap("moe.shared_out", _L + r"\.mlp\.shared_experts?:out",
+             note="Qwen2-MoE's `shared_expert`, DeepSeek/GLM's `shared_experts`"),
     PointMap("mlp.out", _L + r"\.mlp:out(\[0\])?"),
     PointMap("output", _L + r":out(\[0\])?"),
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
+    *LATENT_POINTS,
 )
 
 
@@ -74,6 +78,7 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
                  "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
                  "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
+    *SIGMOID_ROUTED,
 )}
 
 REFUSED = {
@@ -82,10 +87,6 @@ REFUSED = {
                          "`pre/post_feedforward_layernorm` are not mapped",
     "Gemma3ForCausalLM": "sandwich norms as Gemma2 (`post_attention_layernorm` is not the pre-MLP norm), "
                          "per-layer-type RoPE (sliding and full attention)",
-    "DeepseekV3ForCausalLM": "multi-latent attention (`q_a/q_b/kv_a/kv_b` projections: no q, k, v), sigmoid "
-                             "router with a score-correction bias and group-limited top-k, dense first layers",
-    "Glm4MoeForCausalLM": "sigmoid router with a score-correction bias, shared experts and dense first layers, "
-                          "partial RoPE: not verified",
     "GptOssForCausalLM": "the router is `mlp.router` (not `mlp.gate`), attention sinks, YaRN RoPE: not verified",
     "Phi3ForCausalLM": "fused `qkv_proj` and `gate_up_proj`: no q, k, v records",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention (`linear_attn`) besides gated "
@@ -110,6 +111,8 @@ class HFAdapter(Adapter):
                     ns = sys.modules.get(type(mod).__module__)
                     if ns is not None and hasattr(ns, "apply_rotary_pos_emb") and ns.__name__ not in tapped:
                         tracer.tap_function(ns, "apply_rotary_pos_emb")
+                        if hasattr(ns, "apply_rotary_pos_emb_interleave"):     # DeepSeek-V3's MLA
+                            tracer.tap_function(ns, "apply_rotary_pos_emb_interleave")
                         tapped.add(ns.__name__)
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
                                  "re:\\.post_attention_layernorm$"])
@@ -146,6 +149,7 @@ class HFAdapter(Adapter):
             "router_scoring": str(getattr(text, "scoring_func", "softmax")),
             "tie_word_embeddings": bool(getattr(text, "tie_word_embeddings", False)),
             "dtype": str(getattr(models[0], "dtype", "")).removeprefix("torch."),
+            **latent_facts(text),
         }
         arch = self.architecture(out)
         if arch is not None:
@@ -189,6 +193,9 @@ class HFAdapter(Adapter):
         return out_keys, out_pos, out_tok
 
     def applies(self, pm: PointMap, config: dict) -> bool:
+        latent = latent_applies(pm, config)
+        if latent is not None:
+            return latent and super().applies(pm, config)
         if pm.point in _QK and not config.get("qk_norm", True):
             return False                    # the attention has no QK-norm module (read off the model)
         return super().applies(pm, config)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
+from .latent import is_latent, latent_shape
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -59,6 +60,8 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     if m is None:
         return None
     rest = m.group(2)
+    if is_latent(spec) and latent_shape(rest, spec) is not None:
+        return latent_shape(rest, spec)
     x = _EXPERT.fullmatch(rest)
     if x is not None:
         return [H, f] if x.group(2) == "down_proj" else [f, H]
