@@ -38,6 +38,10 @@ CONFIGS = {
     "deepseek": lambda: T.DeepseekV3Config(**_BASE, **_MOE, **_LATENT, num_key_value_heads=4),
     "deepseek_rotate_half": lambda: T.DeepseekV3Config(**_BASE, **_MOE, **_LATENT, num_key_value_heads=4,
                                                        rope_interleave=False),
+    # DeepSeek-V3's own RoPE: YaRN, with mscale_all_dim scaling the softmax too
+    "deepseek_yarn": lambda: T.DeepseekV3Config(**_BASE, **_MOE, **_LATENT, num_key_value_heads=4, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
     "deepseek_no_q_latent": lambda: T.DeepseekV3Config(**_BASE, **_MOE, **{**_LATENT, "q_lora_rank": None},
                                                        num_key_value_heads=4),
 }
