@@ -7,7 +7,8 @@ RoPE is a function call, not a module). Row r of a pass is batch b, position s, 
 The table's module names mean these points only in the architectures of `ARCHITECTURES` (keyed by the
 model class, e.g. `Qwen3ForCausalLM`; transformers 5.24): pre-norm decoders whose `post_attention_layernorm`
 is the pre-MLP norm, with `q_proj`/`k_proj`/`v_proj`, and an `mlp.gate` router returning (logits, top-k
-weights, top-k ids). Any other class is recorded as unverified and refused at compare time
+weights, top-k ids); DeepSeek-V3's multi-latent attention and the DeepSeek/GLM-4.5 MoE rows are
+`hf_deepseek.py`'s. Any other class is recorded as unverified and refused at compare time
 (docs/adapters.md); `REFUSED` says what the table would get wrong for the ones known to differ.
 """
 from __future__ import annotations

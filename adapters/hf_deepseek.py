@@ -50,7 +50,6 @@ LATENT_POINTS = (
     PointMap("attn.kv_a_norm", _A + r"\.kv_a_layernorm:out"),
     PointMap("attn.kv_b", _A + r"\.kv_b_proj:out", "latent_heads", note="every head's k_nope, then its v"),
 )
-_LATENT_IDS = {id(pm) for pm in LATENT_POINTS}
 
 
 def latent_applies(pm: PointMap, config: dict) -> bool | None:
@@ -58,7 +57,7 @@ def latent_applies(pm: PointMap, config: dict) -> bool | None:
     (the config states `kv_lora_rank`; the q latent's rows where it states `q_lora_rank`), hf.py's standard q row
     never to one."""
     mla = bool(config.get("kv_lora_rank"))
-    if id(pm) in _LATENT_IDS:     # without a q latent (q_lora_rank null) q is one projection, q_proj
+    if pm in LATENT_POINTS:     # without a q latent (q_lora_rank null) q is one projection, q_proj
         return mla and (bool(config.get("q_lora_rank")) or pm.point not in ("attn.q_a", "attn.q_a_norm"))
     if mla and pm.point == "attn.q":
         return False
@@ -74,12 +73,12 @@ def latent_facts(text: Any) -> dict:
         return {}
     return {k: getattr(text, k, None) for k in _LATENT_FACTS}
 
+
 SIGMOID_ROUTED = (
     Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",),
                  "MoE: sigmoid router with a score-correction bias (selection only), group-limited top-k, "
                  "routed scaling, ungated `shared_experts`, dense first layers; partial RoPE, q/k/v bias, "
-                 "optional QK-norm", "every point", _T,
-                 defaults=_SIGMOID),
+                 "optional QK-norm", "every point", _T, defaults=_SIGMOID),
     Architecture("DeepseekV3ForCausalLM", ("DeepSeek-V3 (MLA, MoE)",),
                  "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE on q's "
                  "rope dims and the shared k_pe, interleaved or not); MoE as GLM-4.5's",
