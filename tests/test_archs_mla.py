@@ -178,3 +178,31 @@ def test_planted_fault_found_at_its_point_and_layer(tmp_path, case):
     assert (rep.first.point, rep.first.layer) == (point, layer), (rep.first.key, rep.first.summary)
     if point == "moe.topk_ids":       # a routing change is a routing finding, not an MLP operator's
         assert rep.findings[0].cause == "routing", rep.findings[0]
+
+
+def _rmsnorm_without_upcast(path: str):
+    """The norm computed in bf16 throughout (no fp32 statistics): a precision fault, same dtype as clean."""
+    def plant(m):
+        mod = m.get_submodule(path)
+
+        def forward(x):
+            return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))
+        mod.forward = forward
+    return plant
+
+
+@pytest.mark.parametrize("path,key", [("model.layers.1.self_attn.kv_a_layernorm", "L1.attn.kv_a_norm"),
+                                      ("model.layers.2.self_attn.q_a_layernorm", "L2.attn.q_a_norm")])
+def test_bf16_latent_norm_without_upcast_blames_its_side(tmp_path, path, key):
+    """With the checkpoint as reference, a bf16 latent norm without the fp32 upcast is found at its point and
+    blamed on the side that runs it: the less exact op, measured against MLA's exact norm (eps 1e-6)."""
+    model = build_hf_model_stable(_config("deepseek"), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    _rmsnorm_without_upcast(path)(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
+    doc = rep.to_json()
+    first = doc["first_divergence"]
+    assert (first["key"], first["cause"], first["replay"]["side"]) == (key, "intrinsic", "B"), \
+        (first["key"], first["cause"], first["replay"])
