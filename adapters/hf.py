@@ -7,7 +7,8 @@ RoPE is a function call, not a module). Row r of a pass is batch b, position s, 
 The table's module names mean these points only in the architectures of `ARCHITECTURES` (keyed by the
 model class, e.g. `Qwen3ForCausalLM`; transformers 5.24): pre-norm decoders whose `post_attention_layernorm`
 is the pre-MLP norm, with `q_proj`/`k_proj`/`v_proj`, and an `mlp.gate` router returning (logits, top-k
-weights, top-k ids). Any other class is recorded as unverified and refused at compare time
+weights, top-k ids); DeepSeek-V3's multi-latent attention and the DeepSeek/GLM-4.5 MoE rows are
+`hf_deepseek.py`'s. Any other class is recorded as unverified and refused at compare time
 (docs/adapters.md); `REFUSED` says what the table would get wrong for the ones known to differ.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
+
+from tic_trace.adapters.hf_deepseek import LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -30,8 +33,8 @@ POINTS = (
     PointMap("attn.v", _A + r"\.v_proj:out", "heads", opts={"heads": "kv"}),
     PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", opts={"heads": "q"}),
     PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", opts={"heads": "kv"}),
-    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb:out\[0\]", "bhsd"),
-    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb:out\[1\]", "bhsd"),
+    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[0\]", "bhsd"),
+    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[1\]", "bhsd"),
     PointMap("attn.core", _A + r"\.o_proj:in\[0\]", note="o_proj input = attention output"),
     PointMap("attn.out", _A + r"\.o_proj:out"),
     PointMap("mid", _L + r"\.post_attention_layernorm:in\[0\]", note="post-attention norm input = residual"),
@@ -41,11 +44,13 @@ POINTS = (
     PointMap("moe.topk_weights", _L + r"\.mlp\.gate:out\[1\]", "weights_by_sorted_ids",
              also={"ids": "model.layers.{layer}.mlp.gate:out[2]"}),
     PointMap("moe.experts_out", _L + r"\.mlp\.experts:out"),
-    PointMap("moe.shared_out", _L + r"\.mlp\.shared_expert:out"),
+    PointMap("moe.shared_out", _L + r"\.mlp\.shared_experts?:out",
+             note="Qwen2-MoE's `shared_expert`, DeepSeek/GLM's `shared_experts`"),
     PointMap("mlp.out", _L + r"\.mlp:out(\[0\])?"),
     PointMap("output", _L + r":out(\[0\])?"),
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
+    *LATENT_POINTS,
 ) + _more.POINTS       # Gemma2/3, Phi-3, GPT-OSS rows (each for its architectures only)
 
 
@@ -76,13 +81,10 @@ ARCHITECTURES = {a.name: a for a in (
                  "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
                  "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
     *_more.ARCHITECTURES,
+    *SIGMOID_ROUTED,
 )}
 
 REFUSED = {
-    "DeepseekV3ForCausalLM": "multi-latent attention (`q_a/q_b/kv_a/kv_b` projections: no q, k, v), sigmoid "
-                             "router with a score-correction bias and group-limited top-k, dense first layers",
-    "Glm4MoeForCausalLM": "sigmoid router with a score-correction bias, shared experts and dense first layers, "
-                          "partial RoPE: not verified",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention (`linear_attn`) besides gated "
                             "full attention",
 }
@@ -105,6 +107,8 @@ class HFAdapter(Adapter):
                     ns = sys.modules.get(type(mod).__module__)
                     if ns is not None and hasattr(ns, "apply_rotary_pos_emb") and ns.__name__ not in tapped:
                         tracer.tap_function(ns, "apply_rotary_pos_emb")
+                        if hasattr(ns, "apply_rotary_pos_emb_interleave"):     # DeepSeek-V3's MLA
+                            tracer.tap_function(ns, "apply_rotary_pos_emb_interleave")
                         tapped.add(ns.__name__)
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
                                  "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$"])
@@ -144,6 +148,7 @@ class HFAdapter(Adapter):
             # transformers' own TP degree (`tp_size`: None unless the model was sharded with a tp_plan): the
             # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
+            **latent_facts(text),
         }
         arch = self.architecture(out)
         if arch is not None:
@@ -191,6 +196,9 @@ class HFAdapter(Adapter):
         only, arch = pm.opts.get("archs"), config.get("architecture")
         if (arch not in only) if only is not None else (pm.point, arch) in _more.OVERRIDDEN:
             return False                    # a row for other architectures, or one they replace
+        latent = latent_applies(pm, config)
+        if latent is not None:
+            return latent and super().applies(pm, config)
         if pm.point in _QK and not config.get("qk_norm", True):
             return False                    # the attention has no QK-norm module (read off the model)
         return super().applies(pm, config)

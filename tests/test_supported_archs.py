@@ -49,12 +49,12 @@ VERIFIED = {
     "MixtralForCausalLM": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "OlmoeForCausalLM": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
     **GEMMA_PHI3_GPTOSS,
+    "Glm4MoeForCausalLM": lambda: T.Glm4MoeConfig(**COMMON, **_DEEPSEEK_MOE, attention_bias=True),
+    "DeepseekV3ForCausalLM": lambda: T.DeepseekV3Config(**_MLA, **_DEEPSEEK_MOE, kv_lora_rank=32, q_lora_rank=24,
+                                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
 # Architectures the red team found mapped wrongly (or with false contract differences): refused by name.
 REFUSED = {
-    "DeepseekV3ForCausalLM": lambda: T.DeepseekV3Config(**_MLA, **_DEEPSEEK_MOE, kv_lora_rank=32, q_lora_rank=24,
-                                                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-    "Glm4MoeForCausalLM": lambda: T.Glm4MoeConfig(**COMMON, **_DEEPSEEK_MOE),
     "Qwen3NextForCausalLM": lambda: T.Qwen3NextConfig(**COMMON, **MOE, num_experts=4,
                                                       layer_types=["linear_attention", "full_attention"]),
 }
@@ -199,7 +199,7 @@ def test_unverified_hf_architecture_is_refused_by_name(tmp_path, name):
 _UNLISTED = {"MistralForCausalLM": lambda: T.MistralConfig(**COMMON)}
 
 
-@pytest.mark.parametrize("name", ["MistralForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("name", ["MistralForCausalLM"])
 def test_cli_refuses_then_traces_with_the_opt_in_saying_unverified_everywhere(tmp_path, capsys, name):
     a, b, _ = _pair(tmp_path, {**REFUSED, **_UNLISTED}[name])
     capsys.readouterr()
@@ -251,7 +251,7 @@ def test_config_keys_under_other_names_are_no_contract_difference(tmp_path):
     """DeepSeek-V3 names its experts `n_routed_experts` / `n_shared_experts`, Mixtral `num_local_experts`: the
     HF side describes them as the checkpoint and the SGLang adapter do (refused or not, never a false
     `num_experts 0 vs 4`)."""
-    desc, ck = _ckpt(tmp_path / "ds", REFUSED["DeepseekV3ForCausalLM"])
+    desc, ck = _ckpt(tmp_path / "ds", VERIFIED["DeepseekV3ForCausalLM"])
     assert desc["num_experts"] == 4 and desc["shared_experts"] is True and desc["num_experts_per_tok"] == 2
     assert _diff_dicts("config", desc, ck, CONFIG_KEYS) == []
     desc, ck = _ckpt(tmp_path / "mx", VERIFIED["MixtralForCausalLM"])

@@ -36,17 +36,30 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding", op="embedding"),
     PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer", op="identity"),
     PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True, op="rmsnorm"),
-    PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", per_head=True,
-              meaning="q projection, before QK-norm and RoPE", op="gemm"),
-    PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True,
+    # Multi-latent attention (DeepSeek-V2/V3 MLA): q and kv pass through low-rank latents. No other architecture
+    # has these points, and an absent feed resolves to its own feeds (feeds_of), so attn.q/k/v still read
+    # attn_norm there.
+    PointSpec("attn.q_a", _L, ("attn_norm",), "q_lora_rank", meaning="MLA: q down-projection (q_a_proj)", op="gemm"),
+    PointSpec("attn.q_a_norm", _L, ("attn.q_a",), "q_lora_rank", meaning="MLA: the q latent after its RMSNorm "
+              "(q_a_layernorm)", op="rmsnorm"),
+    PointSpec("attn.kv_a", _L, ("attn_norm",), "kv_lora_rank + rope_dim", meaning="MLA: the kv latent, then the "
+              "one k_pe every head shares, before RoPE (kv_a_proj_with_mqa)", op="gemm"),
+    PointSpec("attn.kv_a_norm", _L, ("attn.kv_a",), "kv_lora_rank", meaning="MLA: the kv latent after its RMSNorm "
+              "(kv_a_layernorm; k_pe is not normalised)", op="rmsnorm"),
+    PointSpec("attn.kv_b", _L, ("attn.kv_a_norm",), "heads x (nope_dim + v_dim)", per_head=True,
+              meaning="MLA: every head's decompressed k_nope, then its v (kv_b_proj)", op="gemm"),
+    PointSpec("attn.q", _L, ("attn.q_a_norm",), "heads x head_dim", per_head=True,
+              meaning="q projection, before QK-norm and RoPE (MLA: q_b_proj, or q_proj without a q latent: "
+              "every head's nope dims, then its rope dims before RoPE)", op="gemm"),
+    PointSpec("attn.k", _L, ("attn.kv_a",), "kv_heads x head_dim", per_head=True,
               meaning="k projection, before QK-norm and RoPE", op="gemm"),
-    PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True, meaning="v projection", op="gemm"),
+    PointSpec("attn.v", _L, ("attn.kv_b",), "kv_heads x head_dim", per_head=True, meaning="v projection", op="gemm"),
     PointSpec("attn.q_norm", _L, ("attn.q",), "heads x head_dim", per_head=True, meaning="q after QK-norm", op="rmsnorm"),
     PointSpec("attn.k_norm", _L, ("attn.k",), "kv_heads x head_dim", per_head=True, meaning="k after QK-norm", op="rmsnorm"),
     PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", per_head=True,
-              meaning="q after rotary embedding", op="rope"),
+              meaning="q after rotary embedding (MLA: every head's rope dims only)", op="rope"),
     PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
-              meaning="k after rotary embedding", op="rope"),
+              meaning="k after rotary embedding (MLA: the shared k_pe only, one head)", op="rope"),
     PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
               meaning="attention output before the output projection", per_head=True, curve=True,
               mixes_positions=True, op="attention"),

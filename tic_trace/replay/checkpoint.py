@@ -23,6 +23,7 @@ from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
 from .arch_spec import arch_shapes
+from .latent import is_latent, latent_shape
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -63,6 +64,8 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     arch = arch_shapes(rest, spec)      # Phi-3's fused projections, GPT-OSS's experts (arch_spec.py)
     if arch is not None:
         return arch
+    if is_latent(spec) and latent_shape(rest, spec) is not None:
+        return latent_shape(rest, spec)
     x = _EXPERT.fullmatch(rest)
     if x is not None:
         return [H, f] if x.group(2) == "down_proj" else [f, H]

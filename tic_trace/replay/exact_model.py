@@ -100,7 +100,7 @@ def _check_whole(rows: list[RowId]) -> None:
 def _feeds(ref: ExactReference, run: ExactRun, point: str, layer: int | None, n_layers: int,
            has_qk_norm: bool | None) -> dict:
     feeds = {}
-    for f in ref.inputs_of(point, has_qk_norm):
+    for f in ref.inputs_of(point, has_qk_norm, layer):
         k = feed_key(f, layer, n_layers)
         if k not in run.values:
             raise NotReplayable(f"the exact model computes {point} from {k[0]}, which is not among its points")

@@ -25,7 +25,8 @@ from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
 
-_KV_FEEDS = ("attn.k_rope", "attn.v", "__kv_rows__")     # attention's every key/value row: not row-selected
+# attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
+_KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "__kv_rows__")
 
 RowId = tuple[str, int]
 
@@ -211,7 +212,7 @@ class SideReplayer:
         rows, y, exact, dtype, x = self._exact(point, layer)
         err = intrinsic_error(point, layer, y, exact, dtype,
                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
-                              op=self.ref.op_of(point))
+                              op=self.ref.op_of(point, layer))
         return self._with_variants(err, layer, x, rows, y, exact)
 
     def exact_pair(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str]:
@@ -228,7 +229,7 @@ class SideReplayer:
         if point == "logprobs" and all(s.endswith("(log_softmax)") for s in out.sources):
             raise NotReplayable("derived by tic-trace from the logits in float64, not computed by the side")
         feeds = {}
-        for f in self.ref.inputs_of(point, self.has_qk_norm):
+        for f in self.ref.inputs_of(point, self.has_qk_norm, layer):
             k = self._feed_key(f, layer)
             if k not in self.present:
                 raise NotReplayable(f"input {key_name(*k)} not recorded")
@@ -236,14 +237,15 @@ class SideReplayer:
             if t.values is None:
                 raise NotReplayable(f"input {key_name(*k)} has no values recorded (stats only)")
         # Attention reads every earlier key/value row of a sample, not the query's row: those are gathered apart.
-        aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f == "attn.q_rope"}
+        aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f not in _KV_FEEDS}
         rows, idx = _common_rows(out, list(aligned.values()))
         if not rows:
             raise NotReplayable("no row recorded in both the point and its inputs")
         dev = self.ref.device
         x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
         if point == "attn.core":
-            x.update(_kv_feeds(feeds["attn.k_rope"], feeds["attn.v"], dev))
+            x.update(_kv_feeds(*(feeds[f] for f in _KV_FEEDS if f in feeds), dev,
+                               names=[f for f in _KV_FEEDS if f in feeds]))
         try:
             exact = self.ref.compute(point, layer, x, rows, self.view.tokens).cpu().numpy()
         except (RuntimeError, ValueError) as e:    # the side's inputs do not fit the checkpoint's op
@@ -311,13 +313,13 @@ def _tensor(a: np.ndarray, dev: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, dtype=np.float64)).to(dev)
 
 
-def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str) -> dict:
+def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str, names=("attn.k_rope", "attn.v")) -> dict:
     """Every recorded key/value row (all passes), for attention over a sample's earlier positions."""
     if k.values is None or v.values is None:
-        raise NotReplayable("attn.k_rope or attn.v has no values")
+        raise NotReplayable(f"{' or '.join(names)} has no values")
     rows, idx = _common_rows(k, [v])
     kt, vt = _tensor(k.values[idx[0]], dev), _tensor(v.values[idx[1]], dev)
-    return {"attn.k_rope": kt, "attn.v": vt, "__kv_rows__": {r: i for i, r in enumerate(rows)}}
+    return {names[0]: kt, names[1]: vt, "__kv_rows__": {r: i for i, r in enumerate(rows)}}
 
 
 def replay_side(view: CanonicalView | str, reference: ExactReference,

@@ -56,18 +56,35 @@ class ModelSpec:
     norm_topk_prob: bool = False
     scoring_func: str = "softmax"          # softmax | sigmoid (DeepSeek-V3 style)
     routed_scaling_factor: float = 1.0
-    n_group: int = 1                       # DeepSeek group-limited routing (n_group > 1 is not replayed)
+    n_group: int = 1                       # DeepSeek group-limited routing (grouped_topk.py)
     topk_group: int = 1
     shared_expert_intermediate_size: int = 0
     n_shared_experts: int = 0
     max_position_embeddings: int | None = None
     intermediate_size: int = 0             # dense MLP width (0: not stated); for the tensors' shape check
     moe_intermediate_size: int = 0         # one expert's width (0: not stated)
+    # DeepSeek-V3 / GLM-4.5 style MoE and multi-latent attention (MLA); 0 / None where the config has none
+    first_k_dense_replace: int = 0         # layers 0..k-1 run a dense MLP, the others the MoE block
+    q_lora_rank: int | None = None         # MLA: q down-projection width (None: one q projection)
+    kv_lora_rank: int = 0                  # MLA: the kv latent's width (0: not an MLA model)
+    qk_nope_head_dim: int = 0              # MLA: per-head q/k dims without RoPE
+    qk_rope_head_dim: int = 0              # MLA: per-head q/k dims with RoPE (k's shared by every head)
+    v_head_dim: int = 0                    # MLA: per-head v dims
+    rope_interleave: bool = False          # MLA: RoPE over interleaved pairs, output de-interleaved (HF)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         from dataclasses import asdict
         return asdict(self)
+
+    def at_layer(self, layer: int | None) -> "ModelSpec":
+        """The facts of one layer: a dense first layer of a MoE model (`first_k_dense_replace`) computes a
+        dense MLP, so its spec has no experts."""
+        if layer is not None and self.num_experts and layer < self.first_k_dense_replace:
+            from dataclasses import replace
+            return replace(self, num_experts=0, num_experts_per_tok=0, n_shared_experts=0,
+                           shared_expert_intermediate_size=0)
+        return self
 
 
 # ---------------------------------------------------------------- config.json: one typed schema
@@ -226,7 +243,7 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
     if experts and not 1 <= topk <= experts:
         raise c.error("num_experts_per_tok", f"an integer from 1 to the number of experts ({experts})", topk)
     model_type = c.str("model_type", "")
-    return ModelSpec(
+    return ModelSpec(**_latent_and_dense(c, model_type),
         model_type=model_type, num_layers=c.int("num_hidden_layers", 1, 1 << 16),
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         vocab_size=c.int("vocab_size", 1, _BIG),
@@ -240,7 +257,8 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
         # (GPT-OSS's softmax over the top-k logits is the same renormalisation)
         norm_topk_prob=c.bool("norm_topk_prob", False) or model_type in ("mixtral", "gpt_oss"),
-        scoring_func=c.str("scoring_func", "softmax"),
+        # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code; their configs do not say so
+        scoring_func=c.str("scoring_func", "sigmoid" if model_type in _SIGMOID_ROUTED else "softmax"),
         routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
         n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,
         shared_expert_intermediate_size=c.int("shared_expert_intermediate_size", 0, 1 << 24, default=0),
@@ -249,6 +267,22 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         intermediate_size=c.int("intermediate_size", 0, 1 << 24, default=0),
         moe_intermediate_size=c.int("moe_intermediate_size", 0, 1 << 24, default=0),
         extra=arch_facts(c, model_type, hidden, layer_rope_specs(c)))
+
+
+_SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
+
+
+def _latent_and_dense(c: _Config, model_type: str) -> dict:
+    """The DeepSeek-V3 / GLM-4.5 facts: dense first layers, and (MLA) the latent ranks and per-head splits."""
+    out = {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0)}
+    if c.has("kv_lora_rank"):
+        out.update(q_lora_rank=c.int("q_lora_rank", 1, 1 << 20, default=None),
+                   kv_lora_rank=c.int("kv_lora_rank", 1, 1 << 20),
+                   qk_nope_head_dim=c.int("qk_nope_head_dim", 0, 1 << 16),
+                   qk_rope_head_dim=c.int("qk_rope_head_dim", 1, 1 << 16),
+                   v_head_dim=c.int("v_head_dim", 1, 1 << 16),
+                   rope_interleave=c.bool("rope_interleave", model_type == "deepseek_v3"))
+    return out
 
 
 def yarn_inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_pos: int | None):

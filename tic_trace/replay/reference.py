@@ -14,6 +14,7 @@ bf16 run gives a bf16 side bf16 weights and an fp32 side fp32 ones. Nothing here
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from ..graph.canonical import BY_NAME
 from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
+from .grouped_topk import GroupedTopkError, eligible_choice
 from .model_spec import ModelSpec, yarn_inv_freq_and_scale
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 
@@ -107,9 +109,11 @@ def route(logits: torch.Tensor, spec: ModelSpec, bias: torch.Tensor | None,
     else:
         raise NotReplayable(f"router scoring {spec.scoring_func!r} is not replayed (known: softmax, sigmoid)")
     if ids is None:
-        if spec.n_group > 1:
-            raise NotReplayable("group-limited routing (n_group > 1) is not replayed")
         choice = scores + bias if bias is not None else scores
+        try:                # DeepSeek-V3 / GLM-4.5: only the experts of the best groups are eligible
+            choice = eligible_choice(choice, spec)
+        except GroupedTopkError as e:
+            raise NotReplayable(str(e)) from None
         ids = torch.topk(choice, spec.num_experts_per_tok, dim=-1).indices
         ids = torch.sort(ids, dim=-1).values
     w = torch.gather(scores, -1, ids.long())
@@ -183,6 +187,8 @@ def _generic_op_of(point: str, spec: ModelSpec) -> str:
     MoE model's `mlp.out` adds the experts' output and, Qwen2-MoE style, the shared expert's scaled by a
     sigmoid gate (gate GEMM, sigmoid, product, sum: four roundings); without shared experts, or with
     DeepSeek-style ungated ones, it is one addition."""
+    if is_latent(spec) and point in LATENT_OP_KEYS:
+        return LATENT_OP_KEYS[point]
     if point == "moe.shared_out" or (point == "mlp.out" and not spec.num_experts):
         return "gated_mlp"
     if point == "mlp.out" and spec.shared_expert_intermediate_size:
@@ -197,6 +203,9 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
     arch = arch_inputs_of(point, spec)
     if arch is not None:
         return arch
+    latent = latent_inputs(point, spec)
+    if latent is not None:
+        return latent
     if point == "mid":              # without sandwich norms (attn.post_norm, mlp.post_norm: Gemma's)
         return ("input", "attn.out")
     if point == "output":
@@ -256,17 +265,18 @@ class ExactReference:
             self._w = _LayerWeights(self, layer)   # memory: one layer's weights at a time
         return self._w
 
-    def inputs_of(self, point: str, has_qk_norm: bool | None = None) -> tuple[str, ...]:
-        return inputs_of(point, self.spec, self.has_qk_norm if has_qk_norm is None else has_qk_norm)
+    def inputs_of(self, point: str, has_qk_norm: bool | None = None, layer: int | None = None) -> tuple[str, ...]:
+        return inputs_of(point, self.spec.at_layer(layer), self.has_qk_norm if has_qk_norm is None else has_qk_norm)
 
-    def op_of(self, point: str) -> str:
-        return op_of(point, self.spec)
+    def op_of(self, point: str, layer: int | None = None) -> str:
+        return op_of(point, self.spec.at_layer(layer))
 
     def compute(self, point: str, layer: int | None, feeds: dict[str, torch.Tensor], rows: list[RowId],
                 tokens: dict[RowId, int] | None = None) -> torch.Tensor:
         """The exact output [rows, ...] of the op producing (point, layer) from `feeds` (float64, rows
         aligned with `rows`). Raises NotReplayable with the reason when it cannot."""
-        fn = self.arch_ops.get(point) or _OPS.get(point)
+        fn = (self.arch_ops.get(point) or (LATENT_OVERRIDES.get(point) if is_latent(self.spec) else None)
+              or _OPS.get(point))
         if fn is None:
             raise NotReplayable(f"{point} has no exact reference")
         self.read = []
@@ -381,7 +391,7 @@ def _shared(ref: ExactReference, layer, feeds, rows, tokens):
 
 def _mlp_out(ref: ExactReference, layer, feeds, rows, tokens):
     w = ref.weights(layer)
-    if not ref.spec.num_experts:
+    if not ref.spec.at_layer(layer).num_experts:
         return gated_mlp(feeds["mlp_norm"], w.get("mlp.gate_proj.weight"), w.get("mlp.up_proj.weight"),
                          w.get("mlp.down_proj.weight"), ref.spec.hidden_act)
     out = feeds["moe.experts_out"]
@@ -466,3 +476,10 @@ _OPS: dict[str, Callable] = {
     "logits": _logits,
     "logprobs": _logprobs,
 }
+
+
+# Multi-latent attention (DeepSeek-V3): its own points, and its own op at attn.q, the RoPE points and attn.core.
+from .latent import LATENT_OP_KEYS, LatentOps, is_latent, latent_inputs  # noqa: E402
+
+_LATENT_OPS, LATENT_OVERRIDES = LatentOps(sys.modules[__name__]).tables()
+_OPS.update(_LATENT_OPS)

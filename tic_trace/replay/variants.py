@@ -291,7 +291,7 @@ def _gated(x, wg, wu, wd, dt, act, down: Callable | None = None):
 
 
 def _shared_weights(v: VariantInput):
-    if v.spec.num_experts:
+    if v.spec.at_layer(v.layer).num_experts:
         return v.ref.weights(v.layer).shared()
     return v.w("mlp.gate_proj.weight"), v.w("mlp.up_proj.weight"), v.w("mlp.down_proj.weight")
 

@@ -1,0 +1,165 @@
+"""The exact ops of multi-latent attention (DeepSeek-V2/V3 MLA), in float64, as HF's `DeepseekV3Attention`
+computes them (transformers 5.24):
+
+    q_a = q_a_proj(x); q_a_norm = rms(q_a); q = q_b_proj(q_a_norm)            [H, nope + rope]
+    kv_a = kv_a_proj_with_mqa(x)                                              [kv_lora_rank + rope]
+    kv_a_norm = rms(kv_a[:kv_lora_rank]); kv_b = kv_b_proj(kv_a_norm)         [H, nope + v]
+    q_rope = RoPE(q[..., nope:]); k_rope = RoPE(kv_a[kv_lora_rank:])          (k_pe: one head, shared)
+    core = softmax((q_nope.k_nope + q_rope.k_rope) * scale) v                 [H * v]
+
+RoPE is over interleaved pairs (x0, x1), (x2, x3)... with the output written de-interleaved (the rotated
+even dims, then the rotated odd dims: HF's `apply_rotary_pos_emb_interleave`) when `rope_interleave`, else
+rotate-half. The latent norms are built with HF's default eps (1e-6), not the config's `rms_norm_eps`.
+
+Also: which recorded points each op reads (`latent_inputs`, for every model: attn.q/k/v read attn_norm in a
+model without latents, the schema's feeds name the latent points) and the checkpoint shapes of MLA's
+tensors (`latent_shape`). reference.py builds the ops (`LatentOps`) with its own float64 helpers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from .model_spec import ModelSpec
+
+if TYPE_CHECKING:      # torch loads with the replay's ops: checkpoint.py reads the shapes here without it
+    import torch
+LATENT_NORM_EPS = 1e-6       # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): the class default, not the config's
+
+
+def is_latent(spec: ModelSpec) -> bool:
+    return spec.kv_lora_rank > 0
+
+
+def latent_inputs(point: str, spec: ModelSpec) -> tuple[str, ...] | None:
+    """The points the op producing `point` reads where MLA (or its absence) decides it; None: the schema's."""
+    if not is_latent(spec):
+        return ("attn_norm",) if point in ("attn.q", "attn.k", "attn.v") else None
+    return {"attn.q": ("attn.q_a_norm",) if spec.q_lora_rank else ("attn_norm",),
+            "attn.q_rope": ("attn.q",), "attn.k_rope": ("attn.kv_a",),
+            "attn.core": ("attn.q", "attn.q_rope", "attn.k_rope", "attn.kv_b")}.get(point)
+
+
+def latent_shape(rest: str, spec: ModelSpec) -> list[int | None] | None:
+    """The shape config.json gives an MLA model's attention tensor `rest` (relative to its layer)."""
+    H, n = spec.hidden_size, spec.num_attention_heads
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    return {"self_attn.q_a_proj.weight": [spec.q_lora_rank, H], "self_attn.q_a_proj.bias": [spec.q_lora_rank],
+            "self_attn.q_a_layernorm.weight": [spec.q_lora_rank],
+            "self_attn.q_b_proj.weight": [n * qk, spec.q_lora_rank], "self_attn.q_proj.weight": [n * qk, H],
+            "self_attn.kv_a_proj_with_mqa.weight": [spec.kv_lora_rank + spec.qk_rope_head_dim, H],
+            "self_attn.kv_a_proj_with_mqa.bias": [spec.kv_lora_rank + spec.qk_rope_head_dim],
+            "self_attn.kv_a_layernorm.weight": [spec.kv_lora_rank],
+            "self_attn.kv_b_proj.weight": [n * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank],
+            "self_attn.o_proj.weight": [H, n * spec.v_head_dim], "self_attn.o_proj.bias": [H]}.get(rest)
+
+
+def softmax_scale(spec: ModelSpec) -> float:
+    """1/sqrt(qk head dim), x YaRN's mscale(factor, mscale_all_dim)^2 (HF's `yarn_apply_mscale`)."""
+    scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5
+    r = spec.rope
+    if r.kind != "default" and r.mscale_all_dim:
+        m = 1.0 if r.factor <= 1 else 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class LatentOps:
+    """MLA's ops, with reference.py's float64 helpers (`f`: that module, which builds this at import, so
+    this module never imports it: no import circle) and its op signature (ref, layer, feeds, rows, tokens)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def tables(self) -> tuple[dict, dict]:
+        """(MLA's own points, MLA's op at points every architecture has) -> op."""
+        return ({"attn.q_a": self.q_a, "attn.q_a_norm": self.q_a_norm, "attn.kv_a": self.kv_a,
+                 "attn.kv_a_norm": self.kv_a_norm, "attn.kv_b": self.kv_b},
+                {"attn.q": self.q, "attn.q_rope": self.q_rope, "attn.k_rope": self.k_rope, "attn.core": self.core})
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+        """RoPE of MLA's rope dims x [rows, heads, rope_dim] at `positions` [rows]."""
+        import torch
+        rspec = replace(spec, head_dim=spec.qk_rope_head_dim)
+        if not spec.rope_interleave:
+            return self.f.apply_rope(x, positions, rspec)
+        inv, scale = self.f.rope_inv_freq(rspec)
+        ang = positions.to(torch.float64)[:, None] * inv.to(x.device)[None, :]
+        cos, sin = (ang.cos() * scale)[:, None, :], (ang.sin() * scale)[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def _proj(self, ref, layer, x: torch.Tensor, name: str) -> torch.Tensor:
+        w = ref.weights(layer)
+        return self.f.linear(x, w.get(f"self_attn.{name}.weight"), w.get(f"self_attn.{name}.bias", optional=True))
+
+    def q_a(self, ref, layer, feeds, rows, tokens):
+        return self._proj(ref, layer, feeds["attn_norm"], "q_a_proj")
+
+    def kv_a(self, ref, layer, feeds, rows, tokens):
+        return self._proj(ref, layer, feeds["attn_norm"], "kv_a_proj_with_mqa")
+
+    def q_a_norm(self, ref, layer, feeds, rows, tokens):
+        w = ref.weights(layer).get("self_attn.q_a_layernorm.weight")
+        return self.f.rms_norm(feeds["attn.q_a"], w, LATENT_NORM_EPS)
+
+    def kv_a_norm(self, ref, layer, feeds, rows, tokens):
+        latent = feeds["attn.kv_a"][:, :ref.spec.kv_lora_rank]       # k_pe is not normalised
+        return self.f.rms_norm(latent, ref.weights(layer).get("self_attn.kv_a_layernorm.weight"), LATENT_NORM_EPS)
+
+    def kv_b(self, ref, layer, feeds, rows, tokens):
+        return _heads(self._proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), ref.spec)
+
+    def q(self, ref, layer, feeds, rows, tokens):
+        if ref.spec.q_lora_rank:
+            return _heads(self._proj(ref, layer, feeds["attn.q_a_norm"], "q_b_proj"), ref.spec)
+        return _heads(self._proj(ref, layer, feeds["attn_norm"], "q_proj"), ref.spec)
+
+    def q_rope(self, ref, layer, feeds, rows, tokens):
+        q = feeds["attn.q"]
+        return self.rope(_heads(q, ref.spec)[..., ref.spec.qk_nope_head_dim:], _positions(rows, q), ref.spec)
+
+    def k_rope(self, ref, layer, feeds, rows, tokens):
+        kv = feeds["attn.kv_a"]
+        return self.rope(kv[:, ref.spec.kv_lora_rank:][:, None, :], _positions(rows, kv), ref.spec)
+
+    def core(self, ref, layer, feeds, rows, tokens):
+        """Per sample, every query row over the keys at positions 0..p (as reference._attention gathers them):
+        q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe the same for every head), v from kv_b."""
+        import torch
+        s, nope = ref.spec, ref.spec.qk_nope_head_dim
+        q = torch.cat([_heads(feeds["attn.q"], s)[..., :nope], _heads(feeds["attn.q_rope"], s)], dim=-1)
+        kv_b = _heads(feeds["attn.kv_b"], s)
+        k_pe = feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
+        k, v = torch.cat([kv_b[..., :nope], k_pe], dim=-1), kv_b[..., nope:]
+        kv_rows: dict = feeds["__kv_rows__"]
+        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=torch.float64, device=q.device)
+        for sample in dict.fromkeys(x for x, _ in rows):
+            qi = [i for i, (x, _) in enumerate(rows) if x == sample]
+            last = max(rows[i][1] for i in qi)
+            try:
+                kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=q.device)
+            except KeyError as e:
+                raise self.f.NotReplayable(f"sample {sample!r}: key/value row {e.args[0]} not recorded") from None
+            blk = torch.tensor(qi, device=q.device)
+            qpos = torch.tensor([rows[i][1] for i in qi], device=q.device)
+            o = self.f.causal_attention(q[blk], k[kidx], v[kidx], softmax_scale(s), qpos,
+                                        torch.arange(last + 1, device=q.device))
+            out[blk] = o.reshape(len(qi), -1)
+        return out
+
+
+def _heads(y: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    return y.reshape(y.shape[0], spec.num_attention_heads, -1)
+
+
+def _positions(rows, x: "torch.Tensor") -> "torch.Tensor":
+    import torch
+    return torch.tensor([p for _, p in rows], dtype=torch.float64, device=x.device)
+
+
+# The op each point's replay is measured as (its clean envelope, intrinsic_verdict.ENVELOPE): not the variants
+# of the standard attention's points, which read q_proj / the full-head q and k.
+LATENT_OP_KEYS = {"attn.q_a_norm": "latent_rmsnorm", "attn.kv_a_norm": "latent_rmsnorm", "attn.q": "latent_gemm",
+                  "attn.q_rope": "latent_rope", "attn.k_rope": "latent_rope", "attn.core": "latent_attention"}
