@@ -1,4 +1,4 @@
-"""The identity row subset (tic_trace/record/row_subset.py): slime's periodic default traces keep the values of
+"""The identity row subset (tic_trace/graph/row_subset.py): slime's periodic default traces keep the values of
 a few rows per sample, chosen from (sample key, position) alone, so that two sides that batch the same samples
 differently keep the same rows and the comparator meets them. Real traced forwards of a tiny HF model, batched
 three ways (one forward over the batch, a prefill and decode steps through the KV cache, one sample per forward
@@ -10,7 +10,7 @@ import torch
 
 import tic_trace
 from tic_trace.compare.diverge import find_divergence
-from tic_trace.record.row_subset import DEFAULT_STRIDE, RowSubset
+from tic_trace.graph.row_subset import DEFAULT_STRIDE, RowSubset
 from tic_trace.store.format import open_trace
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 
