@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from tic_trace.adapters.sglang_rows import _mode, _par, _tp, parse_sample_rid, row_rids
+from tic_trace.adapters.sglang_rows import _mode, _par, _tp, forward_batch_rows, parse_sample_rid, row_rids
 
 log = logging.getLogger("tic_trace.sglang")
 
@@ -59,14 +59,14 @@ HOOK_FACTORY = "tic_trace.adapters.sglang_server:forward_hook_factory"
 #: when the factory could not, and notices torch.compile. The tracer works through the model's forward.
 HOOK_TARGETS = ["model.embed_tokens", "*.embed_tokens"]
 #: How canonical-point records are kept: the tracer's modes, and ``subset`` (``rows`` of the rows that
-#: tic_trace.record.row_subset keeps by (sample, position): the same rows the Megatron side keeps).
+#: tic_trace.graph.row_subset keeps by (sample, position): the same rows the Megatron side keeps).
 MODES = ("stats", "full", "rows", "subset")
 
 
 def tracer_points_mode(mode: str) -> tuple[str, Any]:
     """A hook mode as the tracer's ``points_mode`` and ``row_subset``."""
     if mode == "subset":
-        from tic_trace.record.row_subset import RowSubset
+        from tic_trace.graph.row_subset import RowSubset
         return "rows", RowSubset()
     return mode, None
 
@@ -182,6 +182,7 @@ class _HookSession:
         self.tracers: dict[int | None, Any] = {}
         self.passes_seen = 0
         self.passes_traced = 0
+        self.passes_rows_only = 0     # forwards of a `subset` rollout with no kept row: row table only
         self._plain: Any = None
         self._had_forward = False
         self._top: Any = None
@@ -292,14 +293,33 @@ class _HookSession:
                 if p is not None and self._traced(p[0]) and p[1] < self.max_samples:
                     picked.setdefault(p[0], []).append(i)
         out = []
+        table: list = []          # this forward's row table, read once (only for a `subset` rollout)
         for rollout in sorted(picked, key=lambda x: -1 if x is None else x):
             if not picked[rollout]:
                 continue
             t = self._tracer_for(rollout)
             if self._mode_for(rollout) in ("rows", "subset"):
                 t.sample_rows = picked[rollout]
+            if t.row_subset is not None and not self._keeps_a_row(t, fb, ids, picked[rollout], table):
+                self.passes_rows_only += 1
+                continue
             out.append(t)
         return out
+
+    def _keeps_a_row(self, t: Any, fb: Any, ids: Any, rows: list[int], table: list) -> bool:
+        """Whether the subset of `t` keeps one of this forward's `rows`. If not, the forward runs untraced and
+        `t` writes its row table only (`Tracer.write_row_table`): a decode step of a periodic `subset` rollout
+        usually holds no kept row, and its statistics were most of that rollout's trace."""
+        if not table:
+            table.append(forward_batch_rows(fb, ids))
+        got = table[0]
+        keys, positions = got["keys"], got["positions"]
+        if any(i < len(keys) and t.row_subset.keeps(keys[i], positions[i]) for i in rows):
+            return True
+        want = getattr(t.adapter, "rid_filter", None)
+        named = [k if k is not None and (want is None or want(k)) else None for k in keys]
+        t.write_row_table(named, positions, got["tokens"])
+        return False
 
     def _forward(self, args: tuple, kwargs: dict):
         self.passes_seen += 1

@@ -1,16 +1,18 @@
-"""The identity row subset (tic_trace/record/row_subset.py): slime's periodic default traces keep the values of
+"""The identity row subset (tic_trace/graph/row_subset.py): slime's periodic default traces keep the values of
 a few rows per sample, chosen from (sample key, position) alone, so that two sides that batch the same samples
 differently keep the same rows and the comparator meets them. Real traced forwards of a tiny HF model, batched
 three ways (one forward over the batch, a prefill and decode steps through the KV cache, one sample per forward
 in the other order)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import tic_trace
 from tic_trace.compare.diverge import find_divergence
-from tic_trace.record.row_subset import DEFAULT_STRIDE, RowSubset
+from tic_trace.graph.row_subset import DEFAULT_STRIDE, RowSubset
 from tic_trace.store.format import open_trace
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 
@@ -149,3 +151,58 @@ def test_subset_stores_less_than_rows(tmp_path):
     sub = _stored_rows(_trace(tmp_path / "sub", model, _one_batch), "layers.0.input_layernorm:out")
     every = _stored_rows(_trace(tmp_path / "all", model, _one_batch, subset=None), "layers.0.input_layernorm:out")
     assert len(every) == IDS.numel() and 0 < len(sub) < len(every) and set(sub) < set(every)
+
+
+# ------------------------------------------------------------------------------------------------ row identity
+
+def test_the_shared_rule_is_read_from_both_manifests_only_when_it_is_the_same():
+    from tic_trace.graph.row_subset import shared_subset, subset_of_manifest
+    m5, m7 = ({"tracer": {"row_subset": RowSubset(stride=s).describe()}} for s in (5, 7))
+    assert subset_of_manifest(m5) == RowSubset(stride=5) and shared_subset(m5, dict(m5)) == RowSubset(stride=5)
+    assert shared_subset(m5, m7) is None and shared_subset(m5, {"tracer": {}}) is None
+    assert subset_of_manifest({"tracer": {"row_subset": {"rule": "another", "stride": 5}}}) is None
+
+
+def _decode_pausing(step):
+    """A prefill plus decode steps whose decode step `step` runs untraced (the engine paused the tracer for it):
+    that forward's rows are in neither the trace's row table nor its records."""
+    def run(m, t):
+        t.sample_keys = KEYS
+        cache = m(IDS[:, :PROMPT], use_cache=True).cache
+        for j in range(PROMPT, IDS.shape[1]):
+            t.step()
+            ctx = t.pausing() if j == step else contextlib.nullcontext()
+            with ctx:
+                cache = m(IDS[:, j:j + 1], cache=cache, use_cache=True).cache
+    return run
+
+
+def test_rows_the_rule_drops_are_not_unmatched_but_lost_kept_rows_are(tmp_path):
+    """Both traces kept rows by the same rule: a decode step missing from one trace whose rows the rule drops
+    is nothing lost (consistent, no unmatched row); one that held a kept row is said, as a row the other side
+    has inside this side's span (which blocks a consistent verdict); against a trace of every row (no rule),
+    the dropped rows are unmatched too."""
+    model = _model()
+    decode = range(PROMPT, IDS.shape[1] - 1)           # not the last step: its rows would be "outside"
+    dropped = [j for j in decode if not any(SUBSET.keeps(k, j) for k in KEYS)]
+    kept = [j for j in decode if any(SUBSET.keeps(k, j) for k in KEYS)]
+    assert dropped and kept
+    batch = _trace(tmp_path / "batch", model, _one_batch)
+    gap = _trace(tmp_path / "gap_dropped", model, _decode_pausing(dropped[0]))
+    rep = find_divergence(batch, gap)
+    assert (rep.rows["unmatched_a"], rep.rows["unmatched_b"]) == (0, 0), rep.rows
+    assert not [n for n in rep.notes if n.kind == "unmatched_rows"]
+    # every point but HF's RoPE taps ([batch, heads, T, dim]: statistics only in `rows` mode, over whole passes,
+    # which differ here) compared and equal
+    assert {p.point for p in rep.points if p.status != "ok"} <= {"attn.q_rope", "attn.k_rope"}
+    mid = [p for p in rep.points if p.point == "mid" and p.layer == 1][0]
+    assert mid.status == "ok" and mid.rows == rep.rows["matched"] > 0
+    lost = _trace(tmp_path / "gap_kept", model, _decode_pausing(kept[0]))
+    rep = find_divergence(batch, lost)
+    n_kept = sum(SUBSET.keeps(k, kept[0]) for k in KEYS)
+    assert rep.rows["unmatched_a"] == n_kept and rep.identity["unmatched"]["a"]["inside"] == n_kept, rep.rows
+    said = [n for n in rep.notes if n.kind == "unmatched_rows"]
+    assert len(said) == 1 and said[0].detail["blocks"] and rep.verdict != "consistent", rep.notes
+    every = _trace(tmp_path / "every", model, _one_batch, subset=None)
+    rep = find_divergence(every, gap)
+    assert rep.rows["unmatched_a"] == len(KEYS), rep.rows         # both rows of the step it did not trace

@@ -772,29 +772,111 @@ def test_mixtral_expert_count_is_read_under_its_own_config_name(sglang_env):
     assert not check.verified and "block_sparse_moe" in check.why
 
 
-def test_forward_hooks_spec_periodic_default_keeps_the_identity_row_subset(tmp_path, new_model):
-    """The periodic default (`subset`): a periodic rollout stores the values of exactly the rows that
-    tic_trace.record.row_subset keeps by (rid, position), in the prefill and in the decode steps alike."""
-    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+SUBSET_LIKE = {"2-0": "req-a", "2-1": "req-b"}
+SUBSET_STEPS = 3
 
-    from tic_trace.record.row_subset import RowSubset
-    model = new_model()
-    out = tmp_path / "slime"
-    register_forward_hooks(model, forward_hooks_spec(str(out), [3], max_samples=2, mode="rows", every=2))
-    like = {"2-0": "req-a", "2-1": "req-b"}
-    sc.SGLangRollout(model).generate({rid: PROMPTS[src] for rid, src in like.items()}, 3,
-                                     forced_tokens={rid: RESPONSES[src] for rid, src in like.items()})
+
+def _subset_seq(src: str) -> list[int]:
+    """A sample as the trainer scores it: the prompt, the tokens fed back in the decode steps, the last one."""
+    return PROMPTS[src] + RESPONSES[src][:SUBSET_STEPS + 1]
+
+
+def _subset_rollout(m, out, steps=SUBSET_STEPS, late=False):
+    """Rollout 2 of two samples (req-a's and req-b's tokens as "2-0", "2-1") traced by the hook as a periodic
+    rollout in the default `subset` mode. `late`: the hook is registered by hand, so it finds the model only
+    during the prefill and traces from the first decode step on (a forward genuinely lost to the trace; the
+    engine model is `m`, not `model`, so the factory does not find it in this caller's frame)."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+    spec = forward_hooks_spec(str(out), [3], max_samples=2, mode="rows", every=2)
+    if late:
+        m.model.embed_tokens.register_forward_hook(sgs.forward_hook_factory(spec[0]["config"]))
+    else:
+        register_forward_hooks(m, spec)
+    session = sgs._SESSIONS[-1]
+    sc.SGLangRollout(m).generate({rid: PROMPTS[src] for rid, src in SUBSET_LIKE.items()}, steps,
+                                     forced_tokens={rid: RESPONSES[src] for rid, src in SUBSET_LIKE.items()})
     close_sessions()
-    tr = CanonicalView(str(out / "rollout_00002" / "sglang")).trace
-    subset, stored, named = RowSubset(), [], []
+    return session, out / "rollout_00002" / "sglang"
+
+
+def _hf_subset_trace(hf, out, subset=True):
+    """The HF model (the SGLang model's weights) over the same samples' prompt + response, one forward each,
+    in the same `subset` mode (what Megatron's side of a periodic rollout is), or in `full`."""
+    from tic_trace.graph.row_subset import RowSubset
+    kw = dict(points_mode="rows", sample_rows=list(range(64)), row_subset=RowSubset()) if subset else \
+        dict(points_mode="full")
+    with tic_trace.trace(hf, out, adapter="hf", **kw) as t, torch.no_grad():
+        for rid, src in SUBSET_LIKE.items():
+            t.sample_keys = [rid]
+            hf(torch.tensor([_subset_seq(src)]))
+            t.step()
+    assert t.failed is None, t.failed
+    return str(out)
+
+
+def test_forward_hooks_spec_periodic_default_keeps_the_identity_row_subset(tmp_path, new_model, hf):
+    """The periodic default (`subset`): a periodic rollout stores the values of exactly the rows that
+    tic_trace.graph.row_subset keeps by (rid, position), in the prefill and in the decode steps alike; a decode
+    step holding no kept row runs untraced and writes its row table only (no record, an empty blob); and the
+    trace compares consistent against the HF trace of the same samples in the same mode."""
+    from tic_trace.graph.row_subset import RowSubset
+    session, path = _subset_rollout(new_model(), tmp_path / "slime")
+    tr = CanonicalView(str(path)).trace
+    subset, stored, named, rows_only = RowSubset(), [], [], []
     for i in tr.pass_indices(0):
         p = tr.open_pass(0, i)
         rows = [(k, pos) for k, pos in zip(p.rows["keys"], p.rows["positions"]) if k is not None]
         named += rows
+        if not any(subset.keeps(*r) for r in rows):
+            rows_only.append(i)
+            assert p.meta.get("rows_only") is True and p.records == [] and p.blob_size == 0, i
+            assert p.meta["pass_number"] == i and p.rows["tokens"] is not None
+            continue
+        assert not p.meta.get("rows_only")
         rec = p.record("model.embed_tokens:out")
-        if rec.has_data:
-            assert rec.mode == "rows"
-            stored += [(p.rows["keys"][j], p.rows["positions"][j]) for j in rec.row_index]
+        assert rec.mode == "rows"
+        stored += [(p.rows["keys"][j], p.rows["positions"][j]) for j in rec.row_index]
+    # the prefill and the step at req-b's position 8 keep rows; the other two decode steps keep none
+    assert len(tr.pass_indices(0)) == 1 + SUBSET_STEPS and 0 not in rows_only and len(rows_only) >= 1
+    assert session.passes_rows_only == len(rows_only) and session.passes_traced == 1 + SUBSET_STEPS - len(rows_only)
     assert sorted(stored) == sorted(r for r in named if subset.keeps(*r))
-    assert 0 < len(stored) < len(named)
+    assert 0 < len(stored) < len(named) and len(named) == N_PROMPT + SUBSET_STEPS * len(PROMPTS)
     assert tr.manifest["tracer"]["row_subset"] == subset.describe()
+    # against HF in full: every SGLang row is named (the row-table-only passes too), the kept ones compared
+    rep = find_divergence(_hf_subset_trace(hf, tmp_path / "hf_full", subset=False), str(path))
+    assert rep.verdict == "consistent", _detail(rep)
+    # HF also names each sample's last response token, never fed back to SGLang: outside its rows, as always
+    assert _counts(rep.rows) == {"a": MG_ROWS - 2, "b": len(named), "matched": len(stored),
+                                 "unmatched_a": len(PROMPTS), "unmatched_b": 0}, rep.rows
+    mid = [p for p in rep.points if p.point == "mid" and p.layer == 1][0]
+    assert mid.rows == len(stored) and max(p.error for p in rep.points if p.error is not None) < 1e-5
+    # against HF in the same mode (the pairing of slime's periodic rollouts): the rows meet the same way. (HF
+    # taps apply_rotary_pos_emb as [batch, heads, T, dim], which `rows` mode keeps as statistics only: those
+    # two points are not comparable there, in any `rows` trace of HF). Of the last tokens, only those the rule
+    # keeps are said: both traces recorded the rule, and a row it drops is no row one side lost
+    rep = find_divergence(_hf_subset_trace(hf, tmp_path / "hf"), str(path))
+    last = [(rid, len(_subset_seq(src)) - 1) for rid, src in SUBSET_LIKE.items()]
+    assert _counts(rep.rows) == {"a": MG_ROWS - 2, "b": len(named), "matched": len(stored),
+                                 "unmatched_a": sum(subset.keeps(*r) for r in last), "unmatched_b": 0}, rep.rows
+    assert {p.point for p in rep.points if p.status != "ok"} <= {"attn.q_rope", "attn.k_rope"}, _detail(rep)
+    mid = [p for p in rep.points if p.point == "mid" and p.layer == 1][0]
+    assert mid.status == "ok" and mid.rows == len(stored)
+
+
+def test_periodic_subset_trace_that_lost_its_prefill_says_the_kept_rows_it_lacks(tmp_path, new_model, hf):
+    """The hook finds the model during the prefill: that forward is not in the SGLang trace. Of the prompt
+    rows the HF side names, those the subset keeps are said as rows SGLang lacks; those it drops are not."""
+    from tic_trace.graph.row_subset import RowSubset
+    _, path = _subset_rollout(new_model(), tmp_path / "slime", late=True)
+    tr = CanonicalView(str(path)).trace
+    assert len(tr.pass_indices(0)) == SUBSET_STEPS         # the decode steps only
+    rep = find_divergence(_hf_subset_trace(hf, tmp_path / "hf"), str(path))
+    subset = RowSubset()
+    prompt_rows = [(rid, p) for rid, src in SUBSET_LIKE.items() for p in range(len(PROMPTS[src]))]
+    kept_prompt = [r for r in prompt_rows if subset.keeps(*r)]
+    last = [(rid, len(_subset_seq(src)) - 1) for rid, src in SUBSET_LIKE.items()]    # never fed back
+    assert 0 < len(kept_prompt) < len(prompt_rows)
+    assert rep.rows["unmatched_a"] == len(kept_prompt) + sum(subset.keeps(*r) for r in last), rep.rows
+    said = [n for n in rep.notes if n.kind == "unmatched_rows" and n.detail.get("side") == "a"]
+    assert len(said) == 1 and said[0].detail["count"] == rep.rows["unmatched_a"], rep.notes
+    assert said[0].detail["first"][0] == f"2-0@{min(p for k, p in kept_prompt if k == '2-0')}"

@@ -425,7 +425,7 @@ def test_every_n_selects_rollouts_and_their_mode():
     ts.configure(args)                                 # idempotent
     assert (mode_for(args, 3), mode_for(args, 5)) == ("rows", "subset")
     from tic_trace.integrations.slime.config import tracer_points_mode
-    from tic_trace.record.row_subset import RowSubset
+    from tic_trace.graph.row_subset import RowSubset
     assert tracer_points_mode("subset") == ("rows", RowSubset()) and tracer_points_mode("rows") == ("rows", None)
     stats = ts.configure(parse(BASE_ARGV + ["--tic-trace", "--tic-trace-every", "2", "--tic-trace-mode", "stats",
                                             "--debug-train-only"]))

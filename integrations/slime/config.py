@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger("tic_trace.slime")
 
-#: `subset`: `rows` of a few rows per sample chosen by (sample, position) alone (tic_trace.record.row_subset),
+#: `subset`: `rows` of a few rows per sample chosen by (sample, position) alone (tic_trace.graph.row_subset),
 #: so that both sides keep the same rows however they batch them: comparable numerics at a small cost.
 MODES = ("stats", "full", "rows", "subset")
 DEFAULT_ROLLOUT_IDS = "0"
@@ -231,9 +231,9 @@ def mode_for(args: Any, rollout_id: int) -> str:
 
 def tracer_points_mode(mode: str) -> tuple[str, Any]:
     """A --tic-trace-mode as the tracer's ``points_mode`` and ``row_subset`` (``subset``: ``rows`` with the
-    identity rule of tic_trace.record.row_subset, the one the SGLang hook applies too)."""
+    identity rule of tic_trace.graph.row_subset, the one the SGLang hook applies too)."""
     if mode == "subset":
-        from tic_trace.record.row_subset import RowSubset
+        from tic_trace.graph.row_subset import RowSubset
         return "rows", RowSubset()
     return mode, None
 

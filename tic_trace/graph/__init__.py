@@ -1,9 +1,11 @@
 """What both flows agree a model computes, framework-free: the canonical op graph of a decoder-only transformer
 (`canonical`: points, their feeds, dataflow order) and the adapter base (`adapter`: the table from a
-framework's record names to canonical points, the transforms and merges, the adapter registry).
+framework's record names to canonical points, the transforms and merges, the adapter registry), and the row
+subset rule (`row_subset`: which (sample, position) rows a `subset` trace keeps; the tracer applies it, row
+identity reads it).
 
 Pure Python and numpy, never a framework: adapters import theirs inside their own methods. The record flow uses
-only the adapter registry (the tracer resolves `adapter="hf"`); the answer flow uses all of it.
+only the adapter registry (the tracer resolves `adapter="hf"`) and the row subset; the answer flow uses all of it.
 
 May import: nothing of tic_trace.
 """

@@ -6,7 +6,8 @@ lives, `stat_slots` holds them per pass, `alias` reuses them for tensors already
 unusual tensors are recorded, `host_copy` copies stored values to host memory and disk, `weights` hashes
 parameters, `filters` chooses what to record, `version` is the version written into every manifest.
 
-May import: store, and of graph only the adapter registry (`graph.adapter`).
+May import: store, and of graph only the adapter registry (`graph.adapter`) and the row subset rule
+(`graph.row_subset`).
 Never the answer flow (view, compare, replay, report). Importing this package imports nothing: torch loads with
 the modules that need it.
 """

@@ -124,6 +124,38 @@ class PassLifecycle:
         self._pass_count += 1
         self._activity = False
 
+    def write_row_table(self, keys: list, positions: list, tokens: list | None = None) -> None:
+        """Write one pass that holds only the names of its rows (`set_rows`' arguments) and no record: a forward
+        that ran untraced because the row subset keeps none of its rows (the SGLang hook, for a decode step of
+        a periodic `subset` rollout). The row table is what the row identity check needs (the sides name the
+        same rows, with the same tokens); statistics of rows no one compares are not worth their bytes. Call
+        between passes (the tracer paused or idle); a failure disables tracing, as any other."""
+        try:
+            if self._writer is None or self.failed is not None or self._pass is not None or self._busy:
+                return
+            if not self.filters.want_pass(self._pass_count):
+                self._pass_count += 1
+                return
+            self.set_rows(keys, positions, tokens)
+            if self.failed is not None:
+                return
+            pw = self._writer.begin_pass({}, self.durable)
+            try:
+                pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
+                               blind_regions=[], notes=[], weights=None, rows_only=True)
+                self.passes_written.append(pw.close())
+            except BaseException:
+                pw.abort()
+                raise
+        except Exception as e:  # noqa: BLE001 - never into the engine's loop
+            self._fail(e)
+        finally:
+            self._rows = None
+            self._row_select = None
+            self._n_rows = None
+        if self.failed is None:
+            self._pass_count += 1
+
     def _run_ended_early(self, e: BaseException, lost_pass: int | None) -> None:
         """The tracer failed and records nothing more: say so in `rank.msgpack` (`TraceWriter.mark_incomplete`),
         so that no reader takes the passes written before the failure for the whole run (docs/security.md)."""

@@ -29,7 +29,7 @@ from .guard import GuardedEntry
 from .host_copy import DEFAULT_CAP_BYTES, HostStager
 from .modules import ModuleHooks, _Frame
 from .passes import PassLifecycle, new_run_id
-from .row_subset import RowSubset
+from ..graph.row_subset import RowSubset
 from .stat_slots import StatSlots
 from .weights import ParameterHasher
 

@@ -67,7 +67,7 @@ class ModelConfig(TypedDict, total=False):
 
 
 class RowSubsetSettings(TypedDict, total=False):
-    """`tracer.row_subset`: the identity rule that chose a `rows` trace's rows (record/row_subset.py)."""
+    """`tracer.row_subset`: the identity rule that chose a `rows` trace's rows (graph/row_subset.py)."""
     rule: ShortText
     stride: int
 
@@ -135,6 +135,7 @@ class PassMeta(TypedDict, total=False):
     incomplete: str | None
     blind_regions: list[str]
     notes: list[str]
+    rows_only: bool        # the row table only, no record: a forward the row subset kept no row of
 
 
 class Stats(TypedDict):

@@ -2,7 +2,10 @@
 
 A row is a (sample key, position) pair; each side's view records the token it held and how often the side
 named it. `row_identity` pairs two views' tables: rows named twice, rows whose tokens differ (and the causal
-rows after them), rows of one side that match nothing on the other. The finder leaves the excluded rows out of
+rows after them), rows of one side that match nothing on the other. Where both traces kept their rows by the same row subset
+(graph/row_subset.py, `tracer.row_subset` in both manifests), a row one side alone names that the rule drops is
+no unmatched row: its side wrote nothing for a pass that held no kept row (SGLang's decode steps, docs/drift.md),
+and nothing of it would be compared anyway; a row the rule keeps that one side lacks is still unmatched. The finder leaves the excluded rows out of
 every point and turns the rest into the report's row notes (compare/verdict.py; docs/report.md "Rows").
 """
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..graph.canonical import LOGPROBS
+from ..graph.row_subset import RowSubset, shared_subset
 from .align import CanonicalView, RowId
 
 ROWS_NAMED = 8          # rows listed by name in the report (the counts cover all of them)
@@ -41,6 +45,8 @@ class RowIdentity:
     duplicates: dict = field(default_factory=dict)  # "a"/"b" -> {row: times named}
     # "a"/"b" -> {"count", "other_samples", "outside", "inside", "first"} (see _unmatched)
     unmatched: dict = field(default_factory=dict)
+    # "a"/"b" -> rows of that side alone that the row subset both sides recorded drops (not unmatched)
+    dropped: dict = field(default_factory=dict)
 
     def exclude_for(self, point: str) -> frozenset:
         """The rows not to compare at `point`. A log-prob row p scores the token at p+1: left out too when
@@ -108,13 +114,23 @@ def _row_identity(va: CanonicalView, vb: CanonicalView) -> RowIdentity:
         if k not in firsts or pos < firsts[k]:
             firsts[k] = pos
     different.sort(key=lambda d: (firsts[d[0][0]] != d[0][1], _row_order(d[0])))
+    subset = shared_subset(va.trace.manifest, vb.trace.manifest)
+    alone = {"a": _not_dropped(ra - common, subset), "b": _not_dropped(rb - common, subset)}
     return RowIdentity(frozenset(excluded), different, len(different), dup,
-                       {"a": _unmatched(ra, rb, common), "b": _unmatched(rb, ra, common)})
+                       {"a": _unmatched(alone["a"], rb), "b": _unmatched(alone["b"], ra)},
+                       {"a": len(ra - common) - len(alone["a"]), "b": len(rb - common) - len(alone["b"])})
 
 
-def _unmatched(mine: set, theirs: set, common: set) -> dict:
-    """Rows of one side no row of the other side has, by what that says: a sample the other side did not
-    trace (`other_samples`); a position before or after every position the other side traced for the sample
+def _not_dropped(rows: set, subset: RowSubset | None) -> set:
+    """Of one side's rows the other lacks, those the shared row subset keeps (all of them without one)."""
+    if subset is None:
+        return rows
+    return {r for r in rows if subset.keeps(r[0], r[1])}
+
+
+def _unmatched(mine: set, theirs: set) -> dict:
+    """Rows of one side (`mine`: those no row of the other side has) by what that says: a sample the other side
+    did not trace (`other_samples`); a position before or after every position the other side traced for the sample
     (`outside`: a cached prefix, a last token never fed back); a position inside that span (`inside`: the
     sides number this sample's rows differently)."""
     span: dict[str, tuple[int, int]] = {}
@@ -124,8 +140,6 @@ def _unmatched(mine: set, theirs: set, common: set) -> dict:
     out = {"count": 0, "other_samples": 0, "outside": 0, "inside": 0, "first": []}
     inside, outside = [], []
     for row in mine:
-        if row in common:
-            continue
         out["count"] += 1
         s = span.get(row[0])
         if s is None:

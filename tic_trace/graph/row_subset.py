@@ -5,7 +5,9 @@ one pass per decode step), so anything computed over a whole batch (statistics) 
 side and cannot be compared. A row's identity does not depend on the batching: a rule that looks only at
 (sample key, position) keeps the same rows on both sides, whatever passes they fall in, and the comparator
 joins them as it joins any `rows` record. Used by slime's periodic traces (`--tic-trace-mode subset`,
-docs/drift.md): values of a few rows per sample instead of every row.
+docs/drift.md): values of a few rows per sample instead of every row. Pure Python (no torch): the tracer applies
+the rule, and the row identity check (view/rows.py) reads it back from both manifests (`shared_subset`), so that
+rows the rule drops are not taken for rows one side lost.
 
 The rule keeps position p of sample k when
 
@@ -61,3 +63,22 @@ class RowSubset:
     def describe(self) -> dict:
         """What the manifest records (`tracer.row_subset`), so that a reader can say which rows were kept."""
         return {"rule": RULE, "stride": self.stride}
+
+
+def subset_of_manifest(manifest: dict) -> RowSubset | None:
+    """The rule a trace's manifest records (`tracer.row_subset`, already checked by store/schema.py), or None
+    when there is none or it is a rule this reader does not know (then no row is taken for dropped by it)."""
+    desc = (manifest.get("tracer") or {}).get("row_subset") if isinstance(manifest, dict) else None
+    if not isinstance(desc, dict) or desc.get("rule") != RULE:
+        return None
+    try:
+        return RowSubset(stride=desc.get("stride", DEFAULT_STRIDE))
+    except ValueError:
+        return None
+
+
+def shared_subset(manifest_a: dict, manifest_b: dict) -> RowSubset | None:
+    """The rule both traces kept their rows by, when they record the same one; None otherwise (one side traced
+    every row: a row the other lacks is a lost row, whatever the rule says)."""
+    a, b = subset_of_manifest(manifest_a), subset_of_manifest(manifest_b)
+    return a if a is not None and a == b else None
