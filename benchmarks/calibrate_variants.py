@@ -46,8 +46,11 @@ FAULTS = ["rmsnorm_no_upcast", "mlp_norm_no_upcast", "final_norm_no_upcast", "qk
 DISTS = ["random", "gains", "massive"]
 
 
+DENSE = False       # --dense: the dense Qwen3 (no router, no experts) instead of Qwen3-MoE
+
+
 def build(dist: str, seed: int, head_dim: int, ids: torch.Tensor):
-    m = build_hf_model_stable(tiny_qwen3_config(moe=True, head_dim=head_dim), seed=seed, dtype=torch.bfloat16)
+    m = build_hf_model_stable(tiny_qwen3_config(moe=not DENSE, head_dim=head_dim), seed=seed, dtype=torch.bfloat16)
     if dist in ("gains", "massive"):
         trained_like.lognormal_norm_gains(m, seed=seed, sigma=1.5, high=41.0, include_qk=True)
     if dist == "massive":
@@ -124,7 +127,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--head-dims", default="16,64")
     ap.add_argument("--dists", default=",".join(DISTS))
+    ap.add_argument("--dense", action="store_true", help="the dense model (MoE-only faults left out)")
     args = ap.parse_args()
+    global DENSE
+    DENSE = args.dense
+    faults = [f for f in FAULTS if not (DENSE and PRECISION_FAULTS[f].moe_only)]
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
     hds = [int(x) for x in args.head_dims.split(",")]
@@ -136,7 +143,7 @@ def main() -> None:
             for hd in hds:
                 for seed in range(args.seeds):
                     h = halves[seed % 2]
-                    for name in CLEAN + FAULTS:
+                    for name in CLEAN + faults:
                         r = case(Path(tmp), name, dist, seed, hd, ids)
                         for op, x in r["ratios"]:
                             h[("ratio", op)].append(x)
