@@ -310,7 +310,12 @@ def test_hf_adapter_finds_every_promised_point(tmp_path, hf_moe_config, hf_dense
         have = {p for p, _ in v.points()}
         promised = set(v.adapter.promised_points(v.config))
         assert promised <= have, promised - have
-        expected = {p.name for p in BY_NAME.values()} - {"moe.shared_out"}
+        # Qwen3(-MoE) has every canonical point but the shared expert and those of other architectures only:
+        # Gemma's sandwich norms and MLA's latent projections
+        others = {"attn.post_norm", "mlp.post_norm", "attn.q_a", "attn.q_a_norm", "attn.kv_a", "attn.kv_a_norm",
+                  "attn.kv_b"}
+        expected = {p.name for p in BY_NAME.values()} - {"moe.shared_out"} - others
+        assert others <= set(BY_NAME)
         if name == "dense":
             expected -= {p for p in expected if p.startswith("moe.")}
         assert have == expected
