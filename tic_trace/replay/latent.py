@@ -125,29 +125,15 @@ class LatentOps:
         return self.rope(kv[:, ref.spec.kv_lora_rank:][:, None, :], _positions(rows, kv), ref.spec)
 
     def core(self, ref, layer, feeds, rows, tokens):
-        """Per sample, every query row over the keys at positions 0..p (as reference._attention gathers them):
-        q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe the same for every head), v from kv_b."""
+        """Per sample, every query row over the keys at positions 0..p (reference.attend_by_sample, in query
+        blocks): q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe the same for every head), v from kv_b."""
         import torch
         s, nope = ref.spec, ref.spec.qk_nope_head_dim
         q = torch.cat([_heads(feeds["attn.q"], s)[..., :nope], _heads(feeds["attn.q_rope"], s)], dim=-1)
         kv_b = _heads(feeds["attn.kv_b"], s)
         k_pe = feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
         k, v = torch.cat([kv_b[..., :nope], k_pe], dim=-1), kv_b[..., nope:]
-        kv_rows: dict = feeds["__kv_rows__"]
-        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=torch.float64, device=q.device)
-        for sample in dict.fromkeys(x for x, _ in rows):
-            qi = [i for i, (x, _) in enumerate(rows) if x == sample]
-            last = max(rows[i][1] for i in qi)
-            try:
-                kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=q.device)
-            except KeyError as e:
-                raise self.f.NotReplayable(f"sample {sample!r}: key/value row {e.args[0]} not recorded") from None
-            blk = torch.tensor(qi, device=q.device)
-            qpos = torch.tensor([rows[i][1] for i in qi], device=q.device)
-            o = self.f.causal_attention(q[blk], k[kidx], v[kidx], softmax_scale(s), qpos,
-                                        torch.arange(last + 1, device=q.device))
-            out[blk] = o.reshape(len(qi), -1)
-        return out
+        return self.f.attend_by_sample(q, k, v, rows, feeds["__kv_rows__"], softmax_scale(s))
 
 
 def _heads(y: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..graph.canonical import BY_NAME
-from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
+from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight, each_sample  # Gemma, Phi-3, GPT-OSS
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .grouped_topk import GroupedTopkError, eligible_choice
@@ -45,7 +45,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu,
-    "gelu": lambda x: torch.nn.functional.gelu(x), "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu": lambda x: torch.nn.functional.gelu(x),
+    "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "relu": torch.relu,
 }
 
@@ -328,21 +329,19 @@ _QUERY_BLOCK = 256     # queries per float64 score block: memory O(heads x block
 def _attention(ref: ExactReference, layer, feeds, rows, tokens):
     """Per sample: the query rows asked for, over every key position 0..p of that sample (all must be
     present in the side's k_rope/v rows, gathered over passes; a decode step's KV cache is its earlier rows)."""
-    q, k, v = feeds["attn.q_rope"], feeds["attn.k_rope"], feeds["attn.v"]
-    kv_rows: dict[RowId, int] = feeds["__kv_rows__"]       # row id -> index into k, v (all of the sample)
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=F64, device=q.device)
-    scale = ref.spec.head_dim ** -0.5
-    for sample in dict.fromkeys(s for s, _ in rows):
-        qi = [i for i, (s, _) in enumerate(rows) if s == sample]
-        last = max(rows[i][1] for i in qi)
-        try:
-            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=q.device)
-        except KeyError as e:
-            raise NotReplayable(f"sample {sample!r}: key/value row {e.args[0]} not recorded") from None
-        kpos = torch.arange(last + 1, device=q.device)
+    return attend_by_sample(feeds["attn.q_rope"], feeds["attn.k_rope"], feeds["attn.v"], rows,
+                            feeds["__kv_rows__"], ref.spec.head_dim ** -0.5)
+
+
+def attend_by_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[RowId],
+                     kv_rows: dict[RowId, int], scale: float) -> torch.Tensor:
+    """Causal attention of the query rows `rows` (q [rows, heads, d]) over each one's sample's key/value rows
+    at positions 0..p (`kv_rows`: row id -> index into k, v), in query blocks: [rows, heads * v's width]."""
+    out = torch.empty(q.shape[0], q.shape[1] * v.shape[-1], dtype=F64, device=q.device)
+    for qi, qpos_all, kidx, kpos in each_sample(rows, kv_rows, q.device):
         for lo in range(0, len(qi), _QUERY_BLOCK):
             blk = torch.tensor(qi[lo:lo + _QUERY_BLOCK], device=q.device)
-            qpos = torch.tensor([rows[i][1] for i in qi[lo:lo + _QUERY_BLOCK]], device=q.device)
+            qpos = qpos_all[lo:lo + _QUERY_BLOCK]
             hi = int(qpos.max()) + 1
             o = causal_attention(q[blk], k[kidx[:hi]], v[kidx[:hi]], scale, qpos, kpos[:hi])
             out[blk] = o.reshape(len(blk), -1)
