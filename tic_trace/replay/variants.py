@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .arch_ops import each_sample
 from .grid import round_to, row_relative_excess
 from .reference import NotReplayable
 
@@ -246,15 +247,11 @@ def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
         rep = q.shape[1] // kk.shape[1]
         dev = q.device
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=dt, device=dev)
-        for sample in dict.fromkeys(s for s, _ in v.rows):
-            qi = [i for i, (s, _) in enumerate(v.rows) if s == sample]
-            qpos = torch.tensor([v.rows[i][1] for i in qi], device=dev)
-            last = int(qpos.max())
-            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=dev)
+        for qi, qpos, kidx, kpos in each_sample(v.rows, kv_rows, dev):
             qs = q[qi].to(dt).transpose(0, 1)                                   # [H, Tq, d]
             ks = kk[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, Tk, d]
             vs = vv[kidx].to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
-            mask = (torch.arange(last + 1, device=dev)[None, :] <= qpos[:, None])[None]     # [1, Tq, Tk]
+            mask = (kpos[None, :] <= qpos[:, None])[None]                       # [1, Tq, Tk]
             o = kernel(qs[None], ks[None], vs[None], mask[None], scale, dt)[0]  # [H, Tq, d]
             out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
         return out
