@@ -7,6 +7,8 @@ Every model is a tiny random one built locally (no hub access), traced in fp32 w
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tic_trace import find_divergence
@@ -113,38 +115,37 @@ def test_gemma3_pre_feedforward_norm_fault_is_found_at_mlp_norm(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ Phi-3
 
+def _scale_columns(module, start: Callable, stop: Callable | None = None) -> None:
+    """Scale the output columns [start(width), stop(width)) of a fused projection by 1.01 (in the computation)."""
+    def fn(y):
+        y = y.clone()
+        w = y.shape[-1]
+        y[..., start(w):stop(w) if stop else None] *= 1.01
+        return y
+    _wrap_output(module, fn)
+
+
+def _q_width(attn) -> int:
+    return attn.config.num_attention_heads * attn.head_dim
+
+
 def test_phi3_v_fault_inside_the_fused_qkv_is_found_at_attn_v(tmp_path):
     """A fault in the v columns of the fused qkv_proj output: at attn.v, not attn.core."""
     def plant(model):
         attn = _layer(model, 1).self_attn
-        nq = attn.config.num_attention_heads * attn.head_dim
-
-        def scale_v(y):
-            y = y.clone()
-            y[..., nq + (y.shape[-1] - nq) // 2:] *= 1.01
-            return y
-        _wrap_output(attn.qkv_proj, scale_v)
+        nq = _q_width(attn)
+        _scale_columns(attn.qkv_proj, lambda w: nq + (w - nq) // 2)
     assert _first(tmp_path, "Phi3ForCausalLM", plant) == ("attn.v", 1)
 
 
 def test_phi3_q_and_up_faults_are_found_at_their_points(tmp_path):
     def scale_q(model):
         attn = _layer(model, 0).self_attn
-        nq = attn.config.num_attention_heads * attn.head_dim
-
-        def fn(y):
-            y = y.clone()
-            y[..., :nq] *= 1.01
-            return y
-        _wrap_output(attn.qkv_proj, fn)
+        _scale_columns(attn.qkv_proj, lambda w: 0, lambda w: _q_width(attn))
     assert _first(tmp_path / "q", "Phi3ForCausalLM", scale_q) == ("attn.q", 0)
 
     def scale_up(model):          # the up half of the fused gate_up_proj: the MLP's output
-        def fn(y):
-            y = y.clone()
-            y[..., y.shape[-1] // 2:] *= 1.01
-            return y
-        _wrap_output(_layer(model, 1).mlp.gate_up_proj, fn)
+        _scale_columns(_layer(model, 1).mlp.gate_up_proj, lambda w: w // 2)
     assert _first(tmp_path / "up", "Phi3ForCausalLM", scale_up) == ("mlp.out", 1)
 
 
