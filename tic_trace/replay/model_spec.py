@@ -65,6 +65,8 @@ class ModelSpec:
     moe_intermediate_size: int = 0         # one expert's width (0: not stated)
     # DeepSeek-V3 / GLM-4.5 style MoE and multi-latent attention (MLA); 0 / None where the config has none
     first_k_dense_replace: int = 0         # layers 0..k-1 run a dense MLP, the others the MoE block
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen2/3-MoE: these layers run a dense MLP
+    decoder_sparse_step: int = 1           # Qwen2/3-MoE: layer i runs the MoE block only where (i+1) % step == 0
     q_lora_rank: int | None = None         # MLA: q down-projection width (None: one q projection)
     kv_lora_rank: int = 0                  # MLA: the kv latent's width (0: not an MLA model)
     qk_nope_head_dim: int = 0              # MLA: per-head q/k dims without RoPE
@@ -73,14 +75,20 @@ class ModelSpec:
     rope_interleave: bool = False          # MLA: RoPE over interleaved pairs, output de-interleaved (HF)
     extra: dict = field(default_factory=dict)
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` of this MoE model runs the MoE block (not a dense MLP)."""
+        return (layer >= self.first_k_dense_replace and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     def as_dict(self) -> dict:
         from dataclasses import asdict
         return asdict(self)
 
     def at_layer(self, layer: int | None) -> "ModelSpec":
-        """The facts of one layer: a dense first layer of a MoE model (`first_k_dense_replace`) computes a
-        dense MLP, so its spec has no experts."""
-        if layer is not None and self.num_experts and layer < self.first_k_dense_replace:
+        """The facts of one layer: a dense layer of a MoE model (below `first_k_dense_replace`, in
+        `mlp_only_layers`, or off the `decoder_sparse_step` grid, as transformers builds them) computes a dense
+        MLP, so its spec has no experts."""
+        if layer is not None and self.num_experts and not self.is_sparse(layer):
             from dataclasses import replace
             return replace(self, num_experts=0, num_experts_per_tok=0, n_shared_experts=0,
                            shared_expert_intermediate_size=0)
@@ -129,6 +137,16 @@ class _Config:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise self.error(key, f"an integer from {lo} to {hi}", v)
         return v
+
+    def ints(self, key: str, lo: int, hi: int) -> tuple[int, ...]:
+        """A JSON array of integers in [lo, hi]; missing or null is empty."""
+        v = self.raw(key)
+        if v is _MISSING or v is None:
+            return ()
+        if not isinstance(v, list) or len(v) > 1 << 16 \
+                or any(isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi for x in v):
+            raise self.error(key, f"an array of integers from {lo} to {hi}", v)
+        return tuple(v)
 
     def num(self, key: str, lo: float, hi: float, default: Any = _MISSING, lo_open: bool = False) -> Any:
         """A finite number in [lo, hi] (or (lo, hi] with `lo_open`)."""
@@ -273,8 +291,11 @@ _SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
 
 
 def _latent_and_dense(c: _Config, model_type: str) -> dict:
-    """The DeepSeek-V3 / GLM-4.5 facts: dense first layers, and (MLA) the latent ranks and per-head splits."""
-    out = {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0)}
+    """Which layers are dense (DeepSeek-V3 / GLM-4.5's first layers, Qwen-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`), and (MLA) the latent ranks and per-head splits."""
+    out = {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0),
+           "mlp_only_layers": c.ints("mlp_only_layers", 0, 1 << 16),
+           "decoder_sparse_step": c.int("decoder_sparse_step", 1, 1 << 16, default=1)}
     if c.has("kv_lora_rank"):
         out.update(q_lora_rank=c.int("q_lora_rank", 1, 1 << 20, default=None),
                    kv_lora_rank=c.int("kv_lora_rank", 1, 1 << 20),
