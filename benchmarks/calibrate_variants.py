@@ -1,6 +1,7 @@
 """Calibrate the variant envelope's margin on one half of the clean pairs and validate it on the other.
 
     python benchmarks/calibrate_variants.py --seeds 4 --head-dims 16,64,128      # docs/replay.md, "Calibration"
+    python benchmarks/calibrate_variants.py --mla --seeds 4 --head-dims 16,128   # DeepSeek-V3's latent ops
 
 Real HF Qwen3-MoE bf16 (transformers' modeling code), three weight distributions (random init; wide
 log-normal norm gains; log-normal gains + massive-activation channels + attention sinks:
@@ -14,6 +15,13 @@ Prints, per half: per op the largest ratio excess / worst-clean-variant excess o
 margin a clean implementation needs), the margin the calibration half implies (its largest ratio, +2 %,
 rounded up), and with the default margins (`Margins()`): clean pairs blamed and faults found at exactly their
 point and layer with the side (and, for 16-bit faults, the matching variant) named.
+
+`--mla`: DeepSeek-V3 (multi-latent attention, sigmoid group-limited MoE, a dense first layer) instead;
+`--head-dims` are then q/k's nope dims (rope dims half of them, v as nope). MLA's own ops (its latent norms,
+RoPE and attention: `replay/latent.py`) have no clean variants: they are judged by the constant envelope, so
+this mode also prints, per envelope-judged op, the largest clean excess on each half against
+`intrinsic_verdict.ENVELOPE`. The trained-like "massive" weights get no attention sinks there (the sink
+construction reads q_proj/k_proj).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tic_trace  # noqa: E402
 from tic_trace.replay.intrinsic import IntrinsicError  # noqa: E402
-from tic_trace.replay.intrinsic_verdict import intrinsic_walk  # noqa: E402
+from tic_trace.replay.intrinsic_verdict import ENVELOPE, intrinsic_walk  # noqa: E402
 from tic_trace.replay.reference import ExactReference  # noqa: E402
 from tic_trace.testing import trained_like  # noqa: E402
 from tic_trace.testing.clean_variants import CLEAN_VARIANTS, rope_fp32_tables  # noqa: E402
@@ -47,15 +55,35 @@ DISTS = ["random", "gains", "massive"]
 
 
 DENSE = False       # --dense: the dense Qwen3 (no router, no experts) instead of Qwen3-MoE
+MLA = False         # --mla: DeepSeek-V3
+# clean implementations and faults that apply to MLA's modules (no q/k/v projections, no QK-norm, no RoPE
+# through apply_rotary_pos_emb)
+MLA_CLEAN = ["identical", "tp2_row_parallel", "flash_attention", "sdpa_math", "sdpa", "fused_norm", "batch_split"]
+MLA_FAULTS = ["rmsnorm_no_upcast", "mlp_norm_no_upcast", "final_norm_no_upcast", "softmax_bf16",
+              "q_a_norm_no_upcast", "kv_a_norm_no_upcast"]
+
+
+def deepseek_config(nope: int):
+    from transformers import DeepseekV3Config
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, intermediate_size=128, max_position_embeddings=256,
+                           rms_norm_eps=1e-6, tie_word_embeddings=False, n_routed_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                           topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=64,
+                           q_lora_rank=48, qk_nope_head_dim=nope, qk_rope_head_dim=max(nope // 2, 8), v_head_dim=nope)
+    cfg._attn_implementation = "eager"
+    return cfg
 
 
 def build(dist: str, seed: int, head_dim: int, ids: torch.Tensor):
-    m = build_hf_model_stable(tiny_qwen3_config(moe=not DENSE, head_dim=head_dim), seed=seed, dtype=torch.bfloat16)
+    cfg = deepseek_config(head_dim) if MLA else tiny_qwen3_config(moe=not DENSE, head_dim=head_dim)
+    m = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
     if dist in ("gains", "massive"):
         trained_like.lognormal_norm_gains(m, seed=seed, sigma=1.5, high=41.0, include_qk=True)
     if dist == "massive":
         trained_like.massive_activations(m, sorted({int(t) for t in ids[:, 0]}), channels=(3, 17), scale=2000.0, positive=True)
-        trained_like.attention_sinks(m)
+        if not MLA:
+            trained_like.attention_sinks(m)
     return m
 
 
@@ -94,11 +122,13 @@ def case(work: Path, name: str, dist: str, seed: int, hd: int, ids) -> dict:
         trace(a, base / "a", ids)
     side_b(name, dist, seed, hd, ids, base / "b")
     walk = intrinsic_walk(CanonicalView(str(base / "a")), CanonicalView(str(base / "b")), ExactReference(str(base / "ck")))
-    ratios = []
+    ratios, envelope_judged = [], []
     for v in walk:
         for e in (v.a, v.b) if name not in PRECISION_FAULTS else (v.a,):
             if isinstance(e, IntrinsicError) and e.clean_excess > 0:
                 ratios.append((e.envelope_key, e.excess / max(e.clean_excess, 1.0)))
+            elif isinstance(e, IntrinsicError) and e.envelope_key in ENVELOPE and e.dtype == "bfloat16":
+                envelope_judged.append((e.envelope_key, e.excess))
     blamed = [(v.key, v.side, v.kind, (v.b.match_kind, v.b.match) if isinstance(v.b, IntrinsicError) else ("", ""))
               for v in walk if v.side]
     fault_ratio = None
@@ -108,7 +138,7 @@ def case(work: Path, name: str, dist: str, seed: int, hd: int, ids) -> dict:
         e = next((v.b for v in walk if v.key == key), None)
         if isinstance(e, IntrinsicError) and e.clean_excess > 0:
             fault_ratio = e.excess / max(e.clean_excess, 1.0)
-    return {"ratios": ratios, "blamed": blamed, "fault_ratio": fault_ratio}
+    return {"ratios": ratios, "envelope": envelope_judged, "blamed": blamed, "fault_ratio": fault_ratio}
 
 
 def fault_found(name: str, seed: int, blamed: list) -> bool:
@@ -117,7 +147,8 @@ def fault_found(name: str, seed: int, blamed: list) -> bool:
     side = "B" if f.worse == "planted" else "A"
     if not blamed or blamed[0][0] != key or blamed[0][1] != side:
         return False
-    return f.worse == "clean" or blamed[0][3][0] == "fault"      # a 16-bit fault: its variant is named
+    # a 16-bit fault: its variant is named (an op with no variants, MLA's latent norms, has none to name)
+    return f.worse == "clean" or blamed[0][3][0] in ("fault", "")
 
 
 def main() -> None:
@@ -128,10 +159,12 @@ def main() -> None:
     ap.add_argument("--head-dims", default="16,64")
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--dense", action="store_true", help="the dense model (MoE-only faults left out)")
+    ap.add_argument("--mla", action="store_true", help="DeepSeek-V3 (multi-latent attention) instead of Qwen3")
     args = ap.parse_args()
-    global DENSE
-    DENSE = args.dense
-    faults = [f for f in FAULTS if not (DENSE and PRECISION_FAULTS[f].moe_only)]
+    global DENSE, MLA
+    DENSE, MLA = args.dense, args.mla
+    faults = MLA_FAULTS if MLA else [f for f in FAULTS if not (DENSE and PRECISION_FAULTS[f].moe_only)]
+    clean = MLA_CLEAN if MLA else CLEAN
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
     hds = [int(x) for x in args.head_dims.split(",")]
@@ -143,10 +176,12 @@ def main() -> None:
             for hd in hds:
                 for seed in range(args.seeds):
                     h = halves[seed % 2]
-                    for name in CLEAN + faults:
+                    for name in clean + faults:
                         r = case(Path(tmp), name, dist, seed, hd, ids)
                         for op, x in r["ratios"]:
                             h[("ratio", op)].append(x)
+                        for op, x in r["envelope"]:
+                            h[("envelope", op)].append(x)
                         if name in PRECISION_FAULTS:
                             if r["fault_ratio"] is not None:
                                 h[("fault", name)].append(r["fault_ratio"])
@@ -170,6 +205,12 @@ def report(halves: dict) -> None:
     for name in fl:
         c, v = (halves[i].get(("fault", name)) or [math.nan] for i in (0, 1))
         print(f"| {name} | {min(c):.3f}-{max(c):.3f} | {min(v):.3f}-{max(v):.3f} |")
+    env = sorted({k[1] for h in halves.values() for k in h if isinstance(k, tuple) and k[0] == "envelope"})
+    print("\n| op judged by its constant envelope | ENVELOPE | calibration: max clean excess | validation |")
+    print("|---|---:|---:|---:|")
+    for op in env:
+        c, v = (max(halves[i].get(("envelope", op)) or [math.nan]) for i in (0, 1))
+        print(f"| {op} | {ENVELOPE[op]:.2f} | {c:.3f} | {v:.3f} |")
     cal = max(max(x) for k, x in halves[0].items() if isinstance(k, tuple) and k[0] == "ratio")
     print(f"\nmargin implied by the calibration half: {math.ceil(cal * 1.02 * 100) / 100:.2f} "
           f"(largest clean ratio {cal:.3f}); largest on the validation half "

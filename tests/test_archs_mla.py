@@ -18,7 +18,11 @@ from tic_trace.adapters import hf as hf_adapter
 from tic_trace.graph.adapter import get_adapter
 from tic_trace.replay.intrinsic import IntrinsicError, replay_side
 from tic_trace.replay.reference import ExactReference
+from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
+from tic_trace.testing import trained_like
+from tic_trace.testing.clean_variants import attention
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
+from tic_trace.testing.precision_faults import PRECISION_FAULTS
 from tic_trace.view.align import CanonicalView
 
 from conftest import trace_hf
@@ -206,3 +210,47 @@ def test_bf16_latent_norm_without_upcast_blames_its_side(tmp_path, path, key):
     first = doc["first_divergence"]
     assert (first["key"], first["cause"], first["replay"]["side"]) == (key, "intrinsic", "B"), \
         (first["key"], first["cause"], first["replay"])
+
+
+# ------------------------------------------------------------------- MLA's own ops: clean variants and faults
+
+def _mla_pair(tmp_path, plant_b=None):
+    """DeepSeek-V3 bf16 with trained-like norm gains: (checkpoint, trace of A, trace of B with `plant_b`)."""
+    model = build_hf_model_stable(_config("deepseek"), dtype=torch.bfloat16)
+    trained_like.lognormal_norm_gains(model, seed=3, sigma=1.5, high=41.0, include_qk=True)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    if plant_b is not None:
+        plant_b(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    return str(tmp_path / "ck"), str(tmp_path / "a"), str(tmp_path / "b")
+
+
+def test_hf_mla_ops_are_among_their_clean_variants(tmp_path):
+    """HF's own latent norms, latent RoPE and MLA attention are reproduced by a clean variant on their own
+    inputs (latent_variants.py): each is judged by a same-input envelope, not a borrowed constant."""
+    ck, a, _ = _mla_pair(tmp_path)
+    results = replay_side(CanonicalView(a), ExactReference(ck))
+    by_key = {r.key: r for r in results if isinstance(r, IntrinsicError)}
+    for key in ("L1.attn.q_a_norm", "L1.attn.kv_a_norm", "L1.attn.q_rope", "L1.attn.k_rope", "L1.attn.core"):
+        e = by_key[key]
+        assert e.clean_excess > 0 and e.match_kind == "clean" and e.match_equal > 0.9, (key, e)
+
+
+@pytest.mark.parametrize("fault,words", [("softmax_bf16", "bf16 softmax"), ("kv_a_norm_no_upcast", "no fp32 upcast"),
+                                         ("q_a_norm_no_upcast", "no fp32 upcast")])
+def test_mla_precision_fault_found_with_its_fingerprint(tmp_path, fault, words):
+    """A bf16 softmax inside MLA's attention stays under any constant envelope; against the clean
+    variants on the side's own inputs it is found, at its point and layer, with the fault named."""
+    f = PRECISION_FAULTS[fault]
+    ck, a, b = _mla_pair(tmp_path, lambda m: f.plant(m, 1))
+    got = first_intrinsic_divergence(a, b, ExactReference(ck))
+    assert got is not None and (got.key, got.side, got.kind) == (f"L1.{f.point}", "B", "intrinsic"), got
+    assert got.b.match_kind == "fault" and f"matches *{words}*" in got.reason, got.reason
+
+
+def test_mla_clean_sdpa_side_blames_no_side(tmp_path):
+    """SDPA instead of HF's eager MLA attention (one rounding instead of three): a clean implementation."""
+    ck, a, b = _mla_pair(tmp_path, attention("sdpa"))
+    rep = find_divergence(a, b, reference=ck)
+    assert rep.verdict == "consistent", [(f.cause, f.key, f.summary) for f in rep.findings if f.divergent]

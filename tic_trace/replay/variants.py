@@ -145,22 +145,23 @@ def _logits(v: VariantInput) -> torch.Tensor:
 
 # ---------------------------------------------------------------- RMSNorm
 
-def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tensor]) -> list[Variant]:
+def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tensor],
+                   eps: Callable[[VariantInput], float] = lambda v: v.spec.rms_norm_eps) -> list[Variant]:
     def x_of(v):
         return v.feeds[feed] if feed else next(iter(v.feeds.values()))
 
     def gain_after(v):           # HF: normalise in fp32, round, x weight in dt, round
-        x, eps = x_of(v).float(), v.spec.rms_norm_eps
-        h = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(v.dtype)
+        x, e = x_of(v).float(), eps(v)
+        h = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e)).to(v.dtype)
         return weight(v).to(v.dtype) * h
 
     def gain_before(v):          # Megatron/TE/SGLang: everything in fp32, one rounding
-        x, eps = x_of(v).float(), v.spec.rms_norm_eps
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight(v).float()).to(v.dtype)
+        x, e = x_of(v).float(), eps(v)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + e) * weight(v).float()).to(v.dtype)
 
     def no_upcast(v):            # the fault: every step in dt, rsqrt in either of torch's CPU renderings
         x = x_of(v).to(v.dtype)
-        var = x.pow(2).mean(-1, keepdim=True) + v.spec.rms_norm_eps
+        var = x.pow(2).mean(-1, keepdim=True) + eps(v)
         w = weight(v).to(v.dtype)
         once = torch.rsqrt(var.float()).to(v.dtype)                  # vectorised body: fp32, one rounding
         twice = 1 / torch.sqrt(var)                                  # scalar tail: sqrt and 1/x each rounded

@@ -30,6 +30,7 @@ class PrecisionFault:
     what: str
     plant: Callable            # fn(hf_model, layer)
     moe_only: bool = False
+    mla_only: bool = False                   # plants into multi-latent attention's own modules
     plant_megatron: Callable | None = None   # fn(megatron GPTModel, layer), where the fault has a planter
     plant_sglang: Callable | None = None     # fn(SGLang *ForCausalLM, layer)
 
@@ -89,6 +90,14 @@ def _rmsnorm_bf16(self, x):
 
 def _plant_rmsnorm_no_upcast(model, layer):
     _wrap(_layer(model, layer).input_layernorm, _rmsnorm_bf16)
+
+
+def _plant_q_a_norm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).self_attn.q_a_layernorm, _rmsnorm_bf16)
+
+
+def _plant_kv_a_norm_no_upcast(model, layer):
+    _wrap(_layer(model, layer).self_attn.kv_a_layernorm, _rmsnorm_bf16)
 
 
 def _plant_qk_norm_no_upcast(model, layer):
@@ -368,6 +377,12 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("silu_bf16", "moe.experts_out", True, "planted",
                    "experts' SiLU as gate * sigmoid(gate) in bf16 (an extra rounding)", _plant_silu_bf16,
                    moe_only=True, plant_megatron=_mg_plant_silu_bf16, plant_sglang=_sg_plant_silu_bf16),
+    # multi-latent attention (DeepSeek-V3): the q and kv latents' norms
+    PrecisionFault("q_a_norm_no_upcast", "attn.q_a_norm", True, "planted",
+                   "MLA's q latent RMSNorm computed in bf16 (no fp32 upcast)", _plant_q_a_norm_no_upcast, mla_only=True),
+    PrecisionFault("kv_a_norm_no_upcast", "attn.kv_a_norm", True, "planted",
+                   "MLA's kv latent RMSNorm computed in bf16 (no fp32 upcast)", _plant_kv_a_norm_no_upcast,
+                   mla_only=True),
     PrecisionFault("o_proj_bf16_partials", "attn.out", True, "planted",
                    "o_proj's reduction in 4 chunks summed in bf16 (at TP = 1)", _plant_o_proj_bf16_partials),
 ]}

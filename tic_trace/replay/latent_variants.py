@@ -1,0 +1,103 @@
+"""Clean implementations (and known faults) of multi-latent attention's ops (`latent.py`), on a side's own
+inputs, as variants.py does for the standard attention's: the latent norms, the RoPE of q's rope dims and of
+the shared k_pe, and the attention over [q_nope, q_rope] . [k_nope, k_pe] with v from kv_b.
+
+Without them these ops were judged by constants borrowed from the standard ops, which a precision fault
+inside MLA's attention (a bf16 softmax) stays under: a same-input envelope is what separates it.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .arch_ops import each_sample
+from .latent import LATENT_NORM_EPS, _heads, softmax_scale
+from .variants import Variant, VariantInput, _eager, _flash, _norm_variants, _sdpa, _softmax_bf16
+
+_NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
+          "attn.kv_a_norm": ("attn.kv_a", "self_attn.kv_a_layernorm.weight")}
+
+
+def _latent_norm_variants() -> list[Variant]:
+    """The standard norm variants on the latent (kv_a's first kv_lora_rank dims: k_pe is not normalised),
+    at the latent norms' own eps."""
+    def latent(v: VariantInput) -> VariantInput:
+        feed, _ = _NORMS[v.point]
+        x = v.feeds[feed][:, :v.spec.kv_lora_rank] if v.point == "attn.kv_a_norm" else v.feeds[feed]
+        return replace(v, feeds={feed: x})
+
+    base = _norm_variants(None, lambda v: v.w(_NORMS[v.point][1]), eps=lambda v: LATENT_NORM_EPS)
+    return [Variant(b.name, b.what, b.clean, (lambda fn: lambda v: fn(latent(v)))(b.fn)) for b in base]
+
+
+def _rope_input(v: VariantInput) -> torch.Tensor:
+    """The rope dims the point rotates, de-interleaved where the model's RoPE is over interleaved pairs (HF
+    reorders them before a rotate-half RoPE; so do the engines' interleaved kernels)."""
+    s = v.spec
+    if v.point == "attn.q_rope":
+        x = _heads(v.feeds["attn.q"], s)[..., s.qk_nope_head_dim:]
+    else:
+        x = v.feeds["attn.kv_a"][:, s.kv_lora_rank:][:, None, :]
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if s.rope_interleave else x
+
+
+def _latent_rope(fp32_tables: bool):
+    def run(v: VariantInput) -> torch.Tensor:
+        from .reference import rope_inv_freq
+        x = _rope_input(v)
+        inv, scale = rope_inv_freq(replace(v.spec, head_dim=v.spec.qk_rope_head_dim))
+        pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
+        ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]
+        emb = torch.cat([ang, ang], dim=-1)
+        cos, sin = (emb.cos() * scale)[:, None, :], (emb.sin() * scale)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        if fp32_tables:          # rotated in fp32, rounded once
+            return (x.float() * cos + rotated.float() * sin).to(v.dtype)
+        dt = v.dtype             # HF: tables cast to dt, product and sum each rounded
+        return x.to(dt) * cos.to(dt) + rotated.to(dt) * sin.to(dt)
+    return run
+
+
+def _latent_attention(kernel, same_v_dim: bool = False):
+    """q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe shared by every head), v from kv_b, in the side's
+    dtype, through one attention kernel per sample. `same_v_dim`: the kernel needs v's head dim to be q's
+    (torch's fused SDPA; otherwise it falls back to the math path, a variant of its own)."""
+    def run(v: VariantInput) -> torch.Tensor:
+        s, dt = v.spec, v.dtype
+        nope = s.qk_nope_head_dim
+        if same_v_dim and s.v_head_dim != nope + s.qk_rope_head_dim:
+            raise NotImplementedError("the fused kernel needs v's head dim to be q's")
+        q = torch.cat([_heads(v.feeds["attn.q"], s)[..., :nope], _heads(v.feeds["attn.q_rope"], s)], dim=-1)
+        kv_b = _heads(v.feeds["attn.kv_b"], s)
+        k_pe = v.feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
+        k, vv = torch.cat([kv_b[..., :nope], k_pe], dim=-1), kv_b[..., nope:]
+        out = torch.empty(q.shape[0], s.num_attention_heads * vv.shape[-1], dtype=dt, device=q.device)
+        for qi, qpos, kidx, kpos in each_sample(v.rows, v.feeds["__kv_rows__"], q.device):
+            qs = q[qi].to(dt).transpose(0, 1)[None]
+            ks, vs = (t[kidx].to(dt).transpose(0, 1)[None] for t in (k, vv))
+            mask = (kpos[None, :] <= qpos[:, None])[None, None]
+            o = kernel(qs, ks, vs, mask, softmax_scale(s), dt)[0]
+            out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
+        return out
+    return run
+
+
+def _latent_variants() -> dict[str, list[Variant]]:
+    from torch.nn.attention import SDPBackend
+    return {
+        "latent_rmsnorm": _latent_norm_variants(),
+        "latent_rope": [Variant("bf16_tables", "bf16 cos/sin tables", True, _latent_rope(False)),
+                        Variant("fp32_tables", "fp32 cos/sin tables", True, _latent_rope(True))],
+        "latent_attention": [
+            Variant("eager", "eager attention", True, _latent_attention(_eager)),
+            Variant("flash", "flash-style attention", True, _latent_attention(_flash)),
+            Variant("sdpa_math", "SDPA math path", True, _latent_attention(_sdpa(SDPBackend.MATH))),
+            Variant("sdpa", "fused SDPA kernel", True, _latent_attention(_sdpa(SDPBackend.FLASH_ATTENTION), True)),
+            # (no fp8-KV-cache fault: MLA caches the latent and k_pe, not k and v)
+            Variant("softmax_bf16", "bf16 softmax", False, _latent_attention(_softmax_bf16))],
+    }
+
+
+LATENT_VARIANTS: dict[str, list[Variant]] = _latent_variants()
