@@ -2,6 +2,7 @@
 
     python benchmarks/calibrate_variants.py --seeds 4 --head-dims 16,64,128      # docs/replay.md, "Calibration"
     python benchmarks/calibrate_variants.py --mla --seeds 4 --head-dims 16,128   # DeepSeek-V3's latent ops
+    python benchmarks/calibrate_variants.py --arch Gemma3ForCausalLM --seeds 4 --head-dims 16,128
 
 Real HF Qwen3-MoE bf16 (transformers' modeling code), three weight distributions (random init; wide
 log-normal norm gains; log-normal gains + massive-activation channels + attention sinks:
@@ -22,6 +23,10 @@ RoPE and attention: `replay/latent.py`) have no clean variants: they are judged 
 this mode also prints, per envelope-judged op, the largest clean excess on each half against
 `intrinsic_verdict.ENVELOPE`. The trained-like "massive" weights get no attention sinks there (the sink
 construction reads q_proj/k_proj).
+
+`--arch` NAME: one of the Gemma 2, Gemma 3, Phi-3 and GPT-OSS configs of the test suite
+(`tests/arch_configs_gemma_phi3_gptoss.py`) at the given head dims, with the clean pairs that are clean for it
+(the attention emulations know no soft-cap or sinks: Gemma 2 and GPT-OSS run without them) and its faults.
 """
 from __future__ import annotations
 
@@ -63,6 +68,36 @@ MLA_FAULTS = ["rmsnorm_no_upcast", "mlp_norm_no_upcast", "final_norm_no_upcast",
               "q_a_norm_no_upcast", "kv_a_norm_no_upcast"]
 
 
+ARCH = ""          # --arch: one of ARCH_CASES
+_NORM_FAULTS = ["rmsnorm_no_upcast", "mlp_norm_no_upcast", "final_norm_no_upcast"]
+_ATTN_CLEAN = ["flash_attention", "sdpa_math", "sdpa"]
+# (clean pairs, faults, whether trained_like.attention_sinks applies: it edits q_proj / k_proj)
+ARCH_CASES = {
+    "Gemma2ForCausalLM": (["identical", "tp2_row_parallel", "batch_split"],
+                          ["gemma_input_norm_no_upcast", "gemma_attn_post_norm_no_upcast"], True),
+    "Gemma3ForCausalLM": (["identical", "tp2_row_parallel", *_ATTN_CLEAN, "batch_split"],
+                          ["gemma_input_norm_no_upcast", "gemma_attn_post_norm_no_upcast", "gemma_q_norm_no_upcast",
+                           "softmax_bf16"], True),
+    "Phi3ForCausalLM": (["identical", "tp2_row_parallel", *_ATTN_CLEAN, "fused_norm", "batch_split"],
+                        [*_NORM_FAULTS, "softmax_bf16"], False),
+    "GptOssForCausalLM": (["identical", "tp2_row_parallel", "fused_norm", "batch_split"], _NORM_FAULTS, True),
+}
+
+
+def arch_config(name: str, head_dim: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
+    cfg = GEMMA_PHI3_GPTOSS[name]()
+    if name == "Phi3ForCausalLM":       # head_dim = hidden / heads
+        cfg.hidden_size = head_dim * cfg.num_attention_heads
+    else:
+        cfg.head_dim = head_dim
+        if hasattr(cfg, "query_pre_attn_scalar"):
+            cfg.query_pre_attn_scalar = head_dim
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def deepseek_config(nope: int):
     from transformers import DeepseekV3Config
     cfg = DeepseekV3Config(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -76,13 +111,14 @@ def deepseek_config(nope: int):
 
 
 def build(dist: str, seed: int, head_dim: int, ids: torch.Tensor):
-    cfg = deepseek_config(head_dim) if MLA else tiny_qwen3_config(moe=not DENSE, head_dim=head_dim)
+    cfg = (arch_config(ARCH, head_dim) if ARCH else deepseek_config(head_dim) if MLA
+           else tiny_qwen3_config(moe=not DENSE, head_dim=head_dim))
     m = build_hf_model_stable(cfg, seed=seed, dtype=torch.bfloat16)
     if dist in ("gains", "massive"):
         trained_like.lognormal_norm_gains(m, seed=seed, sigma=1.5, high=41.0, include_qk=True)
     if dist == "massive":
         trained_like.massive_activations(m, sorted({int(t) for t in ids[:, 0]}), channels=(3, 17), scale=2000.0, positive=True)
-        if not MLA:
+        if not MLA and (not ARCH or ARCH_CASES[ARCH][2]):
             trained_like.attention_sinks(m)
     return m
 
@@ -160,11 +196,13 @@ def main() -> None:
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--dense", action="store_true", help="the dense model (MoE-only faults left out)")
     ap.add_argument("--mla", action="store_true", help="DeepSeek-V3 (multi-latent attention) instead of Qwen3")
+    ap.add_argument("--arch", choices=sorted(ARCH_CASES), help="a Gemma 2/3, Phi-3 or GPT-OSS model instead")
     args = ap.parse_args()
-    global DENSE, MLA
-    DENSE, MLA = args.dense, args.mla
-    faults = MLA_FAULTS if MLA else [f for f in FAULTS if not (DENSE and PRECISION_FAULTS[f].moe_only)]
-    clean = MLA_CLEAN if MLA else CLEAN
+    global DENSE, MLA, ARCH
+    DENSE, MLA, ARCH = args.dense, args.mla, args.arch or ""
+    faults = (ARCH_CASES[ARCH][1] if ARCH else MLA_FAULTS if MLA
+              else [f for f in FAULTS if not (DENSE and PRECISION_FAULTS[f].moe_only)])
+    clean = ARCH_CASES[ARCH][0] if ARCH else MLA_CLEAN if MLA else CLEAN
     torch.set_num_threads(1)
     ids = sample_tokens(args.batch, args.seq)
     hds = [int(x) for x in args.head_dims.split(",")]

@@ -14,6 +14,12 @@ import torch
 from tic_trace import find_divergence
 from tic_trace.graph.canonical import parse_key
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
+from tic_trace.replay.reference import ExactReference
+from tic_trace.testing.clean_variants import tp_row_parallel
+from tic_trace.testing.precision_faults import PRECISION_FAULTS, offset_rmsnorm_no_upcast
+from tic_trace.view.align import CanonicalView
 
 from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
 from conftest import trace_hf
@@ -186,21 +192,14 @@ def _replayed_first(tmp_path, name: str, plant) -> tuple[str, str, str]:
     return rep.first["key"], rep.first["cause"], rep.first["replay"]["side"]
 
 
-def _no_upcast(norm: torch.nn.Module) -> None:
-    """A Gemma RMSNorm computed in the input's dtype throughout (no fp32 upcast): a precision fault."""
-    def forward(x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight)
-    norm.forward = forward
-
-
 def test_gemma2_bf16_sandwich_norm_without_upcast_is_blamed_on_its_side(tmp_path):
     got = _replayed_first(tmp_path, "Gemma2ForCausalLM",
-                          lambda m: _no_upcast(_layer(m, 1).post_attention_layernorm))
+                          lambda m: offset_rmsnorm_no_upcast(_layer(m, 1).post_attention_layernorm))
     assert got == ("L1.attn.post_norm", "intrinsic", "B")
 
 
 def test_gemma3_bf16_q_norm_without_upcast_is_blamed_on_its_side(tmp_path):
-    got = _replayed_first(tmp_path, "Gemma3ForCausalLM", lambda m: _no_upcast(_layer(m, 0).self_attn.q_norm))
+    got = _replayed_first(tmp_path, "Gemma3ForCausalLM", lambda m: offset_rmsnorm_no_upcast(_layer(m, 0).self_attn.q_norm))
     assert got == ("L0.attn.q_norm", "intrinsic", "B")
 
 
@@ -256,3 +255,37 @@ def test_gemma3_with_linear_scaled_global_rope_bf16_clean_pair_is_consistent(tmp
     for key in ("L0.attn.q_rope", "L1.attn.q_rope"):      # sliding (plain, base 1e4) and full (linear x8, 1e6)
         e = next(p for p in rep.points if p.key == key).intrinsic["a"]
         assert e["match_kind"] == "clean" and e["excess"] < 2, (key, e)
+
+
+# ------------------------------------------------------------------------------------------------ bf16 variants
+
+def _replayed_b(tmp_path, name: str, plant) -> dict:
+    """Side B's replay results by key (bf16, B planted, against the checkpoint both ran)."""
+    model = _model(name, torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    plant(model)
+    trace_hf(model, tmp_path / "b", IDS)
+    return {r.key: r for r in replay_side(CanonicalView(str(tmp_path / "b")), ExactReference(str(tmp_path / "ck")))
+            if isinstance(r, IntrinsicError)}
+
+
+def test_gemma3_bf16_softmax_is_found_with_its_fingerprint(tmp_path):
+    """A bf16 softmax in Gemma's attention (windows, no sinks) is named by its variant, not only blamed."""
+    f = PRECISION_FAULTS["softmax_bf16"]
+    model = _model("Gemma3ForCausalLM", torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    f.plant(model, 1)
+    trace_hf(model, tmp_path / "b", IDS)
+    got = first_intrinsic_divergence(str(tmp_path / "a"), str(tmp_path / "b"), ExactReference(str(tmp_path / "ck")))
+    assert got is not None and (got.key, got.side) == ("L1.attn.core", "B"), got
+    assert got.b.match_kind == "fault" and "matches *bf16 softmax*" in got.reason, got.reason
+
+
+def test_gemma2_row_parallel_mlp_is_a_clean_variant_of_its_own(tmp_path):
+    """A TP=2 row-parallel down_proj (bf16 partial sums) under Gemma's GELU MLP: its envelope is its own
+    degree's row-parallel variant, not the single GEMM's."""
+    got = _replayed_b(tmp_path, "Gemma2ForCausalLM", tp_row_parallel(2))
+    for layer in (0, 1):
+        e = got[f"L{layer}.mlp.out"]
+        assert (e.match_kind, e.match) == ("clean", "row_parallel_tp2") and e.excess <= e.clean_excess, e

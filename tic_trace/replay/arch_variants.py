@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swiglu, each_sample, oss_expert, sinks_of
 from .arch_spec import sliding_window
 from .latent_variants import LATENT_VARIANTS
-from .variants import Variant, VariantInput, _gemm, _norm_variants
+from .variants import Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
 
 
 def _offset_weight(v: VariantInput) -> torch.Tensor:
@@ -35,6 +35,19 @@ def _eager(q, k, v, mask, scale, cap, sinks, dt):
     c = torch.cat([s, sk], dim=-1)
     c = c - c.amax(-1, keepdim=True)
     return torch.softmax(c, dim=-1, dtype=c.dtype)[..., :-1].to(dt) @ v
+
+
+def _softmax_bf16(q, k, v, mask, scale, cap, sinks, dt):
+    """The fault: the softmax evaluated step by step in dt (max-shift, exp, sum and divide each rounded)."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(dt).reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], dim=-1)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    p = e / e.sum(-1, keepdim=True)
+    return (p[..., :-1] if sinks is not None else p) @ v
 
 
 def _fp32(q, k, v, mask, scale, cap, sinks, dt):
@@ -76,13 +89,18 @@ def _attention(kernel):
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": torch.relu}
 
 
-def _gated_act(fused: bool):
-    def run(v: VariantInput) -> torch.Tensor:
+def _gated_act(fused: bool, tp: bool = False):
+    """Gemma's GELU MLP: act x up unfused (each rounded) or fused in fp32; `tp`: unfused with a row-parallel
+    down_proj at each TP degree the trace allows (variants._tp_worst)."""
+    def run(v: VariantInput):
         act = _ACTS[v.spec.hidden_act]
         x, dt = v.feeds["mlp_norm"], v.dtype
         g, u = _gemm(x, v.w("mlp.gate_proj.weight"), dt), _gemm(x, v.w("mlp.up_proj.weight"), dt)
         h = (act(g.float()) * u.float()).to(dt) if fused else act(g) * u
-        return _gemm(h, v.w("mlp.down_proj.weight"), dt)
+        wd = v.w("mlp.down_proj.weight")
+        if tp:
+            return _tp_worst(v, lambda k: _row_parallel(h, wd, dt, k))
+        return _gemm(h, wd, dt)
     return run
 
 
@@ -128,9 +146,11 @@ def _arch_variants() -> dict[str, list[Variant]]:
     return {
         "offset_rmsnorm": _norm_variants(None, _offset_weight),
         "attention_ext": [Variant("eager", "eager attention", True, _attention(_eager)),
-                          Variant("fp32_scores", "fp32 scores and softmax (fused kernel)", True, _attention(_fp32))],
+                          Variant("fp32_scores", "fp32 scores and softmax (fused kernel)", True, _attention(_fp32)),
+                          Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16))],
         "gated_mlp_act": [Variant("unfused", "unfused act x up", True, _gated_act(False)),
-                          Variant("fused_act_up", "fused act x up", True, _gated_act(True))],
+                          Variant("fused_act_up", "fused act x up", True, _gated_act(True)),
+                          Variant("row_parallel", "row-parallel down_proj", True, _gated_act(False, tp=True))],
         "softcapped_logits": [Variant("eager_cap", "bf16 soft-cap steps", True, _capped_logits(False)),
                               Variant("fp32_cap", "fp32 soft-cap, one rounding", True, _capped_logits(True))],
         "router_bias_gemm": [Variant("fp32_accumulate", "fp32 accumulation", True, _router)],

@@ -92,6 +92,25 @@ def _plant_rmsnorm_no_upcast(model, layer):
     _wrap(_layer(model, layer).input_layernorm, _rmsnorm_bf16)
 
 
+def offset_rmsnorm_no_upcast(norm: torch.nn.Module) -> None:
+    """A Gemma RMSNorm ((1 + w) gain) computed in the input's dtype throughout (no fp32 upcast)."""
+    def forward(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight)
+    norm.forward = forward
+
+
+def _plant_gemma_input_norm_no_upcast(model, layer):
+    offset_rmsnorm_no_upcast(_layer(model, layer).input_layernorm)
+
+
+def _plant_gemma_attn_post_norm_no_upcast(model, layer):
+    offset_rmsnorm_no_upcast(_layer(model, layer).post_attention_layernorm)
+
+
+def _plant_gemma_q_norm_no_upcast(model, layer):
+    offset_rmsnorm_no_upcast(_layer(model, layer).self_attn.q_norm)
+
+
 def _plant_q_a_norm_no_upcast(model, layer):
     _wrap(_layer(model, layer).self_attn.q_a_layernorm, _rmsnorm_bf16)
 
@@ -383,6 +402,14 @@ PRECISION_FAULTS: dict[str, PrecisionFault] = {f.name: f for f in [
     PrecisionFault("kv_a_norm_no_upcast", "attn.kv_a_norm", True, "planted",
                    "MLA's kv latent RMSNorm computed in bf16 (no fp32 upcast)", _plant_kv_a_norm_no_upcast,
                    mla_only=True),
+    # Gemma 2/3: (1 + w) norms, the sandwich norm on the attention branch, Gemma3's QK-norm
+    PrecisionFault("gemma_input_norm_no_upcast", "attn_norm", True, "planted",
+                   "Gemma's input RMSNorm computed in bf16 (no fp32 upcast)", _plant_gemma_input_norm_no_upcast),
+    PrecisionFault("gemma_attn_post_norm_no_upcast", "attn.post_norm", True, "planted",
+                   "Gemma's attention-branch RMSNorm computed in bf16 (no fp32 upcast)",
+                   _plant_gemma_attn_post_norm_no_upcast),
+    PrecisionFault("gemma_q_norm_no_upcast", "attn.q_norm", True, "planted",
+                   "Gemma3's Q-norm computed in bf16 (no fp32 upcast)", _plant_gemma_q_norm_no_upcast),
     PrecisionFault("o_proj_bf16_partials", "attn.out", True, "planted",
                    "o_proj's reduction in 4 chunks summed in bf16 (at TP = 1)", _plant_o_proj_bf16_partials),
 ]}
