@@ -72,7 +72,7 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     counted = computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
-    notes = identity_notes + [n for n in (_not_replayed(points), _implementations(points),
+    notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points),
                                           _accumulated_noise(points, findings), _shared_nonfinite(points))
                               if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
@@ -421,6 +421,30 @@ def _not_replayed(points: list[Point]) -> Note | None:
     shown = "; ".join(f"{k} ({v})" for k, v in list(out.items())[:4])
     return Note("not_replayed", f"{len(out)} point(s) not replayed against the reference, judged by the A-B rule "
                                 f"alone: {shown}" + (" …" if len(out) > 4 else ""), {"points": out})
+
+
+def _both_over_envelope(points: list[Point], min_numel: int = 32) -> Note | None:
+    """Points where both sides are over their clean envelope and the rule blames neither (they are alike):
+    both compute the op less exactly than clean implementations (one precision choice shared by both), or
+    the checkpoint's config does not describe what they compute (a feature the replay does not model). The
+    replay cannot tell a fault there from either; said, never hidden under "consistent"."""
+    out = {}
+    for p in points:
+        ea, eb = ((p.intrinsic or {}).get(s) for s in ("a", "b"))
+        if (p.replay or {}).get("side") or not (isinstance(ea, dict) and isinstance(eb, dict)):
+            continue
+        over = [e for e in (ea, eb) if e.get("kind") == "float" and (num(e.get("numel")) or 0) >= min_numel
+                and num(e.get("limit")) is not None and (num(e.get("excess")) or 0) > num(e.get("limit"))]
+        if len(over) == 2:
+            out[p.key] = {"a": num(ea.get("excess")), "b": num(eb.get("excess")), "limit": num(ea.get("limit"))}
+    if not out:
+        return None
+    shown = "; ".join(f"{k} (A {_x(v['a'])}, B {_x(v['b'])}, limit {_x(v['limit'])})" for k, v in list(out.items())[:4])
+    return Note("both_over_envelope", f"{len(out)} point(s) where both sides are over the clean envelope alike, "
+                f"so the replay blames neither: {shown}" + (" …" if len(out) > 4 else "") + ". Either both run "
+                "the same less exact op, or the checkpoint's config does not describe what they compute (check "
+                "it is the one both ran, and that the architecture's features are in docs/replay.md)",
+                {"points": out})
 
 
 def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:

@@ -169,6 +169,8 @@ def _oss_experts(ref, layer, feeds, rows, tokens):
 def arch_ops(spec, base: dict[str, Callable]) -> dict[str, Callable]:
     """The ops of `spec`'s architecture that replace `base`'s (reference._OPS; {} for the Llama/Qwen family)."""
     ops: dict[str, Callable] = {}
+    if spec.extra.get("sliding_window"):     # any family with windowed layers (Mistral, Mixtral, Qwen)
+        ops["attn.core"] = _attention
     if spec.extra.get("norm_offset"):
         ops.update(_gemma_ops(base))
     if spec.model_type == "gpt_oss":

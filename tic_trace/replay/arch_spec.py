@@ -8,7 +8,8 @@ The keys of `extra` (absent: the Llama/Qwen convention):
 - `sandwich`: norms of the attention and MLP branches before their residual adds (Gemma);
 - `attn_scale`: the attention scores' scale (Gemma: query_pre_attn_scalar ** -0.5);
 - `attn_softcap`, `final_softcap`: cap * tanh(x / cap) of the scores, of the logits (Gemma2);
-- `layer_types`, `sliding_window`: which layers attend to the last `sliding_window` keys only;
+- `layer_types`, `sliding_window`: which layers attend to the last `sliding_window` keys only (any
+  architecture whose config gives a window: Mistral, Mixtral and the Qwen families too);
 - `layer_ropes`: {layer type: RopeSpec} (Gemma3);
 - `sinks`: one learned logit per head in the softmax's denominator (GPT-OSS);
 - `swiglu_alpha`, `swiglu_limit`: GPT-OSS's clamped SwiGLU with biases.
@@ -31,11 +32,23 @@ def arch_facts(c: Any, model_type: str, hidden: int, ropes: dict) -> dict:
     if model_type == "gpt_oss":
         out.update(sinks=True, swiglu_alpha=c.num("swiglu_alpha", -1e6, 1e6, default=1.702),
                    swiglu_limit=c.num("swiglu_limit", 0.0, 1e9, default=7.0, lo_open=True))
-    if model_type in GEMMA + ("gpt_oss",):
-        out.update(layer_types=_layer_types(c), sliding_window=c.int("sliding_window", 1, 1 << 31, default=None))
+    out.update(_windows(c, model_type))
     if ropes:
         out["layer_ropes"] = ropes
     return out
+
+
+def _windows(c: Any, model_type: str) -> dict:
+    """Which layers attend to the last `sliding_window` keys only, as transformers reads the config: the
+    layers `layer_types` calls sliding (Gemma, GPT-OSS, Qwen2/3 from `use_sliding_window` and
+    `max_window_layers`), or every layer where the config gives a window and no types (Mistral, Mixtral,
+    Qwen3-MoE). A window of 0 or null is none (Qwen2-MoE writes 0 when `use_sliding_window` is off)."""
+    window = c.int("sliding_window", 0, 1 << 31, default=None) or None
+    if model_type in GEMMA + ("gpt_oss",) or (c.has("layer_types") and c.raw("layer_types") != []):
+        return {"layer_types": _layer_types(c), "sliding_window": window}
+    if window is None:
+        return {}
+    return {"layer_types": ["sliding_attention"] * c.int("num_hidden_layers", 1, 1 << 16), "sliding_window": window}
 
 
 def _layer_types(c: Any) -> list[str]:

@@ -38,6 +38,8 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
               "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
               "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
               "implementations": "points where the sides are reproduced by different clean implementations",
+              "both_over_envelope": "points where both sides are over the clean envelope alike: a shared less "
+                                    "exact op, or a checkpoint config that does not describe what they compute",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
 NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
