@@ -88,6 +88,7 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
 ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
+    "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
@@ -95,6 +96,7 @@ ARCH_OF_CLASS = {
 
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
+_ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 #: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
 #: (a name table alone, checked on the meta device, is not a verification: those classes are in REFUSED).
@@ -109,6 +111,11 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows (TP=1)",
                  "not run against a checkpoint in the tests", "`tests/test_supported_archs.py`",
                  lacks=_QK + _MOE),
+    Architecture("LlamaForCausalLM", ("Llama",), "dense, fused `qkv_proj` / `gate_up_proj`; prefill and decode "
+                 "rows (TP=1)", "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
+    Architecture("Phi3ForCausalLM", ("Phi-3",), "SGLang's Llama model code (`llama.py`) on a checkpoint whose "
+                 "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows (TP=1)",
+                 "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
 )}
 _META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {
@@ -121,8 +128,6 @@ REFUSED = {
                          "`pre_feedforward_layernorm` returns the residual",
     "Gemma3ForCausalLM": "sandwich norms as Gemma2, per-layer-type RoPE (sliding and full attention)",
     "GptOssForCausalLM": "attention sinks, clamped SwiGLU experts with biases, its router not in the table",
-    "Phi3ForCausalLM": "SGLang's Llama model code (`llama.py`), which the table was never run against "
-                       "another framework on",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
                             "(its gated q projection emits query and gate together)",
 }
