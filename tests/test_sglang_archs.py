@@ -22,6 +22,7 @@ from tic_trace import find_divergence
 from tic_trace.adapters import sglang as sga
 from tic_trace.graph.canonical import parse_key
 from tic_trace.testing import sglang_cpu as sc
+from tic_trace.testing.sglang_cpu_kernels import SoftcapSinkAttnBackend, shim_final_logit_softcap
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable
 from tic_trace.view.align import CanonicalView
 
@@ -33,11 +34,16 @@ DECODE = 2                      # decode steps: response tokens 0..1 are fed, to
 SG_ROWS = sum(len(p) for p in PROMPTS.values()) + DECODE * len(PROMPTS)
 
 CONFIGS: dict[str, Callable] = {"LlamaForCausalLM": lambda: T.LlamaConfig(**COMMON), **GEMMA_PHI3_GPTOSS}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# TorchNativeAttnBackend ignores RadixAttention.logit_cap (and takes no sinks): these classes run the shim that
+# computes what SGLang's GPU backends do (tic_trace/testing/sglang_cpu_kernels.py); the others run it unchanged.
+SHIMMED_ATTENTION = ("Gemma2ForCausalLM", "GptOssForCausalLM")
 
 
 @pytest.fixture(scope="module")
 def sglang_env():
     sc.init_sglang_distributed(tp_size=1)
+    shim_final_logit_softcap()
     yield
     sga.close_sessions()
     sc.destroy_sglang_distributed()
@@ -46,6 +52,11 @@ def sglang_env():
 def _config(name: str):
     cfg = CONFIGS[name]()
     cfg._attn_implementation = "eager"
+    if name in GEMMA:
+        # as Gemma's hub checkpoints: the head tied to the embedding (SGLang's Gemma classes always read the
+        # head from embed_tokens) and `hidden_act` besides `hidden_activation` (gemma2.py reads the former)
+        cfg.tie_word_embeddings = True
+        cfg.hidden_act = "gelu_pytorch_tanh"
     return cfg
 
 
@@ -59,14 +70,18 @@ def _hf_trace(model, out) -> None:
     assert t.failed is None, t.failed
 
 
-def _sg_trace(cfg, weights, out, plant: Callable | None = None, dtype=torch.float32) -> None:
+def _sg_trace(cfg, weights, out, plant: Callable | None = None, dtype=torch.float32, shim: bool | None = None):
     """An SGLang rollout of the class SGLang builds for `cfg`, loaded from `weights` (an HF model or checkpoint
-    directory) through SGLang's own loader; `plant(model)` first when given."""
+    directory) through SGLang's own loader; `plant(model)` first when given. `shim`: run the soft-cap / sink
+    attention backend (default: for SHIMMED_ATTENTION classes)."""
     model = sc.build_sglang_model(cfg, weights, dtype=dtype)
+    if shim is None:
+        shim = type(model).__name__ in SHIMMED_ATTENTION
     if plant is not None:
         plant(model)
     with sga.trace_forwards(model, out, points_mode="full") as t:
-        res = sc.SGLangRollout(model).generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
+        eng = sc.SGLangRollout(model, attn_backend_cls=SoftcapSinkAttnBackend if shim else None)
+        res = eng.generate(PROMPTS, DECODE, forced_tokens=RESPONSES)
     assert t.failed is None and res.outputs == RESPONSES, t.failed
 
 
@@ -115,10 +130,10 @@ def _check_clean_bf16_replayed(tmp_path, name: str) -> None:
     assert not [n for n in rep.notes if n.kind == "not_replayed"]
 
 
-def _first(tmp_path, hf_pairs, name: str, plant: Callable) -> tuple[str, int | None]:
+def _first(tmp_path, hf_pairs, name: str, plant: Callable | None, **kw) -> tuple[str, int | None]:
     """(point, layer) of the first divergence between HF (A) and SGLang with `plant` applied (B)."""
     model, hf = hf_pairs(name)
-    _sg_trace(_config(name), model, tmp_path / "sg", plant)
+    _sg_trace(_config(name), model, tmp_path / "sg", plant, **kw)
     rep = find_divergence(str(hf), str(tmp_path / "sg"))
     assert rep.verdict == "divergent", _detail(rep)
     return parse_key(rep.first["key"])
@@ -195,3 +210,94 @@ def test_phi3_q_block_fault_of_the_fused_qkv_is_found_at_attn_q(tmp_path, hf_pai
         attn = _layer(model, 0).self_attn
         _rows(attn.qkv_proj.weight, 0, attn.q_size, lambda w: w * 1.01)
     assert _first(tmp_path, hf_pairs, "Phi3ForCausalLM", plant) == ("attn.q", 0)
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 2
+
+def _without_unit_offset(norm: torch.nn.Module) -> None:
+    """A Gemma RMSNorm scaling by w instead of (1 + w) (the Llama-style norm), residual form kept."""
+    def forward(x, residual=None):
+        if residual is not None:
+            x = residual = x + residual
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.float())
+        return y.to(x.dtype) if residual is None else (y.to(x.dtype), residual)
+    norm.forward = forward
+
+
+def test_gemma2_clean_fp32_pair_is_consistent(tmp_path, hf_pairs):
+    _check_clean_fp32(tmp_path, hf_pairs, "Gemma2ForCausalLM")
+
+
+def test_gemma2_clean_bf16_pair_replayed_blames_no_side(tmp_path, sglang_env):
+    _check_clean_bf16_replayed(tmp_path, "Gemma2ForCausalLM")
+
+
+def test_gemma2_upstream_cpu_attention_ignores_the_soft_cap(tmp_path, hf_pairs):
+    """Why the shim: SGLang's TorchNativeAttnBackend itself (no shim) computes layer 0's attention without
+    `logit_cap`, which is another attention than HF's and SGLang's GPU backends compute: found at attn.core.
+    Should SGLang's CPU backend start honouring the cap, this fails and the shim can go."""
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", None, shim=False) == ("attn.core", 0)
+
+
+def test_gemma2_attention_branch_norm_without_the_unit_offset_is_found_at_attn_post_norm(tmp_path, hf_pairs):
+    plant = lambda m: _without_unit_offset(_layer(m, 1).post_attention_layernorm)  # noqa: E731
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", plant) == ("attn.post_norm", 1)
+
+
+def test_gemma2_attention_soft_cap_dropped_is_found_at_attn_core(tmp_path, hf_pairs):
+    def plant(model):
+        _layer(model, 1).self_attn.attn.logit_cap = 0.0
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", plant) == ("attn.core", 1)
+
+
+def test_gemma2_sliding_layer_attending_to_every_key_is_found_at_attn_core(tmp_path, hf_pairs):
+    """Layer 0 is a sliding-window layer (window 4 < 11 tokens): without its window it reads keys it must not."""
+    def plant(model):
+        _layer(model, 0).self_attn.attn.sliding_window_size = -1
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", plant) == ("attn.core", 0)
+
+
+def test_gemma2_other_final_soft_cap_is_found_at_logits(tmp_path, hf_pairs):
+    def plant(model):
+        model.logits_processor.final_logit_softcapping = 2.0
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", plant) == ("logits", None)
+
+
+def test_gemma2_mlp_branch_norm_fault_is_found_at_mlp_post_norm(tmp_path, hf_pairs):
+    plant = lambda m: _wrap_output(_layer(m, 0).post_feedforward_layernorm, lambda y: y * 1.01)  # noqa: E731
+    assert _first(tmp_path, hf_pairs, "Gemma2ForCausalLM", plant) == ("mlp.post_norm", 0)
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 3
+
+def test_gemma3_clean_fp32_pair_is_consistent(tmp_path, hf_pairs):
+    _check_clean_fp32(tmp_path, hf_pairs, "Gemma3ForCausalLM")
+
+
+def test_gemma3_clean_bf16_pair_replayed_blames_no_side(tmp_path, sglang_env):
+    _check_clean_bf16_replayed(tmp_path, "Gemma3ForCausalLM")
+
+
+def test_gemma3_sliding_layer_rotated_with_the_global_base_is_found_at_q_rope(tmp_path, hf_pairs):
+    """Layer 0 is a sliding layer (local RoPE base 10^4), layer 1 full (10^6): the model's local rotary
+    embedding given the global frequencies changes layer 0's RoPE first."""
+    def plant(model):
+        local, full = model.model.rotary_emb_local, model.model.rotary_emb
+        local.inv_freq = full.inv_freq.clone()
+    assert _first(tmp_path, hf_pairs, "Gemma3ForCausalLM", plant) == ("attn.q_rope", 0)
+
+
+def test_gemma3_k_norm_without_the_unit_offset_is_found_at_attn_k_norm(tmp_path, hf_pairs):
+    def plant(model):
+        norm = _layer(model, 1).self_attn.k_norm
+        norm.forward = lambda x: norm._norm(x.float()).mul(norm.weight.float()).type_as(x)
+    assert _first(tmp_path, hf_pairs, "Gemma3ForCausalLM", plant) == ("attn.k_norm", 1)
+
+
+def test_gemma3_pre_feedforward_norm_fault_is_found_at_mlp_norm(tmp_path, hf_pairs):
+    def plant(model):
+        norm = _layer(model, 1).pre_feedforward_layernorm
+        inner = norm.forward
+        norm.forward = lambda x, residual: (lambda y, r: (y * 1.01, r))(*inner(x, residual))
+    assert _first(tmp_path, hf_pairs, "Gemma3ForCausalLM", plant) == ("mlp_norm", 1)

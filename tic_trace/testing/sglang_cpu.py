@@ -538,7 +538,10 @@ class SGLangRollout:
         kv_cache_dtype: Optional[torch.dtype] = None,
         before_forward: Sequence[ForwardCallback] = (),
         after_forward: Sequence[ForwardCallback] = (),
+        attn_backend_cls: Optional[type] = None,
     ):
+        """``attn_backend_cls``: a subclass of SGLang's ``TorchNativeAttnBackend`` to run instead of it
+        (e.g. ``sglang_attention.SoftcapSinkAttnBackend`` for soft-capped or sink attention)."""
         install_cpu_shims()
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.layers.radix_attention import RadixAttention
@@ -587,7 +590,7 @@ class SGLangRollout:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
         )
-        self.attn_backend = TorchNativeAttnBackend(runner_view)
+        self.attn_backend = (attn_backend_cls or TorchNativeAttnBackend)(runner_view)
         self.vocab_size = int(getattr(model.config, "vocab_size"))
         self.requests: Dict[str, Request] = {}
         self.records: List[ForwardRecord] = []
