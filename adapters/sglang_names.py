@@ -72,7 +72,7 @@ _L0_IN = r"model\.layers\.0\.input_layernorm:in\[0\]"
 #: ``input_layernorm`` input; ``post_attention_layernorm(attn_out)`` is the attention branch's sandwich norm
 #: (one output); ``pre_feedforward_layernorm(branch, residual)`` returns ``(mlp_norm, mid)``;
 #: ``post_feedforward_layernorm`` normalises the MLP branch. Gemma3's QK-norm is the ``q_norm`` / ``k_norm``
-#: modules on ``[T, heads, d]`` (no ``apply_qk_norm``).
+#: modules on ``[T, heads, d]`` (no ``apply_qk_norm``). GPT-OSS's router is ``mlp.router``.
 ARCH_POINTS = (
     PointMap("embed", _L0_IN, opts={"archs": GEMMA}, note="Gemma: the embedding after its sqrt(hidden) scale"),
     PointMap("input", _L0_IN, opts={"layer": 0, "archs": GEMMA}),
@@ -88,6 +88,8 @@ ARCH_POINTS = (
              opts={"heads": "q", "archs": ("Gemma3ForCausalLM",)}),
     PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", "sgl_heads_kv",
              opts={"heads": "kv", "archs": ("Gemma3ForCausalLM",)}),
+    PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
+             note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
 )
 #: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
 OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
@@ -119,6 +121,10 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
               "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
               "model.layers.N.post_attention_layernorm", "model.layers.N.pre_feedforward_layernorm",
               "model.layers.N.mlp", "model.layers.N.post_feedforward_layernorm", "model.norm", "logits_processor"),
+    "gpt_oss": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+                "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
+                "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.router",
+                "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm", "logits_processor"),
     "deepseek_mla": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.o_proj",
                      "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                      "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
@@ -129,7 +135,7 @@ ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
-    "Gemma2ForCausalLM": "gemma", "Gemma3ForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma", "Gemma3ForCausalLM": "gemma", "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
@@ -165,6 +171,13 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", ("Gemma 3 (text)",), "as Gemma 2, QK-norm modules `q_norm` / `k_norm` on "
                  "[T, heads, d]; prefill and decode rows (TP=1)", "every point the trace holds: as Gemma 2, "
                  "one RoPE per layer type", _ARCH_TESTS, lacks=_MOE),
+    Architecture("GptOssForCausalLM", ("GPT-OSS",), "router `mlp.router` (with bias), top-k, experts, attention "
+                 "with sinks; prefill and decode rows (TP=1). SGLang keeps the sinks in bf16 (fp32 only with "
+                 "`trtllm_mha`): an fp32 checkpoint's sinks are rounded", "every point the trace holds: router "
+                 "bias, clamped SwiGLU experts with biases, sinks, sliding windows, YaRN RoPE",
+                 _ARCH_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
+                 # TopK(renormalize=True) in gpt_oss.py: the top-k weights renormalised, whatever the config
+                 defaults={"norm_topk_prob": True}),
 )}
 _META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {
@@ -173,7 +186,6 @@ REFUSED = {
     "DeepseekV2ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "DeepseekV3ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
-    "GptOssForCausalLM": "attention sinks, clamped SwiGLU experts with biases, its router not in the table",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
                             "(its gated q projection emits query and gate together)",
 }
