@@ -102,6 +102,11 @@ def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
     only = pm.opts.get("archs")
     return arch in only if only is not None else (pm.point, arch) not in OVERRIDDEN
 
+_GEMMA_MODULES = ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
+                  "model.layers.N.post_attention_layernorm", "model.layers.N.pre_feedforward_layernorm",
+                  "model.layers.N.mlp", "model.layers.N.post_feedforward_layernorm", "model.norm",
+                  "logits_processor")
 #: Module paths (regexes, layer index written N) each architecture must have for its table rows.
 ARCH_MODULES: dict[str, tuple[str, ...]] = {
     "qwen_dense": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
@@ -117,10 +122,8 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                  "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
                  "model.norm", "logits_processor"),
-    "gemma": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
-              "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
-              "model.layers.N.post_attention_layernorm", "model.layers.N.pre_feedforward_layernorm",
-              "model.layers.N.mlp", "model.layers.N.post_feedforward_layernorm", "model.norm", "logits_processor"),
+    "gemma2": _GEMMA_MODULES,
+    "gemma3": _GEMMA_MODULES + ("model.layers.N.self_attn.q_norm", "model.layers.N.self_attn.k_norm"),
     "gpt_oss": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
                 "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
                 "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.router",
@@ -135,7 +138,7 @@ ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
-    "Gemma2ForCausalLM": "gemma", "Gemma3ForCausalLM": "gemma", "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
