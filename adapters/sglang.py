@@ -55,10 +55,12 @@ RoPE, optional QK-norm, shared experts) and DeepSeek-V2/V3 (MLA: ``self_attn`` h
 in absorbed-MLA decode the q/k/v live in the latent space and do not correspond to any other framework's,
 so only the block points are promised for MLA: norms, ``attn.out``, residuals, router, top-k, experts,
 shared experts, MLP, head). ``ARCH_MODULES`` lists, per architecture, the module paths every table row
-relies on; the tests check them on module trees built on the ``meta`` device. Verified (``ARCHITECTURES``
-in :mod:`.sglang_names`: run against another framework) are only Qwen2, Qwen3 and Qwen3-MoE; a trace of any
-other class is marked unverified and refused at compare time, the name-table-only ones with the reason in
-``REFUSED`` (docs/adapters.md).
+relies on; the tests check them on module trees built on the ``meta`` device. Gemma 2 / Gemma 3 (text) have
+rows of their own (``ARCH_POINTS``: sandwich norms, the scaled embedding read as layer 0's norm input, Gemma 3's
+QK-norm modules). Verified (``ARCHITECTURES`` in :mod:`.sglang_names`: run against another framework) are
+Qwen2, Qwen3, Qwen3-MoE, Llama, Phi-3, Gemma 2 and Gemma 3 (text); a trace of any other class is marked
+unverified and refused at compare time, the name-table-only ones with the reason in ``REFUSED``
+(docs/adapters.md).
 
 Split by job: the point table and shard merges in :mod:`.sglang_names`, ForwardBatch rows and parallel
 coordinates in :mod:`.sglang_rows`, tracing inside a server in :mod:`.sglang_server`; this module is the
@@ -71,8 +73,8 @@ import sys
 from typing import Any, Callable
 
 from tic_trace.graph.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
-from tic_trace.adapters.sglang_names import (ARCH_OF_CLASS, ARCHITECTURES, MHA_POINTS, PARTIAL_POINTS, POINTS,
-                                            REFUSED, tp_copies_equal)
+from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
+                                            PARTIAL_POINTS, POINTS, REFUSED, arch_row_applies, tp_copies_equal)
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows
 from tic_trace.adapters.sglang_rows import parse_sample_rid, row_rids  # noqa: F401 - part of this adapter's API
@@ -103,7 +105,7 @@ class SGLangAdapter(Adapter):
     ``input_token_logprobs`` instead of derived from the logits. ``rid_filter(rid) -> bool``: rows of other
     requests get no key (not joined, not compared); the hook session uses it to trace chosen samples."""
     name = "sglang"
-    points = POINTS
+    points = ARCH_POINTS + POINTS
     architectures = ARCHITECTURES
     refused = REFUSED
 
@@ -122,7 +124,8 @@ class SGLangAdapter(Adapter):
                 if ns is not None and callable(getattr(ns, "apply_qk_norm", None)) and ns.__name__ not in tapped:
                     tracer.tap_function(ns, "apply_qk_norm")
                     tapped.add(ns.__name__)
-        tracer.record_inputs_of([r"re:\.self_attn\.attn$"])
+        extra = [p for m in models for p in ARCH_INPUTS.get(_cls(m), ())]
+        tracer.record_inputs_of([r"re:\.self_attn\.attn$", *extra])
 
     def describe(self, models: list) -> dict:
         model = models[0]
@@ -271,6 +274,8 @@ class SGLangAdapter(Adapter):
 
     def applies(self, pm: PointMap, config: dict) -> bool:
         if pm.opts.get("input_logprobs") and not self.input_logprobs:
+            return False
+        if not arch_row_applies(pm, config.get("architecture")):
             return False
         if pm.point in MHA_POINTS and config.get("attention") == "mla":
             return False

@@ -64,6 +64,49 @@ POINTS = (
              note="only with SGLangAdapter(input_logprobs=True); else derived from logits"),
 )
 
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_L0_IN = r"model\.layers\.0\.input_layernorm:in\[0\]"
+#: Rows that hold only for the classes in ``opts["archs"]``; for those the generic row of the same point does
+#: not apply (``OVERRIDDEN``). Gemma (gemma2.py, gemma3_causal.py): the embedding is scaled by sqrt(hidden)
+#: after ``embed_tokens`` (Gemma2: in place on its output), so the scaled stream is layer 0's
+#: ``input_layernorm`` input; ``post_attention_layernorm(attn_out)`` is the attention branch's sandwich norm
+#: (one output); ``pre_feedforward_layernorm(branch, residual)`` returns ``(mlp_norm, mid)``;
+#: ``post_feedforward_layernorm`` normalises the MLP branch. Gemma3's QK-norm is the ``q_norm`` / ``k_norm``
+#: modules on ``[T, heads, d]`` (no ``apply_qk_norm``). GPT-OSS's router is ``mlp.router``.
+ARCH_POINTS = (
+    PointMap("embed", _L0_IN, opts={"archs": GEMMA}, note="Gemma: the embedding after its sqrt(hidden) scale"),
+    PointMap("input", _L0_IN, opts={"layer": 0, "archs": GEMMA}),
+    PointMap("input", _L + r"\.input_layernorm:out\[1\]", opts={"archs": GEMMA}),
+    PointMap("attn.post_norm", _L + r"\.post_attention_layernorm:out(\[0\])?", opts={"archs": GEMMA},
+             note="Gemma: the attention branch's norm, before the residual add"),
+    PointMap("mid", _L + r"\.pre_feedforward_layernorm:out\[1\]", opts={"archs": GEMMA},
+             note="pre_feedforward_layernorm(attn branch, residual) returns (normed, residual after attention)"),
+    PointMap("mlp_norm", _L + r"\.pre_feedforward_layernorm:out\[0\]", opts={"archs": GEMMA}),
+    PointMap("mlp.post_norm", _L + r"\.post_feedforward_layernorm:out(\[0\])?", opts={"archs": GEMMA},
+             note="Gemma: the MLP branch's norm, before the residual add"),
+    PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", "sgl_heads_q",
+             opts={"heads": "q", "archs": ("Gemma3ForCausalLM",)}),
+    PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", "sgl_heads_kv",
+             opts={"heads": "kv", "archs": ("Gemma3ForCausalLM",)}),
+    PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
+             note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
+)
+#: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
+OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
+#: Module inputs an architecture's rows read (``tracer.record_inputs_of`` patterns).
+ARCH_INPUTS = {name: (r"re:^model\.layers\.0\.input_layernorm$",) for name in GEMMA}
+
+
+def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
+    """Whether a row holds for the class `arch`: its own rows, and the generic ones it does not override."""
+    only = pm.opts.get("archs")
+    return arch in only if only is not None else (pm.point, arch) not in OVERRIDDEN
+
+_GEMMA_MODULES = ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
+                  "model.layers.N.post_attention_layernorm", "model.layers.N.pre_feedforward_layernorm",
+                  "model.layers.N.mlp", "model.layers.N.post_feedforward_layernorm", "model.norm",
+                  "logits_processor")
 #: Module paths (regexes, layer index written N) each architecture must have for its table rows.
 ARCH_MODULES: dict[str, tuple[str, ...]] = {
     "qwen_dense": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
@@ -79,6 +122,12 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                  "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
                  "model.norm", "logits_processor"),
+    "gemma2": _GEMMA_MODULES,
+    "gemma3": _GEMMA_MODULES + ("model.layers.N.self_attn.q_norm", "model.layers.N.self_attn.k_norm"),
+    "gpt_oss": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+                "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
+                "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.router",
+                "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm", "logits_processor"),
     "deepseek_mla": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.o_proj",
                      "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                      "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
@@ -88,6 +137,8 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
 ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
+    "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
@@ -95,6 +146,7 @@ ARCH_OF_CLASS = {
 
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
+_ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 #: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
 #: (a name table alone, checked on the meta device, is not a verification: those classes are in REFUSED).
@@ -109,6 +161,26 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows (TP=1)",
                  "not run against a checkpoint in the tests", "`tests/test_supported_archs.py`",
                  lacks=_QK + _MOE),
+    Architecture("LlamaForCausalLM", ("Llama",), "dense, fused `qkv_proj` / `gate_up_proj`; prefill and decode "
+                 "rows (TP=1)", "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
+    Architecture("Phi3ForCausalLM", ("Phi-3",), "SGLang's Llama model code (`llama.py`) on a checkpoint whose "
+                 "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows (TP=1)",
+                 "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
+    Architecture("Gemma2ForCausalLM", ("Gemma 2",), "sandwich norms (`attn.post_norm`, `mlp.post_norm`), pre-MLP "
+                 "norm `pre_feedforward_layernorm`, the scaled embedding as layer 0's norm input; prefill and decode "
+                 "rows (TP=1)", "every point the trace holds: (1 + w) norms, soft-capped scores and logits, "
+                 "sliding windows", _ARCH_TESTS + "; attention soft-cap through a CPU backend shim",
+                 lacks=_QK + _MOE),
+    Architecture("Gemma3ForCausalLM", ("Gemma 3 (text)",), "as Gemma 2, QK-norm modules `q_norm` / `k_norm` on "
+                 "[T, heads, d]; prefill and decode rows (TP=1)", "every point the trace holds: as Gemma 2, "
+                 "one RoPE per layer type", _ARCH_TESTS, lacks=_MOE),
+    Architecture("GptOssForCausalLM", ("GPT-OSS",), "router `mlp.router` (with bias), top-k, experts, attention "
+                 "with sinks; prefill and decode rows (TP=1). SGLang keeps the sinks in bf16 (fp32 only with "
+                 "`trtllm_mha`): an fp32 checkpoint's sinks are rounded", "every point the trace holds: router "
+                 "bias, clamped SwiGLU experts with biases, sinks, sliding windows, YaRN RoPE",
+                 _ARCH_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
+                 # TopK(renormalize=True) in gpt_oss.py: the top-k weights renormalised, whatever the config
+                 defaults={"norm_topk_prob": True}),
 )}
 _META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {
@@ -117,12 +189,6 @@ REFUSED = {
     "DeepseekV2ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "DeepseekV3ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
-    "Gemma2ForCausalLM": "sandwich norms: `post_attention_layernorm` normalises the attention branch, "
-                         "`pre_feedforward_layernorm` returns the residual",
-    "Gemma3ForCausalLM": "sandwich norms as Gemma2, per-layer-type RoPE (sliding and full attention)",
-    "GptOssForCausalLM": "attention sinks, clamped SwiGLU experts with biases, its router not in the table",
-    "Phi3ForCausalLM": "SGLang's Llama model code (`llama.py`), which the table was never run against "
-                       "another framework on",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
                             "(its gated q projection emits query and gate together)",
 }

@@ -675,6 +675,13 @@ def _meta_models():
     out["Qwen3MoeForCausalLM"] = moe_cfg()
     out["Qwen3ForCausalLM"] = tiny_qwen3_config(moe=False)
     out["Qwen2ForCausalLM"] = transformers.Qwen2Config(**common, num_key_value_heads=2)
+    gemma = dict(common, num_key_value_heads=2, head_dim=16, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+    out["Gemma2ForCausalLM"] = transformers.Gemma2Config(**gemma, architectures=["Gemma2ForCausalLM"])
+    out["Gemma3ForCausalLM"] = transformers.Gemma3TextConfig(**gemma, architectures=["Gemma3ForCausalLM"])
+    oss = transformers.GptOssConfig(**common, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
+    oss.dtype = torch.float32           # gpt_oss.py builds its router in config.dtype (a checkpoint's holds one)
+    out["GptOssForCausalLM"] = oss
     return out
 
 

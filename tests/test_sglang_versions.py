@@ -38,6 +38,9 @@ DESCRIBE_PATHS = {
     "qwen_moe": ("model.layers.N.mlp.experts",),
     "glm4_moe": ("model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts.down_proj"),
     "deepseek_mla": ("model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts.down_proj"),
+    "gemma2": ("model.layers.N.mlp.down_proj",),
+    "gemma3": ("model.layers.N.mlp.down_proj",),
+    "gpt_oss": ("model.layers.N.mlp.experts",),
 }
 
 

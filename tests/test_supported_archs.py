@@ -310,7 +310,9 @@ def test_megatron_structures_are_named_and_mla_is_refused():
 
 def test_sglang_table_only_holds_classes_run_against_another_framework():
     ad = get_adapter("sglang")
-    assert set(ad.architectures) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+    assert set(ad.architectures) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                    "LlamaForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                    "Gemma3ForCausalLM", "GptOssForCausalLM"}
     for name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"):
         c = ad.check_architecture({"architecture": name})
         assert not c.verified and "meta device" in c.why, c

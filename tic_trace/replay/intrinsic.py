@@ -210,9 +210,9 @@ class SideReplayer:
 
     def _replay(self, point: str, layer: int | None) -> IntrinsicError:
         rows, y, exact, dtype, x = self._exact(point, layer)
-        err = intrinsic_error(point, layer, y, exact, dtype,
-                              head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None,
-                              op=self.ref.op_of(point, layer))
+        op = self.ref.op_of(point, layer)
+        err = intrinsic_error(point, layer, y, exact, judged_dtype(op, dtype, self.view.config.get("dtype")),
+                              head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None, op=op)
         return self._with_variants(err, layer, x, rows, y, exact)
 
     def exact_pair(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str]:
@@ -292,6 +292,15 @@ class SideReplayer:
         keep = set(layers) if layers is not None else None
         return [self.replay(p, lay) for p, lay in self.view.points()
                 if keep is None or lay in keep]
+
+
+def judged_dtype(op: str, recorded: str, compute: str | None) -> str:
+    """The dtype a point is judged in. Logits soft-capped in fp32 from a 16-bit lm_head GEMM (SGLang's
+    LogitsProcessor: its fused cast + soft-cap kernel on GPU, tanh in fp32 on CPU) are fp32 values off the
+    16-bit grid, but their precision is the GEMM's: judged in fp32 ULPs every clean run would be blamed."""
+    if op == "softcapped_logits" and recorded == "float32" and compute in DTYPES:
+        return compute
+    return recorded
 
 
 def _common_rows(out: CanonicalTensor, feeds: list[CanonicalTensor]) -> tuple[list[RowId], list[list[int]]]:

@@ -278,6 +278,14 @@ def destroy_sglang_distributed() -> None:
 # --------------------------------------------------------------------------------------
 
 
+#: SGLang model module (``sglang/srt/models/<module>.py``) of each class the tests build.
+_SGLANG_MODULE_OF_CLASS = {
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "LlamaForCausalLM": "llama", "Phi3ForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_causal", "GptOssForCausalLM": "gpt_oss",
+}
+
+
 def sglang_model_class(hf_config) -> type:
     """The SGLang class for a transformers config (by ``architectures`` or model_type)."""
     install_cpu_shims()
@@ -289,17 +297,18 @@ def sglang_model_class(hf_config) -> type:
             "qwen3_moe": "Qwen3MoeForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "phi3": "Phi3ForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM",
         }.get(model_type)
-    if arch == "Qwen3ForCausalLM":
-        from sglang.srt.models.qwen3 import Qwen3ForCausalLM as cls
-    elif arch == "Qwen3MoeForCausalLM":
-        from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM as cls
-    elif arch == "Qwen2ForCausalLM":
-        from sglang.srt.models.qwen2 import Qwen2ForCausalLM as cls
-    elif arch == "Qwen2MoeForCausalLM":
-        from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM as cls
-    else:
+    module = _SGLANG_MODULE_OF_CLASS.get(arch)
+    if module is None:
         raise ValueError(f"no SGLang class wired for architecture={arch!r} model_type={model_type!r}")
+    import importlib
+
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), arch)
     return cls
 
 
@@ -529,7 +538,10 @@ class SGLangRollout:
         kv_cache_dtype: Optional[torch.dtype] = None,
         before_forward: Sequence[ForwardCallback] = (),
         after_forward: Sequence[ForwardCallback] = (),
+        attn_backend_cls: Optional[type] = None,
     ):
+        """``attn_backend_cls``: a subclass of SGLang's ``TorchNativeAttnBackend`` to run instead of it
+        (e.g. ``sglang_attention.SoftcapSinkAttnBackend`` for soft-capped or sink attention)."""
         install_cpu_shims()
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.layers.radix_attention import RadixAttention
@@ -578,7 +590,7 @@ class SGLangRollout:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
         )
-        self.attn_backend = TorchNativeAttnBackend(runner_view)
+        self.attn_backend = (attn_backend_cls or TorchNativeAttnBackend)(runner_view)
         self.vocab_size = int(getattr(model.config, "vocab_size"))
         self.requests: Dict[str, Request] = {}
         self.records: List[ForwardRecord] = []

@@ -277,10 +277,25 @@ def assigned(tree: SourceTree, cls: ClassRef, attr: str, _depth: int = 0) -> lis
     out: list[ClassRef | Opaque] = []
     for node in ast.walk(init):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and attr in _self_targets(node):
-            out += _constructed(frame, node.value) or [Opaque(ast.unparse(node.value)[:80])]
+            out += (_constructed(frame, node.value) or _returned_by_self_method(tree, cls, node.value)
+                    or [Opaque(ast.unparse(node.value)[:80])])
         elif isinstance(node, ast.Call) and _is_super_init(node):
             out += _assigned_in_base(tree, frame, owner, node, attr, _depth)
     return out
+
+
+def _returned_by_self_method(tree: SourceTree, cls: ClassRef, expr: ast.expr) -> list[ClassRef]:
+    """The classes a ``self.method(...)`` call constructs in its ``return`` statements (llama.py's
+    ``self.model = self._init_model(...)``); [] for any other expression."""
+    f = expr.func if isinstance(expr, ast.Call) else None
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+        return []
+    owner, fn = _method(tree, cls, f.attr)
+    if fn is None:
+        return []
+    frame = _Frame(tree, ClassRef(owner.rel, owner.node, cls.args), fn)
+    return [c for node in ast.walk(fn) if isinstance(node, ast.Return) and node.value is not None
+            for c in _constructed(frame, node.value)]
 
 
 def _is_super_init(call: ast.Call) -> bool:

@@ -1,0 +1,108 @@
+"""CPU stand-ins for SGLang 0.5.23 GPU kernels that its CPU path (outside the sgl-kernel CPU engine) lacks,
+each computing what the GPU code computes. Test support only: product code never imports this module.
+
+* :func:`shim_final_logit_softcap` - Gemma 2's final logit soft-cap (see its docstring).
+* :class:`SoftcapSinkAttnBackend` - attention logit soft-capping and attention sinks:
+
+Works around ``sglang/srt/layers/attention/torch_native_backend.py`` ``TorchNativeAttnBackend``:
+``_run_sdpa_forward_extend`` / ``_run_sdpa_forward_decode`` hand every request to
+``torch.nn.functional.scaled_dot_product_attention``, which has no soft-cap, so ``RadixAttention.logit_cap``
+(Gemma 2's ``attn_logit_softcapping``) is never applied; and ``forward_extend`` / ``forward_decode`` take no
+``sinks`` argument, so GPT-OSS's ``self.attn(..., sinks=self.sinks)`` raises. (Sliding windows it does
+honour: ``_make_sliding_window_mask`` with ``RadixAttention.sliding_window_size``.) On GPU,
+``triton_backend.py`` passes ``logits_soft_cap=layer.logit_cap`` and ``sinks`` to its kernels and
+``flashattention_backend.py`` passes ``softcap=layer.logit_cap`` and ``sinks``: scores ``s = scale * q.k``
+become ``cap * tanh(s / cap)`` before the mask and softmax, and each head's sink is one more logit in the
+softmax's denominator with no value row.
+
+:class:`SoftcapSinkAttnBackend` keeps everything else of the upstream backend (KV pool writes, the
+per-request loop reading K/V through ``req_to_token``, causal and window masks): only the SDPA call it makes
+for a layer that has a cap or sinks is replaced, for the duration of that layer's call, by
+:func:`capped_sink_attention`. Layers with neither run the upstream SDPA unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from tic_trace.testing.sglang_cpu import install_cpu_shims
+
+install_cpu_shims()        # before SGLang's layer modules are imported (their import graph needs the stubs)
+from sglang.srt.layers.attention import torch_native_backend as _tnb  # noqa: E402
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+
+_UPSTREAM_SDPA = _tnb.scaled_dot_product_attention
+
+
+def _softcap_in_place(logits: torch.Tensor, final_logit_softcapping: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` written into ``logits`` (computed in fp32, as the Triton kernel does)."""
+    cap = float(final_logit_softcapping)
+    return logits.copy_(cap * torch.tanh(logits.float() / cap))
+
+
+def shim_final_logit_softcap() -> None:
+    """Bypasses: ``sglang/srt/layers/logits_processor.py`` ``LogitsProcessor._get_logits``, which soft-caps
+    the logits with the Triton kernel ``softcap_inplace_logits`` (``sglang/kernels/ops/activation/softcap.py``)
+    on every platform but ``_is_cpu`` (the sgl-kernel CPU engine) and NPU; on a plain CPU Triton has no
+    driver and raises. The stand-in computes the same in-place ``cap * tanh(logits / cap)`` (the formula of
+    the method's own CPU/NPU branch). Idempotent."""
+    from sglang.srt.layers import logits_processor
+    logits_processor.fused_softcap = _softcap_in_place
+
+
+def capped_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                          attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                          scale: float | None = None, enable_gqa: bool = False, logit_cap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA's signature (``[B, heads, Lq, d]`` q, ``[B, kv_heads, Lk, d]`` k/v, a boolean keep-mask or a
+    top-left causal mask) plus a logit soft-cap and per-head sink logits; computed in fp32 (the GPU kernels
+    accumulate scores and softmax in fp32), returned in the query's dtype."""
+    q, k, v = query.float(), key.float(), value.float()
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if logit_cap and logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    lq, lk = scores.shape[-2:]
+    keep = attn_mask
+    if is_causal:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :lk]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).to(query.dtype)
+
+
+class SoftcapSinkAttnBackend(TorchNativeAttnBackend):
+    """``TorchNativeAttnBackend`` whose per-request attention applies ``layer.logit_cap`` and ``sinks`` (see
+    the module docstring for the upstream functions this works around)."""
+
+    @contextlib.contextmanager
+    def _attention_of(self, layer, sinks: torch.Tensor | None) -> Iterator[None]:
+        cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
+        if cap <= 0 and sinks is None:
+            yield
+            return
+
+        def sdpa(query, key, value, **kw):
+            return capped_sink_attention(query, key, value, logit_cap=cap, sinks=sinks, **kw)
+        _tnb.scaled_dot_product_attention = sdpa
+        try:
+            yield
+        finally:
+            _tnb.scaled_dot_product_attention = _UPSTREAM_SDPA
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
+        with self._attention_of(layer, sinks):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
+        with self._attention_of(layer, sinks):
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
