@@ -225,7 +225,8 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
         return ("<last>.output",)
     if point in ("embed", "logprobs"):
         return ()     # read the tokens
-    return BY_NAME[point].feeds
+    # the feeds only some architectures compute (canonical.PointSpec.optional) are theirs to name (arch_inputs_of)
+    return tuple(f for f in BY_NAME[point].feeds if f not in BY_NAME or not BY_NAME[f].optional)
 
 
 def _has_shared(spec: ModelSpec) -> bool:
