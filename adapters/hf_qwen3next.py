@@ -8,8 +8,8 @@ What `modeling_qwen3_next.py` computes, and where the table reads it:
   (`apply_rotary_pos_emb`, tapped as hf.py taps it). The attention output is multiplied by sigmoid(gate) before
   `o_proj`: `o_proj`'s input (`attn.core`) is the gated output.
 - Linear attention (`linear_attn`): `in_proj_qkvz` / `in_proj_ba` (their columns grouped by key head);
-  `causal_conv1d_fn` (a module-level function: the `conv1d` module itself is never called) returns
-  SiLU(causal depthwise conv1d) of q | k | v as [B, channels, S]; `torch_chunk_gated_delta_rule` (prefill) or
+  `causal_conv1d_fn` (a module-level function: the `conv1d` module itself is never called; a cached decode
+  step calls `causal_conv1d_update`) returns SiLU(causal depthwise conv1d) of q | k | v as [B, channels, S]; `torch_chunk_gated_delta_rule` (prefill) or
   `torch_recurrent_gated_delta_rule` (cached decode) returns the delta rule's output [B, S, v_heads, v_dim];
   `norm` (`Qwen3NextRMSNormGated`) acts on [B*S*v_heads, v_dim] rows, so its input of `out_proj`
   ([B, S, v_heads * v_dim]) is read instead; `out_proj`'s output is the layer's `attn.out`.
@@ -29,7 +29,8 @@ _LIN = _L + r"\.linear_attn"
 QWEN3NEXT = ("Qwen3NextForCausalLM",)
 _ONLY = {"archs": QWEN3NEXT}
 # functions of the modeling module the table reads (tapped by HFAdapter.prepare)
-TAPPED = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+TAPPED = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+          "torch_recurrent_gated_delta_rule")
 LINEAR_POINTS = ("attn.linear_qkvz", "attn.linear_ba", "attn.linear_conv", "attn.linear_core", "attn.linear_norm")
 
 
@@ -61,8 +62,8 @@ POINTS = (
              note="softmax layers' o_proj, linear layers' out_proj"),
     PointMap("attn.linear_qkvz", _LIN + r"\.in_proj_qkvz:out", opts=_ONLY),
     PointMap("attn.linear_ba", _LIN + r"\.in_proj_ba:out", opts=_ONLY),
-    PointMap("attn.linear_conv", _LIN + r"/fn:causal_conv1d_fn:out", "bcs", opts=_ONLY,
-             note="SiLU(causal conv1d) of q | k | v, [B, channels, S]"),
+    PointMap("attn.linear_conv", _LIN + r"/fn:causal_conv1d_(fn|update):out", "bcs", opts=_ONLY,
+             note="SiLU(causal conv1d) of q | k | v, [B, channels, S] (a cached decode step's: `_update`)"),
     PointMap("attn.linear_core", _LIN + r"/fn:torch_(chunk|recurrent)_gated_delta_rule:out\[0\]", "v_heads",
              opts=_ONLY),
     PointMap("attn.linear_norm", _LIN + r"\.out_proj:in\[0\]", "v_heads", opts=_ONLY,

@@ -187,3 +187,28 @@ def test_bf16_gated_norm_without_upcast_is_blamed_on_its_side(tmp_path):
     rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
     assert (rep.first["key"], rep.first["cause"], rep.first["replay"]["side"]) == ("L0.attn.linear_norm",
                                                                                   "intrinsic", "B")
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+def test_generate_with_its_cached_decode_steps_matches_one_forward_and_the_float64_replay(tmp_path):
+    """`generate()`: a prefill, then cached decode steps (`causal_conv1d_update`, the recurrent delta rule).
+    Every linear-attention point holds every row, the prefill's and the decode steps', consistent with one
+    forward over the same tokens, and each decode row is the float64 replay's over its sample's earlier rows."""
+    import tic_trace
+    model = _model()
+    with tic_trace.trace(model, tmp_path / "a", adapter="hf", points_mode="full", auto_step=True) as t, \
+            torch.no_grad():
+        seq = model.generate(input_ids=IDS[:, :6], max_new_tokens=3, do_sample=False)
+    assert t.failed is None, t.failed
+    trace_hf(model, tmp_path / "b", seq[:, :-1])
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.verdict == "consistent" and rep.not_comparable == []
+    for point in LINEAR:
+        p = next(p for p in rep.points if p.key == f"L2.{point}")
+        assert (p.rows, p.only_a, p.only_b) == (16, 0, 0), (point, p.rows, p.only_a, p.only_b)
+    model.save_pretrained(tmp_path / "ck")
+    side = SideReplayer(CanonicalView(str(tmp_path / "a")), ExactReference(str(tmp_path / "ck")))
+    for point in LINEAR:
+        rows, y, exact, _ = side.exact_pair(point, 2)
+        assert len(rows) == 16 and np.linalg.norm(y - exact) < 1e-5 * np.linalg.norm(exact), point
