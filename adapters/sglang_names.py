@@ -123,8 +123,12 @@ REFUSED = {
     "GptOssForCausalLM": "attention sinks, clamped SwiGLU experts with biases, its router not in the table",
     "Phi3ForCausalLM": "SGLang's Llama model code (`llama.py`), which the table was never run against "
                        "another framework on",
-    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
-                            "(its gated q projection emits query and gate together)",
+    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
+                            "SGLang kernels are Triton only: the linear attention's gated norm "
+                            "(`Qwen3GatedDeltaNet.norm` in `srt/models/qwen3_next.py`) is `FusedRMSNormGated` "
+                            "(`kernels/ops/attention/fla/fused_norm_gate.py`, a Triton kernel) or `RMSNormGated` "
+                            "(`layernorm_gated.py`, whose `_get_sm_count` calls `torch.cuda.get_device_properties`), "
+                            "so SGLang's model code never ran against another framework's here (the HF table maps it)",
 }
 
 
