@@ -83,10 +83,18 @@ def linear_facts(text: Any) -> dict:
             "linear_attention_layers": [i for i, t in enumerate(types) if t == "linear_attention"]}
 
 
+_SOFTMAX_POINTS = ("attn.q", "attn.gate", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.q_rope",
+                   "attn.k_rope", "attn.core")
+
+
 def linear_applies(pm: PointMap, config: dict) -> bool | None:
-    """The linear-attention rows only where some layer runs linear attention (None: not a linear row)."""
+    """The linear-attention rows only where some layer runs linear attention, the softmax attention's only where
+    some layer does not (None: the layer kinds do not decide it)."""
+    linear = config.get("linear_attention_layers") or []
     if pm.point in LINEAR_POINTS:
-        return bool(config.get("linear_attention_layers"))
+        return bool(linear)
+    if pm.point in _SOFTMAX_POINTS and linear and len(linear) >= int(config.get("num_layers") or 0):
+        return False
     return None
 
 

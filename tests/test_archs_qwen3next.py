@@ -212,3 +212,35 @@ def test_generate_with_its_cached_decode_steps_matches_one_forward_and_the_float
     for point in LINEAR:
         rows, y, exact, _ = side.exact_pair(point, 2)
         assert len(rows) == 16 and np.linalg.norm(y - exact) < 1e-5 * np.linalg.norm(exact), point
+
+
+# ------------------------------------------------------------------------------------------------ layer kinds
+
+def test_a_layer_kind_no_layer_runs_is_never_promised():
+    """The points of a layer kind are promised only where some layer runs it (a model of one kind lists the
+    other's as missing nowhere)."""
+    from tic_trace.graph.adapter import get_adapter
+    ad = get_adapter("hf")
+    base = {"architecture": "Qwen3NextForCausalLM", "num_layers": 2, "num_experts": 4, "shared_experts": True,
+            "qk_norm": True}
+    both = set(ad.promised_points({**base, "linear_attention_layers": [0]}))
+    linear_only = set(ad.promised_points({**base, "linear_attention_layers": [0, 1]}))
+    softmax_only = set(ad.promised_points(base))
+    assert LINEAR | SOFTMAX <= both
+    assert LINEAR <= linear_only and not SOFTMAX & linear_only
+    assert SOFTMAX <= softmax_only and not LINEAR & softmax_only
+
+
+def test_replay_reads_the_layer_kinds_from_the_config_or_its_older_interval():
+    """config.json's `layer_types`, else (older configs) every `full_attention_interval`-th layer full; a MoE
+    block on every `decoder_sparse_step`-th layer but `mlp_only_layers`, a dense MLP elsewhere."""
+    from tic_trace.replay.model_spec import model_spec
+    cfg = qwen3next_config().to_dict()
+    spec = model_spec(cfg)
+    assert spec.extra["linear_layers"] == [0, 2] and spec.extra["dense_layers"] == [0, 2]
+    assert spec.at_layer(0).num_experts == 0 and spec.at_layer(0).extra["at_linear_layer"]
+    assert spec.at_layer(1).num_experts == 4 and not spec.at_layer(1).extra.get("at_linear_layer")
+    older = {k: v for k, v in cfg.items() if k != "layer_types"}
+    spec = model_spec({**older, "num_hidden_layers": 8, "full_attention_interval": 4, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [5]})
+    assert spec.extra["linear_layers"] == [0, 1, 2, 4, 5, 6] and spec.extra["dense_layers"] == [5]

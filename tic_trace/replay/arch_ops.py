@@ -189,8 +189,9 @@ def arch_inputs_of(point: str, spec) -> tuple[str, ...] | None:
 
 def arch_op_of(point: str, spec) -> str:
     """The op replayed at `point` where the architecture makes it another (its variants: arch_variants.py)."""
-    if is_qwen3next(spec) and qwen3next_op(point, bool(spec.extra.get("at_linear_layer"))):
-        return qwen3next_op(point, bool(spec.extra.get("at_linear_layer")))
+    own = qwen3next_op(point, bool(spec.extra.get("at_linear_layer"))) if is_qwen3next(spec) else ""
+    if own:
+        return own
     if spec.extra.get("norm_offset") and point in _GEMMA_NORMS:
         return "offset_rmsnorm"
     if point == "attn.core" and (spec.extra.get("sinks") or spec.extra.get("attn_softcap")

@@ -23,7 +23,10 @@ def qwen3next_facts(c: Any) -> dict:
     """`extra` of a Qwen3-Next config (`c`: model_spec._Config): the layers of each kind and the linear
     attention's sizes."""
     n = c.int("num_hidden_layers", 1, 1 << 16)
-    types = c.raw("layer_types")
+    types = c.raw("layer_types") if c.has("layer_types") else None
+    if types is None:       # older configs state the pattern: every `full_attention_interval`-th layer is full
+        every = c.int("full_attention_interval", 1, 1 << 16, default=4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     if not isinstance(types, list) or len(types) != n or not all(t in ("linear_attention", "full_attention")
                                                                   for t in types):
         raise c.error("layer_types", f"a list of {n} 'linear_attention' / 'full_attention' entries", types)
