@@ -233,14 +233,16 @@ def test_a_layer_kind_no_layer_runs_is_never_promised():
 
 def test_replay_reads_the_layer_kinds_from_the_config_or_its_older_interval():
     """config.json's `layer_types`, else (older configs) every `full_attention_interval`-th layer full; a MoE
-    block on every `decoder_sparse_step`-th layer but `mlp_only_layers`, a dense MLP elsewhere."""
+    block on every `decoder_sparse_step`-th layer but `mlp_only_layers` (ModelSpec.is_sparse), a dense MLP
+    elsewhere."""
     from tic_trace.replay.model_spec import model_spec
     cfg = qwen3next_config().to_dict()
     spec = model_spec(cfg)
-    assert spec.extra["linear_layers"] == [0, 2] and spec.extra["dense_layers"] == [0, 2]
+    assert spec.extra["linear_layers"] == [0, 2]
     assert spec.at_layer(0).num_experts == 0 and spec.at_layer(0).extra["at_linear_layer"]
     assert spec.at_layer(1).num_experts == 4 and not spec.at_layer(1).extra.get("at_linear_layer")
     older = {k: v for k, v in cfg.items() if k != "layer_types"}
     spec = model_spec({**older, "num_hidden_layers": 8, "full_attention_interval": 4, "decoder_sparse_step": 1,
                        "mlp_only_layers": [5]})
-    assert spec.extra["linear_layers"] == [0, 1, 2, 4, 5, 6] and spec.extra["dense_layers"] == [5]
+    assert spec.extra["linear_layers"] == [0, 1, 2, 4, 5, 6]
+    assert [i for i in range(8) if not spec.at_layer(i).num_experts] == [5]
