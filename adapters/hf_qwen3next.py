@@ -9,10 +9,10 @@ What `modeling_qwen3_next.py` computes, and where the table reads it:
   `o_proj`: `o_proj`'s input (`attn.core`) is the gated output.
 - Linear attention (`linear_attn`): `in_proj_qkvz` / `in_proj_ba` (their columns grouped by key head);
   `causal_conv1d_fn` (a module-level function: the `conv1d` module itself is never called; a cached decode
-  step calls `causal_conv1d_update`) returns SiLU(causal depthwise conv1d) of q | k | v as [B, channels, S]; `torch_chunk_gated_delta_rule` (prefill) or
-  `torch_recurrent_gated_delta_rule` (cached decode) returns the delta rule's output [B, S, v_heads, v_dim];
-  `norm` (`Qwen3NextRMSNormGated`) acts on [B*S*v_heads, v_dim] rows, so its input of `out_proj`
-  ([B, S, v_heads * v_dim]) is read instead; `out_proj`'s output is the layer's `attn.out`.
+  step calls `causal_conv1d_update`) returns SiLU(causal depthwise conv1d) of q | k | v as [B, channels, S];
+  `torch_chunk_gated_delta_rule` (prefill) or `torch_recurrent_gated_delta_rule` (cached decode) returns the
+  delta rule's output [B, S, v_heads, v_dim]; `norm` (`Qwen3NextRMSNormGated`) acts on [B*S*v_heads, v_dim]
+  rows, so `out_proj`'s input ([B, S, v_heads * v_dim]) is read instead; `out_proj`'s output is `attn.out`.
 - Every RMSNorm but the gated one scales by (1 + w) (the replay's concern, not the table's).
 """
 from __future__ import annotations

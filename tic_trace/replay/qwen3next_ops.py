@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .arch_ops import attention_mask, each_sample, exact_attention, offset_rms_norm
+from .arch_ops import offset_rms_norm
 from .not_replayable import NotReplayable
 from .qwen3next_spec import NORMS, linear_layer
 
@@ -53,18 +53,11 @@ def _q_half(part: str) -> Callable:
     return op
 
 
-def _gated_attention(ref, layer, feeds, rows, tokens):
-    """Causal softmax attention of each sample's queries over its keys, times sigmoid(gate)."""
-    q, k, v = feeds["attn.q_rope"], feeds["attn.k_rope"], feeds["attn.v"]
-    parts = []
-    idx = []
-    for qi, qpos, kidx, kpos in each_sample(rows, feeds["__kv_rows__"], q.device):
-        o = exact_attention(q[qi], k[kidx], v[kidx], attention_mask(qpos, kpos, None), ref.spec.head_dim ** -0.5,
-                            None, None)
-        parts.append(o.reshape(len(qi), -1))
-        idx += qi
-    out = torch.cat(parts)[torch.argsort(torch.tensor(idx, device=q.device))]
-    return out * torch.sigmoid(feeds["attn.gate"].reshape(len(rows), -1))
+def _gated_attention(attention: Callable) -> Callable:
+    """The causal softmax attention (`attention`: reference.py's, per sample in query blocks) times sigmoid(gate)."""
+    def op(ref, layer, feeds, rows, tokens):
+        return attention(ref, layer, feeds, rows, tokens) * torch.sigmoid(feeds["attn.gate"].reshape(len(rows), -1))
+    return op
 
 
 def _gemm(weight: str, feed: str) -> Callable:
@@ -174,7 +167,8 @@ def _gated_norm(ref, layer, feeds, rows, tokens):
 def qwen3next_ops(base: dict[str, Callable]) -> dict[str, Callable]:
     """The ops replacing reference._OPS's (`base`) for Qwen3-Next."""
     ops: dict[str, Callable] = {p: _unit_norm(w, f) for p, (w, f) in NORMS.items()}
-    ops.update({"attn.q": _q_half("q"), "attn.gate": _q_half("gate"), "attn.core": _gated_attention,
+    ops.update({"attn.q": _q_half("q"), "attn.gate": _q_half("gate"),
+                "attn.core": _gated_attention(base["attn.core"]),
                 "attn.out": _attn_out(base["attn.out"]),
                 "attn.linear_qkvz": _gemm("linear_attn.in_proj_qkvz.weight", "attn_norm"),
                 "attn.linear_ba": _gemm("linear_attn.in_proj_ba.weight", "attn_norm"),

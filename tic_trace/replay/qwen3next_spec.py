@@ -48,7 +48,8 @@ def qwen3next_shapes(rest: str, spec: Any) -> list | None:
     conv = 2 * hk * dk + hv * dv
     return {"self_attn.q_proj.weight": [2 * nq * hd, H], "self_attn.q_proj.bias": [2 * nq * hd],
             "linear_attn.in_proj_qkvz.weight": [2 * hk * dk + 2 * hv * dv, H],
-            "linear_attn.in_proj_ba.weight": [2 * hv, H], "linear_attn.conv1d.weight": [conv, 1, spec.extra["linear_conv"]],
+            "linear_attn.in_proj_ba.weight": [2 * hv, H],
+            "linear_attn.conv1d.weight": [conv, 1, spec.extra["linear_conv"]],
             "linear_attn.dt_bias": [hv], "linear_attn.A_log": [hv], "linear_attn.norm.weight": [dv],
             "linear_attn.out_proj.weight": [H, hv * dv]}.get(rest)
 
