@@ -229,6 +229,8 @@ class HFAdapter(Adapter):
     def token_dims(self, record_name: str) -> int | None:
         if "apply_rotary_pos_emb" in record_name or "/fn:causal_conv1d" in record_name:
             return 0                        # [B, heads, S, d] / [B, channels, S]: stored whole, the transform reads it
+        if "_gated_delta_rule:out[1]" in record_name:
+            return 0                        # Qwen3-Next's recurrent state [B, heads, dk, dv]: not per token
         if ".mlp.gate:" in record_name or ".mlp.router:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2
