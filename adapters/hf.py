@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
+from tic_trace.adapters import hf_qwen3next as _q3n
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
 from tic_trace.adapters.hf_deepseek import LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts
@@ -51,7 +52,9 @@ POINTS = (
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
     *LATENT_POINTS,
-) + _more.POINTS       # Gemma2/3, Phi-3, GPT-OSS rows (each for its architectures only)
+) + _more.POINTS + _q3n.POINTS     # Gemma2/3, Phi-3, GPT-OSS, Qwen3-Next rows (each for its architectures only)
+# (point, architecture) pairs whose generic row is replaced by one of those
+_OVERRIDDEN = _more.OVERRIDDEN | frozenset((pm.point, a) for pm in _q3n.POINTS for a in pm.opts["archs"])
 
 
 _QK = ("attn.q_norm", "attn.k_norm")
@@ -82,12 +85,10 @@ ARCHITECTURES = {a.name: a for a in (
                  "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
     *_more.ARCHITECTURES,
     *SIGMOID_ROUTED,
+    *_q3n.ARCHITECTURES,
 )}
 
-REFUSED = {
-    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention (`linear_attn`) besides gated "
-                            "full attention",
-}
+REFUSED: dict[str, str] = {}
 
 
 class HFAdapter(Adapter):
@@ -110,8 +111,16 @@ class HFAdapter(Adapter):
                         if hasattr(ns, "apply_rotary_pos_emb_interleave"):     # DeepSeek-V3's MLA
                             tracer.tap_function(ns, "apply_rotary_pos_emb_interleave")
                         tapped.add(ns.__name__)
+                if name.endswith("linear_attn"):                               # Qwen3-Next's linear attention
+                    ns = sys.modules.get(type(mod).__module__)
+                    if ns is not None and ns.__name__ + ":linear" not in tapped:
+                        for fn in _q3n.TAPPED:
+                            if hasattr(ns, fn):
+                                tracer.tap_function(ns, fn)
+                        tapped.add(ns.__name__ + ":linear")
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
-                                 "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$"])
+                                 "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$",
+                                 "re:\\.linear_attn\\.out_proj$"])
 
     def describe(self, models: list) -> dict:
         cfg = getattr(models[0], "config", None)
@@ -149,6 +158,7 @@ class HFAdapter(Adapter):
             # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
             **latent_facts(text),
+            **_q3n.linear_facts(text),
         }
         arch = self.architecture(out)
         if arch is not None:
@@ -194,8 +204,10 @@ class HFAdapter(Adapter):
 
     def applies(self, pm: PointMap, config: dict) -> bool:
         only, arch = pm.opts.get("archs"), config.get("architecture")
-        if (arch not in only) if only is not None else (pm.point, arch) in _more.OVERRIDDEN:
+        if (arch not in only) if only is not None else (pm.point, arch) in _OVERRIDDEN:
             return False                    # a row for other architectures, or one they replace
+        if _q3n.linear_applies(pm, config) is False:
+            return False                    # no layer runs linear attention
         latent = latent_applies(pm, config)
         if latent is not None:
             return latent and super().applies(pm, config)
@@ -215,8 +227,10 @@ class HFAdapter(Adapter):
         return [i * s + s - k + j for i in range(b) for j in range(k)]
 
     def token_dims(self, record_name: str) -> int | None:
-        if "apply_rotary_pos_emb" in record_name:
-            return 0
+        if "apply_rotary_pos_emb" in record_name or "/fn:causal_conv1d" in record_name:
+            return 0                        # [B, heads, S, d] / [B, channels, S]: stored whole, the transform reads it
+        if "_gated_delta_rule:out[1]" in record_name:
+            return 0                        # Qwen3-Next's recurrent state [B, heads, dk, dv]: not per token
         if ".mlp.gate:" in record_name or ".mlp.router:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2

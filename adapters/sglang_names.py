@@ -189,8 +189,12 @@ REFUSED = {
     "DeepseekV2ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "DeepseekV3ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
     "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
-    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention "
-                            "(its gated q projection emits query and gate together)",
+    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
+                            "SGLang kernels are Triton only: the linear attention's gated norm "
+                            "(`Qwen3GatedDeltaNet.norm` in `srt/models/qwen3_next.py`) is `FusedRMSNormGated` "
+                            "(`kernels/ops/attention/fla/fused_norm_gate.py`, a Triton kernel) or `RMSNormGated` "
+                            "(`layernorm_gated.py`, whose `_get_sm_count` calls `torch.cuda.get_device_properties`), "
+                            "so SGLang's model code never ran against another framework's here (the HF table maps it)",
 }
 
 

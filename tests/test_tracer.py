@@ -311,9 +311,10 @@ def test_hf_adapter_finds_every_promised_point(tmp_path, hf_moe_config, hf_dense
         promised = set(v.adapter.promised_points(v.config))
         assert promised <= have, promised - have
         # Qwen3(-MoE) has every canonical point but the shared expert and those of other architectures only:
-        # Gemma's sandwich norms and MLA's latent projections
+        # Gemma's sandwich norms, MLA's latent projections, Qwen3-Next's attention gate and linear attention
         others = {"attn.post_norm", "mlp.post_norm", "attn.q_a", "attn.q_a_norm", "attn.kv_a", "attn.kv_a_norm",
-                  "attn.kv_b"}
+                  "attn.kv_b", "attn.gate", "attn.linear_qkvz", "attn.linear_ba", "attn.linear_conv",
+                  "attn.linear_core", "attn.linear_norm"}
         expected = {p.name for p in BY_NAME.values()} - {"moe.shared_out"} - others
         assert others <= set(BY_NAME)
         if name == "dense":

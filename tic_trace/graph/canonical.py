@@ -29,6 +29,11 @@ class PointSpec:
                                     # its sample (causal attention), not from the same row only
     op: str = ""                # the class of op that computes it ("rmsnorm", "gemm", ...): the attribution's
                                 # groups ("every RMSNorm of B explains 62%"); "" = the point's own name
+    # A feed only some architectures compute (Qwen3-Next's attention gate, its linear-attention block): absent
+    # from a layer, it stands for nothing (not for its own feeds, which the point reads otherwise anyway);
+    # present, the feeds of the reading point it `replaces` are not read (that layer computes this instead).
+    optional: bool = False
+    replaces: tuple[str, ...] = ()
 
 
 _L = True
@@ -48,9 +53,27 @@ SCHEMA: tuple[PointSpec, ...] = (
               "(kv_a_layernorm; k_pe is not normalised)", op="rmsnorm"),
     PointSpec("attn.kv_b", _L, ("attn.kv_a_norm",), "heads x (nope_dim + v_dim)", per_head=True,
               meaning="MLA: every head's decompressed k_nope, then its v (kv_b_proj)", op="gemm"),
+    # Qwen3-Next's Gated DeltaNet linear attention (`linear_attn`), in the layers that run it instead of softmax
+    # attention: its output projection is `attn.out`, read from the gated norm instead of `attn.core`.
+    PointSpec("attn.linear_qkvz", _L, ("attn_norm",), "2 key_dim + 2 value_dim", meaning="linear attention: the "
+              "q, k, v and z projection (in_proj_qkvz), grouped by key head", op="gemm"),
+    PointSpec("attn.linear_ba", _L, ("attn_norm",), "2 v_heads", meaning="linear attention: the beta and decay "
+              "inputs b, a (in_proj_ba), grouped by key head", op="gemm"),
+    PointSpec("attn.linear_conv", _L, ("attn.linear_qkvz",), "2 key_dim + value_dim", mixes_positions=True,
+              meaning="linear attention: q | k | v after the causal depthwise conv1d and SiLU", op="conv1d"),
+    PointSpec("attn.linear_core", _L, ("attn.linear_conv", "attn.linear_ba"), "v_heads x v_head_dim",
+              per_head=True, mixes_positions=True, meaning="linear attention: the gated delta rule's output "
+              "(q, k L2-normalised, beta = sigmoid(b), decay g = -exp(A_log) softplus(a + dt_bias))",
+              op="delta_rule"),
+    PointSpec("attn.linear_norm", _L, ("attn.linear_core", "attn.linear_qkvz"), "v_heads x v_head_dim",
+              per_head=True, optional=True, replaces=("attn.core",), meaning="linear attention: the RMSNorm of "
+              "each head's output times SiLU(z), before out_proj", op="gated_rmsnorm"),
     PointSpec("attn.q", _L, ("attn.q_a_norm",), "heads x head_dim", per_head=True,
               meaning="q projection, before QK-norm and RoPE (MLA: q_b_proj, or q_proj without a q latent: "
               "every head's nope dims, then its rope dims before RoPE)", op="gemm"),
+    PointSpec("attn.gate", _L, ("attn_norm",), "heads x head_dim", per_head=True, optional=True,
+              meaning="gated attention (Qwen3-Next): each head's gate, the second half of its q_proj columns",
+              op="gemm"),
     PointSpec("attn.k", _L, ("attn.kv_a",), "kv_heads x head_dim", per_head=True,
               meaning="k projection, before QK-norm and RoPE", op="gemm"),
     PointSpec("attn.v", _L, ("attn.kv_b",), "kv_heads x head_dim", per_head=True, meaning="v projection", op="gemm"),
@@ -60,10 +83,12 @@ SCHEMA: tuple[PointSpec, ...] = (
               meaning="q after rotary embedding (MLA: every head's rope dims only)", op="rope"),
     PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
               meaning="k after rotary embedding (MLA: the shared k_pe only, one head)", op="rope"),
-    PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
-              meaning="attention output before the output projection", per_head=True, curve=True,
+    PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v", "attn.gate"), "heads*head_dim",
+              meaning="attention output before the output projection (gated attention: times sigmoid(gate))",
+              per_head=True, curve=True,
               mixes_positions=True, op="attention"),
-    PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True, op="gemm"),
+    PointSpec("attn.out", _L, ("attn.core", "attn.linear_norm"), "H", meaning="output projection, reduced over TP "
+              "(a linear-attention layer's: its out_proj)", curve=True, op="gemm"),
     # Gemma's sandwich norm of the attention branch, before the residual add (absent elsewhere: `mid` then reads
     # attn.out through feeds_of)
     PointSpec("attn.post_norm", _L, ("attn.out",), "H", meaning="attention branch's norm before the residual add",
@@ -168,7 +193,7 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
     # (thousands), deeper than Python's recursion limit.
     out: list[tuple[str, int | None]] = []
     seen: set = set()
-    stack = [iter(_raw_feeds(point, layer, n_layers))]
+    stack = [iter(_raw_feeds(point, layer, n_layers, present))]
     while stack:
         f = next(stack[-1], None)
         if f is None:
@@ -180,16 +205,24 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
         if f in present:
             out.append(f)
         else:
-            stack.append(iter(_raw_feeds(*f, n_layers)))
+            stack.append(iter(_raw_feeds(*f, n_layers, present)))
     return out
 
 
-def _raw_feeds(point: str, layer: int | None, n_layers: int | None) -> list[tuple[str, int | None]]:
+def _chosen_feeds(feeds: tuple[str, ...], layer: int | None, present: set) -> list[str]:
+    """`feeds` without the optional ones absent from this layer, nor those a present one replaces."""
+    out = [f for f in feeds if f not in BY_NAME or not BY_NAME[f].optional or (f, layer) in present]
+    gone = {r for f in out if f in BY_NAME for r in BY_NAME[f].replaces}
+    return [f for f in out if f not in gone]
+
+
+def _raw_feeds(point: str, layer: int | None, n_layers: int | None,
+               present: set) -> list[tuple[str, int | None]]:
     ps = BY_NAME.get(point)
     if ps is None:
         return []
     out = []
-    for f in ps.feeds:
+    for f in _chosen_feeds(ps.feeds, layer, present):
         if f == "<prev>.output":
             out.append(("output", layer - 1) if layer and layer > 0 else ("embed", None))
         elif f == "<last>.output":

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swiglu, each_sample, oss_expert, sinks_of
 from .arch_spec import sliding_window
 from .latent_variants import LATENT_VARIANTS
+from .qwen3next_variants import qwen3next_variants
 from .variants import Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
 
 
@@ -157,6 +158,7 @@ def _arch_variants() -> dict[str, list[Variant]]:
         "clamped_swiglu_experts": [Variant("eager", "eager experts, every step rounded", True, _oss_experts(False)),
                                    Variant("fp32", "each expert in fp32", True, _oss_experts(True))],
         **LATENT_VARIANTS,
+        **qwen3next_variants(),
     }
 
 

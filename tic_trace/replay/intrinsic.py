@@ -23,6 +23,7 @@ from .grid import effective_dtype, grid_spacing, round_to, row_relative_excess  
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
+from .qwen3next_variants import WHOLE_SAMPLE_OPS
 from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
@@ -268,7 +269,8 @@ class SideReplayer:
         variants = ARCH_VARIANTS.get(err.envelope_key) or VARIANTS.get(err.envelope_key)
         if err.dtype not in DTYPES or err.kind != "float" or not variants:
             return err
-        sel = variant_rows(len(rows))
+        # an op over each sample's earlier rows (the linear attention's) runs on all of them, not a subset
+        sel = list(range(len(rows))) if err.envelope_key in WHOLE_SAMPLE_OPS else variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)

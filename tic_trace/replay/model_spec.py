@@ -87,12 +87,18 @@ class ModelSpec:
     def at_layer(self, layer: int | None) -> "ModelSpec":
         """The facts of one layer: a dense layer of a MoE model (below `first_k_dense_replace`, in
         `mlp_only_layers`, or off the `decoder_sparse_step` grid, as transformers builds them) computes a dense
-        MLP, so its spec has no experts."""
-        if layer is not None and self.num_experts and not self.is_sparse(layer):
-            from dataclasses import replace
-            return replace(self, num_experts=0, num_experts_per_tok=0, n_shared_experts=0,
-                           shared_expert_intermediate_size=0)
-        return self
+        MLP, so its spec has no experts; a Qwen3-Next linear-attention layer's spec says so
+        (`extra["at_linear_layer"]`)."""
+        from dataclasses import replace
+        if layer is None:
+            return self
+        out = self
+        if self.num_experts and not self.is_sparse(layer):
+            out = replace(out, num_experts=0, num_experts_per_tok=0, n_shared_experts=0,
+                          shared_expert_intermediate_size=0)
+        if layer in self.extra.get("linear_layers", ()):
+            out = replace(out, extra={**out.extra, "at_linear_layer": True})
+        return out
 
 
 # ---------------------------------------------------------------- config.json: one typed schema

@@ -26,6 +26,8 @@ from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .grouped_topk import GroupedTopkError, eligible_choice
 from .model_spec import ModelSpec, yarn_inv_freq_and_scale
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
+from .qwen3next_ops import qwen3next_ops
+from .qwen3next_spec import is_qwen3next
 
 RowId = tuple[str, int]
 F64 = torch.float64
@@ -225,7 +227,8 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
         return ("<last>.output",)
     if point in ("embed", "logprobs"):
         return ()     # read the tokens
-    return BY_NAME[point].feeds
+    # the feeds only some architectures compute (canonical.PointSpec.optional) are theirs to name (arch_inputs_of)
+    return tuple(f for f in BY_NAME[point].feeds if f not in BY_NAME or not BY_NAME[f].optional)
 
 
 def _has_shared(spec: ModelSpec) -> bool:
@@ -250,7 +253,8 @@ class ExactReference:
         # tensor must not change the op replayed at every RoPE point.
         self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
                                for n in self.ckpt.info)
-        self.arch_ops = arch_ops(self.spec, _OPS)      # the ops this architecture computes otherwise (arch_ops.py)
+        # the ops this architecture computes otherwise (arch_ops.py; Qwen3-Next's: qwen3next_ops.py)
+        self.arch_ops = {**arch_ops(self.spec, _OPS), **(qwen3next_ops(_OPS) if is_qwen3next(self.spec) else {})}
 
     def for_view(self, view) -> "ExactReference":
         """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
