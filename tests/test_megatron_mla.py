@@ -1,0 +1,255 @@
+"""DeepSeek-V3-style megatron-core 0.16.1 ``GPTModel`` (its own ``MLASelfAttention``, sigmoid router with an expert
+bias and group-limited top-k, routed scaling, shared experts, a dense first layer) against HF
+``DeepseekV3ForCausalLM`` with the same weights, on CPU, one rank.
+
+The megatron model is built from the HF config by ``tic_trace.testing.megatron_mla`` (local spec, with the two
+shims its docstring names) and loaded with ``megatron_weights.hf_to_megatron_state_dict``. Faults are planted in
+the megatron side's computation (a module attribute, a weight, a buffer, a module's config), never in the trace;
+each must be the first divergence, at its point and layer.
+"""
+from __future__ import annotations
+
+import copy
+import types
+
+import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
+import pytest
+import torch
+import transformers as T
+
+import tic_trace
+from tic_trace import find_divergence
+from tic_trace.adapters import megatron as mg_adapter
+from tic_trace.adapters.megatron import MegatronAdapter
+from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence, intrinsic_walk
+from tic_trace.replay.reference import ExactReference
+from tic_trace.testing import megatron_cpu as mc
+from tic_trace.testing import megatron_mla as mm
+from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens
+from tic_trace.testing.precision_faults import _rmsnorm_bf16_torch
+from tic_trace.view.align import CanonicalView
+
+from conftest import trace_hf
+
+IDS = sample_tokens(2, 12)
+KEYS = ["s0", "s1"]
+ARCH = "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer"
+LATENT = {"attn.q_a", "attn.q_a_norm", "attn.kv_a", "attn.kv_a_norm", "attn.kv_b"}
+
+
+def _config() -> T.DeepseekV3Config:
+    """tests/test_archs_mla.py's tiny DeepSeek-V3: 8 experts in 2 groups (1 kept), top-2, routed scaling 2.5,
+    one shared expert, layer 0 dense; q latent 24, kv latent 32, nope 16 + rope 8, v 16; interleaved RoPE."""
+    cfg = T.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+CFG = _config()
+
+
+def _hf_model(dtype: torch.dtype):
+    """The HF model, with a non-zero score-correction bias (zero would leave the bias path untested)."""
+    model = build_hf_model_stable(CFG, dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.layers[CFG.first_k_dense_replace:]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def megatron_rank():
+    """One megatron rank (world size 1) in this process for the module."""
+    with mc.single_rank():
+        yield
+
+
+def _side(d, dtype: torch.dtype):
+    hf = _hf_model(dtype)
+    hf.save_pretrained(d / "ck")
+    trace_hf(hf, d / "hf", IDS, sample_keys=KEYS)
+    return d / "ck", d / "hf", hf.state_dict()
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory, megatron_rank):
+    """(checkpoint dir, HF trace dir, HF state dict) of the fp32 model."""
+    return _side(tmp_path_factory.mktemp("mla_fp32"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory, megatron_rank):
+    return _side(tmp_path_factory.mktemp("mla_bf16"), torch.bfloat16)
+
+
+def _megatron(out, sd, dtype, plant=None) -> str:
+    """Trace the megatron model (fault `plant(model)` applied to its computation first) into `out`."""
+    model = mm.build_mla_gpt_model(CFG, dtype=dtype)
+    load_into(model, hf_to_megatron_state_dict(sd, CFG))
+    if plant is not None:
+        with torch.no_grad():
+            plant(model)
+    pos = torch.arange(IDS.shape[1]).unsqueeze(0).expand_as(IDS)
+    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=CFG.vocab_size), points_mode="full",
+                         sample_keys=KEYS) as t, torch.no_grad():
+        model(IDS, pos, attention_mask=None)
+    assert t.failed is None, t.failed
+    return str(out)
+
+
+# ------------------------------------------------------------------------------------------------ clean pairs
+
+def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path, fp32):
+    """fp32: HF <-> Megatron consistent, nothing not comparable; the Megatron trace holds every promised point
+    (MLA's latent points, no k/v/QK-norm, no moe.* in the dense layer 0); and the float64 replay of each point
+    on Megatron's own inputs (the HF checkpoint as reference) agrees to fp32 accuracy: each canonical point is
+    the op the schema says (a wrong split of the latent, of the rope dims or of the heads would be O(1) off)."""
+    ck, hf, sd = fp32
+    mg = _megatron(tmp_path / "mg", sd, torch.float32)
+    rep = find_divergence(str(hf), mg)
+    assert rep.verdict == "consistent" and rep.not_comparable == [], (rep.verdict, rep.not_comparable)
+    v = CanonicalView(mg)
+    assert (v.config["architecture"], v.config["architecture_verified"]) == (ARCH, True)
+    assert (v.config["router_scoring"], v.config["kv_lora_rank"], v.config["head_dim"]) == ("sigmoid", 32, 8)
+    have = set(v.points())
+    assert {p for p, _ in have} == set(v.adapter.promised_points(v.config)) | {"logprobs"}
+    assert LATENT <= {p for p, _ in have} and not {"attn.k", "attn.v", "attn.q_norm"} & {p for p, _ in have}
+    assert not [p for p, layer in have if layer == 0 and p.startswith("moe.")]
+    assert {p for p, layer in have if layer == 1} >= {"moe.router_logits", "moe.topk_ids", "moe.shared_out"}
+    results = replay_side(v, ExactReference(str(ck)))
+    skipped = [(r.key, r.reason) for r in results if not isinstance(r, IntrinsicError) and r.point != "logprobs"]
+    assert skipped == [], skipped
+    off = [(r.key, r.rel_l2) for r in results
+           if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
+    assert not off, off
+    assert {r.point for r in results} >= LATENT | {"attn.q", "attn.q_rope", "attn.k_rope", "attn.core",
+                                                    "moe.topk_ids", "moe.topk_weights"}
+
+
+def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, bf16):
+    """bf16 against the checkpoint: no contract difference in the model facts, every point replayed, each side
+    inside its clean envelope, and the replay blames neither side, at the first divergence or anywhere along
+    the walk. The bf16 noise between the two implementations can flip a token's experts: on this pair those are
+    near ties of the choice scores (sigmoid + expert bias, inside the kept group), which the finder's flip
+    margin, taken on the raw router logits, does not see; such a verdict may only be a routing finding, with
+    neither side blamed."""
+    ck, hf, sd = bf16
+    mg = _megatron(tmp_path / "mg", sd, torch.bfloat16)
+    rep = find_divergence(str(hf), mg, reference=str(ck))
+    assert [d for d in rep.contract if d["section"] == "config"] == []
+    assert not [n for n in rep.notes if n.kind == "not_replayed"]
+    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
+           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    assert not far, far
+    judged = {p.key for p in rep.points if p.intrinsic}
+    assert {"L1.attn.q_a_norm", "L1.attn.kv_a_norm", "L1.attn.kv_b", "L1.attn.k_rope", "L1.attn.core",
+            "L1.moe.topk_ids", "L1.moe.topk_weights", "L1.moe.shared_out", "L0.mlp.out"} <= judged
+    first = rep.to_json()["first_divergence"]
+    if rep.verdict != "consistent":
+        assert {f.cause for f in rep.findings if f.divergent} == {"routing"}, rep.findings
+        assert first["replay"]["side"] is None, first["replay"]
+    walk = intrinsic_walk(CanonicalView(str(hf)), CanonicalView(mg), ExactReference(str(ck)))
+    assert walk and all(w.side is None for w in walk), [w for w in walk if w.side]
+
+
+# ------------------------------------------------------------------------------------------------ planted faults
+
+def _attr(path: str, name: str, value):
+    def plant(m):
+        setattr(m.get_submodule(path), name, value)
+    return plant
+
+
+def _expert_bias(layer: int, expert: int, delta: float = 0.3):
+    """A changed expert bias: a pure routing change (logits and the weights' formula unchanged)."""
+    def plant(m):
+        m.decoder.layers[layer].mlp.router.expert_bias[expert] += delta
+    return plant
+
+
+def _router_config(layer: int, **changes):
+    """The router of one layer computing with another setting (its own copy of the shared config)."""
+    def plant(m):
+        router = m.decoder.layers[layer].mlp.router
+        router.config = copy.copy(router.config)
+        for k, v in changes.items():
+            setattr(router.config, k, v)
+    return plant
+
+
+def _scale_weight(path: str, factor: float = 1.02):
+    def plant(m):
+        m.get_submodule(path).weight.mul_(factor)
+    return plant
+
+
+_ATTN = "decoder.layers.{}.self_attention."
+FAULTS = {
+    "kv_latent_norm_eps": (_attr(_ATTN.format(1) + "kv_layernorm", "eps", 0.1), "attn.kv_a_norm", 1),
+    "q_latent_norm_weight": (_scale_weight(_ATTN.format(2) + "q_layernorm"), "attn.q_a_norm", 2),
+    "kv_up_proj_weight": (_scale_weight(_ATTN.format(0) + "linear_kv_up_proj"), "attn.kv_b", 0),
+    "expert_bias": (_expert_bias(1, 2), "moe.topk_ids", 1),
+    "routed_scaling_factor": (_router_config(2, moe_router_topk_scaling_factor=2.0), "moe.topk_weights", 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAULTS))
+def test_planted_fault_in_megatron_found_at_its_point_and_layer(tmp_path, fp32, case):
+    _, hf, sd = fp32
+    plant, point, layer = FAULTS[case]
+    rep = find_divergence(str(hf), _megatron(tmp_path / "mg", sd, torch.float32, plant=plant))
+    assert rep.verdict == "divergent"
+    assert (rep.first.point, rep.first.layer) == (point, layer), (rep.first.key, rep.first.summary)
+    if point == "moe.topk_ids":       # a routing change is a routing finding, not an MLP operator's
+        assert rep.findings[0].cause == "routing", rep.findings[0]
+
+
+def _latent_norm_without_upcast(path: str):
+    """The latent norm computed in bf16 throughout (no fp32 statistics): a precision fault, same dtype."""
+    def plant(m):
+        mod = m.get_submodule(path)
+        mod.forward = types.MethodType(_rmsnorm_bf16_torch, mod)
+    return plant
+
+
+def test_bf16_kv_latent_norm_without_upcast_is_found_with_megatron_blamed(tmp_path, bf16):
+    ck, hf, sd = bf16
+    mg = _megatron(tmp_path / "mg", sd, torch.bfloat16, plant=_latent_norm_without_upcast(_ATTN.format(1) + "kv_layernorm"))
+    got = first_intrinsic_divergence(str(hf), mg, ExactReference(str(ck)))
+    assert got is not None and (got.key, got.side, got.kind) == ("L1.attn.kv_a_norm", "B", "intrinsic"), got
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+def test_table_row_and_the_setups_still_refused():
+    """The structure is mapped (MLASelfAttention left REFUSED); the MLA setups the tests do not run are
+    refused by name: TP > 1, the TE spec, rotary_interleaved, fused / YaRN MLA RoPE."""
+    ad = MegatronAdapter()
+    assert "MLASelfAttention" not in mg_adapter.REFUSED and ARCH in mg_adapter.ARCHITECTURES
+    base = {"architecture": ARCH, "kv_lora_rank": 32, "rope_interleave": True, "mla_rope_type": "rope",
+            "spec": "local", "tensor_model_parallel_size": 1}
+    assert ad.check_architecture(base).verified
+    for change, word in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"), ({"spec": "te"}, "Engine"),
+                         ({"rope_interleave": False}, "rotary_interleaved"), ({"mla_rope_fusion": True}, "fusion"),
+                         ({"mla_rope_type": "yarn"}, "YaRN")):
+        c = ad.check_architecture({**base, **change})
+        assert not c.verified and word in c.why, (change, c.why)
+
+
+def test_configs_megatron_cannot_reproduce_are_refused_by_the_harness():
+    for change in ({"rope_interleave": False}, {"rms_norm_eps": 1e-5}, {"num_experts_per_tok": 4}):
+        cfg = _config()
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        with pytest.raises(NotImplementedError):
+            mm.build_mla_transformer_config(cfg)
