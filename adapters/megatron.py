@@ -323,9 +323,11 @@ ARCHITECTURES = {a.name: a for a in (
                  f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}",
                  "every point the trace holds",
                  "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`"),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE",),
-                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above",
-                 "as the two above (this mix is not replayed in the tests)", "`tests/test_megatron_adapter.py`"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
+                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
+                 "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "
+                 "RoPE", "every point (GLM-4.5, one rank)",
+                 "`tests/test_megatron_adapter.py`, `tests/test_megatron_mla.py`"),
     Architecture("GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer", ("DeepSeek-V3 (MLA, MoE)",),
                  "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE of q's rope "
                  "dims and the shared k_pe); sigmoid router with an expert bias, group-limited top-k, routed "

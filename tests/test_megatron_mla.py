@@ -1,9 +1,10 @@
 """DeepSeek-V3-style megatron-core 0.16.1 ``GPTModel`` (its own ``MLASelfAttention``, sigmoid router with an expert
 bias and group-limited top-k, routed scaling, shared experts, a dense first layer) against HF
-``DeepseekV3ForCausalLM`` with the same weights, on CPU, one rank.
+``DeepseekV3ForCausalLM`` with the same weights, on CPU, one rank; and GLM-4.5-style (the same MoE on standard
+attention with q/k/v bias, QK-norm and partial RoPE) against HF ``Glm4MoeForCausalLM``.
 
-The megatron model is built from the HF config by ``tic_trace.testing.megatron_mla`` (local spec, with the two
-shims its docstring names) and loaded with ``megatron_weights.hf_to_megatron_state_dict``. Faults are planted in
+The megatron models are built from the HF configs by ``tic_trace.testing.megatron_mla`` (local spec; MLA with
+the two shims its docstring names) and loaded with ``megatron_weights.hf_to_megatron_state_dict``. Faults are planted in
 the megatron side's computation (a module attribute, a weight, a buffer, a module's config), never in the trace;
 each must be the first divergence, at its point and layer.
 """
@@ -39,29 +40,39 @@ ARCH = "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer"
 LATENT = {"attn.q_a", "attn.q_a_norm", "attn.kv_a", "attn.kv_a_norm", "attn.kv_b"}
 
 
-def _config() -> T.DeepseekV3Config:
-    """tests/test_archs_mla.py's tiny DeepSeek-V3: 8 experts in 2 groups (1 kept), top-2, routed scaling 2.5,
-    one shared expert, layer 0 dense; q latent 24, kv latent 32, nope 16 + rope 8, v 16; interleaved RoPE."""
-    cfg = T.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16)
+_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True)
+
+
+def _config(name: str, **changes):
+    """tests/test_archs_mla.py's tiny models: 8 experts in 2 groups (1 kept), top-2, routed scaling 2.5, one
+    shared expert, layer 0 dense. DeepSeek-V3: q latent 24, kv latent 32, nope 16 + rope 8, v 16, interleaved
+    RoPE. GLM-4.5: 2 KV heads of 16, q/k/v bias, QK-norm, RoPE on half the head (its default)."""
+    if name == "deepseek":
+        cfg = T.DeepseekV3Config(**{**_COMMON, **changes}, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    else:
+        cfg = T.Glm4MoeConfig(**{**_COMMON, **changes}, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                              use_qk_norm=True)
     cfg._attn_implementation = "eager"
     return cfg
 
 
-CFG = _config()
+CFGS = {"deepseek": _config("deepseek"), "glm": _config("glm")}
+BUILD = {"deepseek": mm.build_mla_gpt_model, "glm": mm.build_glm4_moe_gpt_model}
+ARCH = {"deepseek": "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer",
+        "glm": "GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer"}
 
 
-def _hf_model(dtype: torch.dtype):
+def _hf_model(name: str, dtype: torch.dtype):
     """The HF model, with a non-zero score-correction bias (zero would leave the bias path untested)."""
-    model = build_hf_model_stable(CFG, dtype=dtype)
+    model = build_hf_model_stable(CFGS[name], dtype=dtype)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for layer in model.model.layers[CFG.first_k_dense_replace:]:
+        for layer in model.model.layers[CFGS[name].first_k_dense_replace:]:
             bias = layer.mlp.gate.e_score_correction_bias
             bias.copy_(0.1 * torch.randn(bias.shape, generator=g))
     return model
@@ -74,33 +85,32 @@ def megatron_rank():
         yield
 
 
-def _side(d, dtype: torch.dtype):
-    hf = _hf_model(dtype)
-    hf.save_pretrained(d / "ck")
-    trace_hf(hf, d / "hf", IDS, sample_keys=KEYS)
-    return d / "ck", d / "hf", hf.state_dict()
-
-
 @pytest.fixture(scope="module")
-def fp32(tmp_path_factory, megatron_rank):
-    """(checkpoint dir, HF trace dir, HF state dict) of the fp32 model."""
-    return _side(tmp_path_factory.mktemp("mla_fp32"), torch.float32)
+def hf_side(tmp_path_factory, megatron_rank):
+    """hf_side(name, dtype) -> (checkpoint dir, HF trace dir, HF state dict), built once per module."""
+    cache: dict = {}
+
+    def get(name: str, dtype: torch.dtype):
+        if (name, dtype) not in cache:
+            d = tmp_path_factory.mktemp(f"{name}_{str(dtype).removeprefix('torch.')}")
+            hf = _hf_model(name, dtype)
+            hf.save_pretrained(d / "ck")
+            trace_hf(hf, d / "hf", IDS, sample_keys=KEYS)
+            cache[name, dtype] = (d / "ck", d / "hf", hf.state_dict())
+        return cache[name, dtype]
+    return get
 
 
-@pytest.fixture(scope="module")
-def bf16(tmp_path_factory, megatron_rank):
-    return _side(tmp_path_factory.mktemp("mla_bf16"), torch.bfloat16)
-
-
-def _megatron(out, sd, dtype, plant=None) -> str:
-    """Trace the megatron model (fault `plant(model)` applied to its computation first) into `out`."""
-    model = mm.build_mla_gpt_model(CFG, dtype=dtype)
-    load_into(model, hf_to_megatron_state_dict(sd, CFG))
+def _megatron(out, name: str, sd, dtype, plant=None) -> str:
+    """Trace megatron's model of `name` (fault `plant(model)` applied to its computation first) into `out`."""
+    cfg = CFGS[name]
+    model = BUILD[name](cfg, dtype=dtype)
+    load_into(model, hf_to_megatron_state_dict(sd, cfg))
     if plant is not None:
         with torch.no_grad():
             plant(model)
     pos = torch.arange(IDS.shape[1]).unsqueeze(0).expand_as(IDS)
-    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=CFG.vocab_size), points_mode="full",
+    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size), points_mode="full",
                          sample_keys=KEYS) as t, torch.no_grad():
         model(IDS, pos, attention_mask=None)
     assert t.failed is None, t.failed
@@ -109,21 +119,28 @@ def _megatron(out, sd, dtype, plant=None) -> str:
 
 # ------------------------------------------------------------------------------------------------ clean pairs
 
-def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path, fp32):
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path, hf_side, name):
     """fp32: HF <-> Megatron consistent, nothing not comparable; the Megatron trace holds every promised point
-    (MLA's latent points, no k/v/QK-norm, no moe.* in the dense layer 0); and the float64 replay of each point
-    on Megatron's own inputs (the HF checkpoint as reference) agrees to fp32 accuracy: each canonical point is
-    the op the schema says (a wrong split of the latent, of the rope dims or of the heads would be O(1) off)."""
-    ck, hf, sd = fp32
-    mg = _megatron(tmp_path / "mg", sd, torch.float32)
+    (DeepSeek: MLA's latent points, no k/v/QK-norm; no moe.* in the dense layer 0); and the float64 replay of
+    each point on Megatron's own inputs (the HF checkpoint as reference) agrees to fp32 accuracy: each canonical
+    point is the op the schema says (a wrong split of the latent, of the rope dims or of the heads would be O(1)
+    off)."""
+    ck, hf, sd = hf_side(name, torch.float32)
+    mg = _megatron(tmp_path / "mg", name, sd, torch.float32)
     rep = find_divergence(str(hf), mg)
     assert rep.verdict == "consistent" and rep.not_comparable == [], (rep.verdict, rep.not_comparable)
     v = CanonicalView(mg)
-    assert (v.config["architecture"], v.config["architecture_verified"]) == (ARCH, True)
-    assert (v.config["router_scoring"], v.config["kv_lora_rank"], v.config["head_dim"]) == ("sigmoid", 32, 8)
+    assert (v.config["architecture"], v.config["architecture_verified"]) == (ARCH[name], True)
+    assert (v.config["router_scoring"], v.config["num_experts"], v.config["shared_experts"]) == ("sigmoid", 8, True)
     have = set(v.points())
-    assert {p for p, _ in have} == set(v.adapter.promised_points(v.config)) | {"logprobs"}
-    assert LATENT <= {p for p, _ in have} and not {"attn.k", "attn.v", "attn.q_norm"} & {p for p, _ in have}
+    points = {p for p, _ in have}
+    assert points == set(v.adapter.promised_points(v.config)) | {"logprobs"}
+    if name == "deepseek":
+        assert (v.config["kv_lora_rank"], v.config["head_dim"]) == (32, 8)
+        assert LATENT <= points and not {"attn.k", "attn.v", "attn.q_norm"} & points
+    else:
+        assert not LATENT & points and {"attn.k", "attn.v", "attn.q_norm", "attn.k_norm"} <= points
     assert not [p for p, layer in have if layer == 0 and p.startswith("moe.")]
     assert {p for p, layer in have if layer == 1} >= {"moe.router_logits", "moe.topk_ids", "moe.shared_out"}
     results = replay_side(v, ExactReference(str(ck)))
@@ -132,19 +149,20 @@ def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path,
     off = [(r.key, r.rel_l2) for r in results
            if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
     assert not off, off
-    assert {r.point for r in results} >= LATENT | {"attn.q", "attn.q_rope", "attn.k_rope", "attn.core",
-                                                    "moe.topk_ids", "moe.topk_weights"}
+    want = {"attn.q", "attn.q_rope", "attn.k_rope", "attn.core", "moe.topk_ids", "moe.topk_weights", "moe.shared_out"}
+    assert {r.point for r in results} >= want | (LATENT if name == "deepseek" else set())
 
 
-def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, bf16):
+@pytest.mark.parametrize("name", sorted(CFGS))
+def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, hf_side, name):
     """bf16 against the checkpoint: no contract difference in the model facts, every point replayed, each side
     inside its clean envelope, and the replay blames neither side, at the first divergence or anywhere along
-    the walk. The bf16 noise between the two implementations can flip a token's experts: on this pair those are
-    near ties of the choice scores (sigmoid + expert bias, inside the kept group), which the finder's flip
+    the walk. The bf16 noise between the two implementations can flip a token's experts: on these pairs those
+    are near ties of the choice scores (sigmoid + expert bias, inside the kept group), which the finder's flip
     margin, taken on the raw router logits, does not see; such a verdict may only be a routing finding, with
     neither side blamed."""
-    ck, hf, sd = bf16
-    mg = _megatron(tmp_path / "mg", sd, torch.bfloat16)
+    ck, hf, sd = hf_side(name, torch.bfloat16)
+    mg = _megatron(tmp_path / "mg", name, sd, torch.bfloat16)
     rep = find_divergence(str(hf), mg, reference=str(ck))
     assert [d for d in rep.contract if d["section"] == "config"] == []
     assert not [n for n in rep.notes if n.kind == "not_replayed"]
@@ -152,8 +170,10 @@ def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, bf16):
            if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
     assert not far, far
     judged = {p.key for p in rep.points if p.intrinsic}
-    assert {"L1.attn.q_a_norm", "L1.attn.kv_a_norm", "L1.attn.kv_b", "L1.attn.k_rope", "L1.attn.core",
-            "L1.moe.topk_ids", "L1.moe.topk_weights", "L1.moe.shared_out", "L0.mlp.out"} <= judged
+    assert {"L1.attn.q_rope", "L1.attn.k_rope", "L1.attn.core", "L1.moe.topk_ids", "L1.moe.topk_weights",
+            "L1.moe.shared_out", "L0.mlp.out"} <= judged
+    if name == "deepseek":
+        assert {"L1.attn.q_a_norm", "L1.attn.kv_a_norm", "L1.attn.kv_b"} <= judged
     first = rep.to_json()["first_divergence"]
     if rep.verdict != "consistent":
         assert {f.cause for f in rep.findings if f.divergent} == {"routing"}, rep.findings
@@ -192,22 +212,29 @@ def _scale_weight(path: str, factor: float = 1.02):
         m.get_submodule(path).weight.mul_(factor)
     return plant
 
-
 _ATTN = "decoder.layers.{}.self_attention."
 FAULTS = {
-    "kv_latent_norm_eps": (_attr(_ATTN.format(1) + "kv_layernorm", "eps", 0.1), "attn.kv_a_norm", 1),
-    "q_latent_norm_weight": (_scale_weight(_ATTN.format(2) + "q_layernorm"), "attn.q_a_norm", 2),
-    "kv_up_proj_weight": (_scale_weight(_ATTN.format(0) + "linear_kv_up_proj"), "attn.kv_b", 0),
-    "expert_bias": (_expert_bias(1, 2), "moe.topk_ids", 1),
-    "routed_scaling_factor": (_router_config(2, moe_router_topk_scaling_factor=2.0), "moe.topk_weights", 2),
+    # DeepSeek-V3
+    "ds_kv_latent_norm_eps": ("deepseek", _attr(_ATTN.format(1) + "kv_layernorm", "eps", 0.1), "attn.kv_a_norm", 1),
+    "ds_q_latent_norm_weight": ("deepseek", _scale_weight(_ATTN.format(2) + "q_layernorm"), "attn.q_a_norm", 2),
+    "ds_kv_up_proj_weight": ("deepseek", _scale_weight(_ATTN.format(0) + "linear_kv_up_proj"), "attn.kv_b", 0),
+    "ds_expert_bias": ("deepseek", _expert_bias(1, 2), "moe.topk_ids", 1),
+    "ds_routed_scaling_factor": ("deepseek", _router_config(2, moe_router_topk_scaling_factor=2.0),
+                                 "moe.topk_weights", 2),
+    # GLM-4.5
+    "glm_expert_bias": ("glm", _expert_bias(2, 5), "moe.topk_ids", 2),
+    "glm_routed_scaling_factor": ("glm", _router_config(1, moe_router_topk_scaling_factor=2.0), "moe.topk_weights", 1),
+    "glm_shared_experts": ("glm", _scale_weight("decoder.layers.2.mlp.shared_experts.linear_fc2"),
+                           "moe.shared_out", 2),
+    "glm_k_norm_eps": ("glm", _attr(_ATTN.format(1) + "k_layernorm", "eps", 0.1), "attn.k_norm", 1),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))
-def test_planted_fault_in_megatron_found_at_its_point_and_layer(tmp_path, fp32, case):
-    _, hf, sd = fp32
-    plant, point, layer = FAULTS[case]
-    rep = find_divergence(str(hf), _megatron(tmp_path / "mg", sd, torch.float32, plant=plant))
+def test_planted_fault_in_megatron_found_at_its_point_and_layer(tmp_path, hf_side, case):
+    name, plant, point, layer = FAULTS[case]
+    _, hf, sd = hf_side(name, torch.float32)
+    rep = find_divergence(str(hf), _megatron(tmp_path / "mg", name, sd, torch.float32, plant=plant))
     assert rep.verdict == "divergent"
     assert (rep.first.point, rep.first.layer) == (point, layer), (rep.first.key, rep.first.summary)
     if point == "moe.topk_ids":       # a routing change is a routing finding, not an MLP operator's
@@ -222,21 +249,24 @@ def _latent_norm_without_upcast(path: str):
     return plant
 
 
-def test_bf16_kv_latent_norm_without_upcast_is_found_with_megatron_blamed(tmp_path, bf16):
-    ck, hf, sd = bf16
-    mg = _megatron(tmp_path / "mg", sd, torch.bfloat16, plant=_latent_norm_without_upcast(_ATTN.format(1) + "kv_layernorm"))
+def test_bf16_kv_latent_norm_without_upcast_is_found_with_megatron_blamed(tmp_path, hf_side):
+    ck, hf, sd = hf_side("deepseek", torch.bfloat16)
+    plant = _latent_norm_without_upcast(_ATTN.format(1) + "kv_layernorm")
+    mg = _megatron(tmp_path / "mg", "deepseek", sd, torch.bfloat16, plant=plant)
     got = first_intrinsic_divergence(str(hf), mg, ExactReference(str(ck)))
     assert got is not None and (got.key, got.side, got.kind) == ("L1.attn.kv_a_norm", "B", "intrinsic"), got
 
 
 # ------------------------------------------------------------------------------------------------ the table
 
-def test_table_row_and_the_setups_still_refused():
-    """The structure is mapped (MLASelfAttention left REFUSED); the MLA setups the tests do not run are
-    refused by name: TP > 1, the TE spec, rotary_interleaved, fused / YaRN MLA RoPE."""
+def test_table_rows_and_the_setups_still_refused():
+    """DeepSeek-V3's MLA structure is mapped (MLASelfAttention left REFUSED) and GLM-4.5 runs through the
+    dense+MoE row; the MLA setups the tests do not run are refused by name: TP > 1, the TE spec,
+    rotary_interleaved, fused / YaRN MLA RoPE."""
     ad = MegatronAdapter()
-    assert "MLASelfAttention" not in mg_adapter.REFUSED and ARCH in mg_adapter.ARCHITECTURES
-    base = {"architecture": ARCH, "kv_lora_rank": 32, "rope_interleave": True, "mla_rope_type": "rope",
+    assert "MLASelfAttention" not in mg_adapter.REFUSED and ARCH["deepseek"] in mg_adapter.ARCHITECTURES
+    assert "GLM-4.5 (MoE)" in mg_adapter.ARCHITECTURES[ARCH["glm"]].families
+    base = {"architecture": ARCH["deepseek"], "kv_lora_rank": 32, "rope_interleave": True, "mla_rope_type": "rope",
             "spec": "local", "tensor_model_parallel_size": 1}
     assert ad.check_architecture(base).verified
     for change, word in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"), ({"spec": "te"}, "Engine"),
@@ -247,8 +277,9 @@ def test_table_row_and_the_setups_still_refused():
 
 
 def test_configs_megatron_cannot_reproduce_are_refused_by_the_harness():
-    for change in ({"rope_interleave": False}, {"rms_norm_eps": 1e-5}, {"num_experts_per_tok": 4}):
-        cfg = _config()
+    for change in ({"rope_interleave": False}, {"rms_norm_eps": 1e-5}, {"num_experts_per_tok": 4},
+                   {"norm_topk_prob": False}):
+        cfg = _config("deepseek")
         for k, v in change.items():
             setattr(cfg, k, v)
         with pytest.raises(NotImplementedError):

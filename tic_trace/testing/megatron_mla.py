@@ -52,7 +52,8 @@ import torch
 
 from tic_trace.testing import megatron_cpu as mc
 
-__all__ = ["LatentDotProductAttention", "apply_latent_shims", "build_mla_transformer_config", "build_mla_gpt_model", "moe_pattern"]
+__all__ = ["LatentDotProductAttention", "apply_latent_shims", "build_mla_transformer_config", "build_mla_gpt_model",
+           "build_glm4_moe_gpt_model", "sigmoid_router_fields", "moe_pattern"]
 
 _HF_LATENT_NORM_EPS = 1e-6
 
@@ -86,15 +87,8 @@ def moe_pattern(hf_config: Any) -> list[int]:
     return [int(i >= first) for i in range(int(hf_config.num_hidden_layers))]
 
 
-def _check_matchable(hf_config: Any) -> None:
-    """What the module docstring says megatron cannot reproduce."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise NotImplementedError(f"RoPE {params.get('rope_type')!r}: only plain RoPE is mapped here")
-    if getattr(hf_config, "rope_interleave", True) is False:
-        raise NotImplementedError("rope_interleave=False: megatron's MLA RoPE always reads interleaved pairs")
-    if float(hf_config.rms_norm_eps) != _HF_LATENT_NORM_EPS:
-        raise NotImplementedError("rms_norm_eps != 1e-6: HF's latent norms use 1e-6, megatron's the config's eps")
+def _check_router(hf_config: Any) -> None:
+    """What the module docstring says megatron's router cannot reproduce."""
     if getattr(hf_config, "hidden_act", "silu") != "silu" or not getattr(hf_config, "norm_topk_prob", True):
         raise NotImplementedError("only SwiGLU experts with renormalised top-k weights are mapped")
     topk, groups = int(hf_config.num_experts_per_tok), int(getattr(hf_config, "topk_group", 1) or 1)
@@ -102,12 +96,41 @@ def _check_matchable(hf_config: Any) -> None:
         raise NotImplementedError("group score: megatron sums a group's top topk/topk_group, HF its top 2")
 
 
+def _check_latent(hf_config: Any) -> None:
+    """What the module docstring says megatron's MLA cannot reproduce."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") not in ("default", None):
+        raise NotImplementedError(f"RoPE {params.get('rope_type')!r}: only plain RoPE is mapped here")
+    if getattr(hf_config, "rope_interleave", True) is False:
+        raise NotImplementedError("rope_interleave=False: megatron's MLA RoPE always reads interleaved pairs")
+    if float(hf_config.rms_norm_eps) != _HF_LATENT_NORM_EPS:
+        raise NotImplementedError("rms_norm_eps != 1e-6: HF's latent norms use 1e-6, megatron's the config's eps")
+
+
+def sigmoid_router_fields(hf_config: Any) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of a DeepSeek-V3 / GLM-4.5 MoE: experts from ``first_k_dense_replace``
+    on, the sigmoid group-limited router with an expert bias and routed scaling (fp32 logits, as HF's router),
+    the ungated shared experts."""
+    _check_router(hf_config)
+    c = hf_config
+    return dict(
+        num_moe_experts=int(c.n_routed_experts), moe_router_topk=int(c.num_experts_per_tok),
+        moe_ffn_hidden_size=int(c.moe_intermediate_size), moe_layer_freq=moe_pattern(c), moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_num_groups=int(getattr(c, "n_group", 1) or 1),
+        moe_router_group_topk=int(getattr(c, "topk_group", 1) or 1),
+        moe_router_topk_scaling_factor=float(c.routed_scaling_factor), moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=(int(c.n_shared_experts) * int(c.moe_intermediate_size)
+                                             if getattr(c, "n_shared_experts", 0) else None))
+
+
 def build_mla_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, **overrides: Any):
     """The megatron ``MLATransformerConfig`` equivalent to a HF ``DeepseekV3Config`` (TP=1)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    _check_matchable(hf_config)
+    _check_latent(hf_config)
     c = hf_config
     theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 1e4)))
     kwargs: dict[str, Any] = dict(
@@ -121,18 +144,9 @@ def build_mla_transformer_config(hf_config: Any, dtype: torch.dtype = torch.floa
         qk_pos_emb_head_dim=int(c.qk_rope_head_dim), v_head_dim=int(c.v_head_dim), kv_channels=int(c.v_head_dim),
         rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0, rotary_interleaved=False,
         apply_rope_fusion=False,
-        num_moe_experts=int(c.n_routed_experts), moe_router_topk=int(c.num_experts_per_tok),
-        moe_ffn_hidden_size=int(c.moe_intermediate_size), moe_layer_freq=moe_pattern(c), moe_grouped_gemm=False,
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_num_groups=int(getattr(c, "n_group", 1) or 1),
-        moe_router_group_topk=int(getattr(c, "topk_group", 1) or 1),
-        moe_router_topk_scaling_factor=float(c.routed_scaling_factor), moe_router_dtype="fp32",
-        moe_shared_expert_intermediate_size=(int(c.n_shared_experts) * int(c.moe_intermediate_size)
-                                             if getattr(c, "n_shared_experts", 0) else None),
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu_initialization=True,
-        perform_initialization=False)
+        perform_initialization=False, **sigmoid_router_fields(c))
     kwargs.update(overrides)
     return MLATransformerConfig(**kwargs)
 
@@ -174,3 +188,12 @@ def build_mla_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, **co
                      share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
                      position_embedding_type="rope")     # MLA builds its own RoPE, inside each attention
     return model.eval()
+
+
+def build_glm4_moe_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, **config_overrides: Any):
+    """An eval-mode megatron ``GPTModel`` (local spec, standard attention: q/k/v bias, QK-norm, partial
+    rotate-half RoPE; the DeepSeek-style MoE of :func:`sigmoid_router_fields`) shaped like a HF
+    ``Glm4MoeConfig``: megatron_cpu's Qwen3 model with GLM's MoE fields. Needs ``init_parallel`` first."""
+    fields = {**sigmoid_router_fields(hf_config), "qk_layernorm": bool(getattr(hf_config, "use_qk_norm", False)),
+              **config_overrides}
+    return mc.build_gpt_model(hf_config, tp=1, ep=1, sp=False, dtype=dtype, **fields)
