@@ -55,8 +55,8 @@ Verified on CPU with megatron-core 0.16.1 (``tests/test_megatron_adapter.py``): 
 padded vocabulary, a shared expert, packed THD (with a per-segment stand-in for TE's attention kernel), and a
 TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``); DeepSeek-V3-style MLA with
 the sigmoid group-limited router, shared experts and a dense first layer against HF ``DeepseekV3ForCausalLM``
-on one rank (``tests/test_megatron_mla.py``; MLA with TP/EP/CP/PP, the TE spec, fused or YaRN RoPE is refused,
-``megatron_mla.latent_refusal``). Not runnable on CPU,
+at TP 1 and 2 (``tests/test_megatron_mla.py``; MLA with TP > 2, SP, EP, CP, PP, the TE spec, fused or YaRN RoPE
+is refused: ``megatron_mla.latent_refusal``). Not runnable on CPU,
 so checked by name / pure function only, to be verified on GPU: real Transformer Engine modules
 (``TEDotProductAttention``, ``TEGroupedMLP``, fused RoPE / permute / router), context parallelism (the
 zigzag row mapping is checked against megatron's own SBHD split and a re-implementation of TE's THD
@@ -331,8 +331,9 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer", ("DeepSeek-V3 (MLA, MoE)",),
                  "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE of q's rope "
                  "dims and the shared k_pe); sigmoid router with an expert bias, group-limited top-k, routed "
-                 "scaling, shared experts, dense first layers; local spec, one rank (TP/EP/CP/PP, TE spec, fused or "
-                 "YaRN RoPE refused)", "every point", "`tests/test_megatron_mla.py`", lacks=STANDARD_ATTN),
+                 "scaling, shared experts, dense first layers; local spec, TP 1 and 2 (TP > 2, SP, EP, CP, PP, the "
+                 "TE spec, fused or YaRN RoPE refused)", "every point (TP 1)", "`tests/test_megatron_mla.py`",
+                 lacks=STANDARD_ATTN),
 )}
 # Components whose presence makes the table map the wrong modules (named in the refusal).
 REFUSED = {

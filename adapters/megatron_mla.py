@@ -108,9 +108,13 @@ def latent_refusal(config: dict) -> str | None:
     if config.get("spec") == "te":
         why.append("the Transformer Engine spec (latent norms fused into `linear_q_up_proj` / `linear_kv_up_proj`): "
                    "not run in the tests")
-    for k in ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size"):
+    if int(config.get("tensor_model_parallel_size") or 1) > 2 or config.get("sequence_parallel"):
+        why.append(f"`tensor_model_parallel_size` {config.get('tensor_model_parallel_size')}"
+                   f"{' with sequence parallelism' if config.get('sequence_parallel') else ''}: the tests run MLA "
+                   "at TP 1 and 2, without sequence parallelism")
+    for k in ("context_parallel_size", "pipeline_model_parallel_size"):
         if int(config.get(k) or 1) > 1:
-            why.append(f"`{k}` {config.get(k)}: MLA runs on one rank only in the tests")
+            why.append(f"`{k}` {config.get(k)}: not run with MLA in the tests")
     if int(config.get("expert_model_parallel_size") or 1) > 1:
         why.append("expert parallelism with MLA: not run in the tests")
     return "MLA: " + "; ".join(why) if why else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import types
+from pathlib import Path
 
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
 import pytest
@@ -182,6 +183,38 @@ def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, hf_side, name):
     assert walk and all(w.side is None for w in walk), [w for w in walk if w.side]
 
 
+def _tp2_worker(rank: int, world: int, port: int, workdir: str) -> None:
+    """One spawned rank of the TP=2 DeepSeek-V3 model: its shard of the HF weights, traced into workdir/mg."""
+    torch.set_num_threads(1)
+    cfg, out = CFGS["deepseek"], Path(workdir)
+    mc.init_parallel(rank, world, tp=world, port=port)
+    try:
+        model = mm.build_mla_gpt_model(cfg, tensor_model_parallel_size=world)
+        sd = torch.load(out / "sd.pt", weights_only=True)
+        load_into(model, hf_to_megatron_state_dict(sd, cfg, tp_rank=rank, tp_size=world))
+        pos = torch.arange(IDS.shape[1]).unsqueeze(0).expand_as(IDS)
+        with tic_trace.trace(model, out / "mg", adapter=MegatronAdapter(vocab_size=cfg.vocab_size),
+                             points_mode="full", sample_keys=KEYS, rank=rank) as t, torch.no_grad():
+            model(IDS, pos, attention_mask=None)
+        assert t.failed is None, t.failed
+    finally:
+        mc.destroy()
+
+
+def test_tp2_mla_shards_merge_to_the_hf_points(tmp_path):
+    """MLA at TP=2 (two gloo ranks): the column-parallel latents and up-projections, the per-rank heads of core
+    attention's inputs and the replicated k_pe merge to HF's points: consistent, nothing not comparable."""
+    hf = _hf_model("deepseek", torch.float32)
+    torch.save(hf.state_dict(), tmp_path / "sd.pt")
+    trace_hf(hf, tmp_path / "hf", IDS, sample_keys=KEYS)
+    mc.spawn_ranks(_tp2_worker, 2, args=(str(tmp_path),), timeout_s=300)
+    v = CanonicalView(str(tmp_path / "mg"))
+    assert (v.config["tensor_model_parallel_size"], v.config["architecture_verified"]) == (2, True)
+    rep = find_divergence(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert rep.verdict == "consistent" and rep.not_comparable == [], (rep.verdict, rep.not_comparable)
+    assert LATENT | {"attn.q_rope", "attn.k_rope", "attn.core"} <= {p.point for p in rep.points if p.status == "ok"}
+
+
 # ------------------------------------------------------------------------------------------------ planted faults
 
 def _attr(path: str, name: str, value):
@@ -261,15 +294,18 @@ def test_bf16_kv_latent_norm_without_upcast_is_found_with_megatron_blamed(tmp_pa
 
 def test_table_rows_and_the_setups_still_refused():
     """DeepSeek-V3's MLA structure is mapped (MLASelfAttention left REFUSED) and GLM-4.5 runs through the
-    dense+MoE row; the MLA setups the tests do not run are refused by name: TP > 1, the TE spec,
-    rotary_interleaved, fused / YaRN MLA RoPE."""
+    dense+MoE row; the MLA setups the tests do not run are refused by name: TP > 2, sequence parallelism, the
+    TE spec, rotary_interleaved, fused / YaRN MLA RoPE."""
     ad = MegatronAdapter()
     assert "MLASelfAttention" not in mg_adapter.REFUSED and ARCH["deepseek"] in mg_adapter.ARCHITECTURES
     assert "GLM-4.5 (MoE)" in mg_adapter.ARCHITECTURES[ARCH["glm"]].families
     base = {"architecture": ARCH["deepseek"], "kv_lora_rank": 32, "rope_interleave": True, "mla_rope_type": "rope",
             "spec": "local", "tensor_model_parallel_size": 1}
     assert ad.check_architecture(base).verified
-    for change, word in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"), ({"spec": "te"}, "Engine"),
+    assert ad.check_architecture({**base, "tensor_model_parallel_size": 2}).verified
+    for change, word in (({"tensor_model_parallel_size": 4}, "tensor_model_parallel_size"),
+                         ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, "sequence parallelism"),
+                         ({"spec": "te"}, "Engine"), ({"pipeline_model_parallel_size": 2}, "pipeline"),
                          ({"rope_interleave": False}, "rotary_interleaved"), ({"mla_rope_fusion": True}, "fusion"),
                          ({"mla_rope_type": "yarn"}, "YaRN")):
         c = ad.check_architecture({**base, **change})

@@ -126,7 +126,8 @@ def sigmoid_router_fields(hf_config: Any) -> dict[str, Any]:
 
 
 def build_mla_transformer_config(hf_config: Any, dtype: torch.dtype = torch.float32, **overrides: Any):
-    """The megatron ``MLATransformerConfig`` equivalent to a HF ``DeepseekV3Config`` (TP=1)."""
+    """The megatron ``MLATransformerConfig`` equivalent to a HF ``DeepseekV3Config`` (TP 1; pass
+    ``tensor_model_parallel_size=`` for more, after ``init_parallel`` with that TP)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
