@@ -27,6 +27,9 @@ Record names (module paths of the model given to the tracer; wrappers ``module.`
   weighted sum). Not the ``experts`` module output, which is in dispatched (expert-major) order. With
   ``moe_shared_expert_overlap`` the alltoall dispatcher adds the shared output inside ``combine_postprocess``
   and ``shared_experts`` never fires: both MoE-output points are then not promised.
+* Multi-latent attention (``MLASelfAttention``, DeepSeek-V2/V3): its rows are ``megatron_mla.py``'s (the q and
+  kv latents and their norms, the up-projections, the rope dims of core attention's q/k inputs); the router's
+  sigmoid / expert-bias / group-limited path is inside ``router`` and ends in the same ``(probs, routing_map)``.
 * Logits: ``output_layer`` output ``[0]`` ``[s, b, V_pad/tp]``: ``cat:-1``, then the padding columns are cut
   (``vocab``). Megatron only knows the padded vocabulary: pass the tokenizer's size as
   ``MegatronAdapter(vocab_size=...)`` when the model's vocabulary is padded.
@@ -50,7 +53,10 @@ them by default.
 Verified on CPU with megatron-core 0.16.1 (``tests/test_megatron_adapter.py``): local spec, dense and MoE
 (alltoall), TP=1 vs HF, TP=2, TP=2+SP, TP=4 with 2 query groups, EP=2, pipeline chunks, full recompute,
 padded vocabulary, a shared expert, packed THD (with a per-segment stand-in for TE's attention kernel), and a
-TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``). Not runnable on CPU,
+TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``); DeepSeek-V3-style MLA with
+the sigmoid group-limited router, shared experts and a dense first layer against HF ``DeepseekV3ForCausalLM``
+at TP 1 and 2 (``tests/test_megatron_mla.py``; MLA with TP > 2, SP, EP, CP, PP, the TE spec, fused or YaRN RoPE
+is refused: ``megatron_mla.latent_refusal``). Not runnable on CPU,
 so checked by name / pure function only, to be verified on GPU: real Transformer Engine modules
 (``TEDotProductAttention``, ``TEGroupedMLP``, fused RoPE / permute / router), context parallelism (the
 zigzag row mapping is checked against megatron's own SBHD split and a re-implementation of TE's THD
@@ -66,6 +72,7 @@ from tic_trace.graph.adapter import (Adapter, Architecture, ArchitectureCheck, P
                                register_adapter, register_merge, register_transform)
 from tic_trace.graph.adapter import as_ints as _ints
 from tic_trace.graph.adapter import plain_settings
+from tic_trace.adapters.megatron_mla import STANDARD_ATTN, latent_applies, latent_facts, latent_points, latent_refusal
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
 NUMERICS_FIELDS = (
@@ -85,6 +92,7 @@ _L = _P + r"decoder\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attention"
 _M = _L + r"\.mlp"
 
+_LATENT = latent_points(_A)     # MLASelfAttention's rows (megatron_mla.py)
 POINTS = (
     PointMap("embed", _P + r"embedding:out", merge="seq"),
     PointMap("input", _L + r":in(\[0\]|\.hidden_states)", merge="seq",
@@ -101,6 +109,7 @@ POINTS = (
              note="core_attention's query input: post-RoPE"),
     PointMap("attn.k_rope", _A + r"\.core_attention:in\[1\]", "heads", "kv_heads", opts={"heads": "kv"},
              note="core_attention's key input: post-RoPE, before any GQA expansion"),
+    *_LATENT,
     PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
     PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
              note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
@@ -314,14 +323,20 @@ ARCHITECTURES = {a.name: a for a in (
                  f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}",
                  "every point the trace holds",
                  "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`"),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE",),
-                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above",
-                 "as the two above (this mix is not replayed in the tests)", "`tests/test_megatron_adapter.py`"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
+                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
+                 "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "
+                 "RoPE", "every point (GLM-4.5, one rank)",
+                 "`tests/test_megatron_adapter.py`, `tests/test_megatron_mla.py`"),
+    Architecture("GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer", ("DeepSeek-V3 (MLA, MoE)",),
+                 "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE of q's rope "
+                 "dims and the shared k_pe); sigmoid router with an expert bias, group-limited top-k, routed "
+                 "scaling, shared experts, dense first layers; local spec, TP 1 and 2 (TP > 2, SP, EP, CP, PP, the "
+                 "TE spec, fused or YaRN RoPE refused)", "every point (TP 1)", "`tests/test_megatron_mla.py`",
+                 lacks=STANDARD_ATTN),
 )}
 # Components whose presence makes the table map the wrong modules (named in the refusal).
 REFUSED = {
-    "MLASelfAttention": "multi-latent attention (DeepSeek-V2/V3, Kimi-K2): no `linear_qkv`, so no q, k, v, and "
-                        "its core attention runs on latent-space heads",
     "MambaModel": "hybrid Mamba / attention stacks: the Mamba mixers are no canonical point",
     "cross_attention": "an encoder-decoder layer: the cross-attention is no canonical point",
 }
@@ -377,7 +392,8 @@ class MegatronAdapter(Adapter):
         padded = int(getattr(root, "vocab_size", 0) or 0)
         attn0 = getattr(layers[0], "self_attention", None) if layers else None
         qk = bool(getattr(cfg, "qk_layernorm", False)) and not _is_identity(getattr(attn0, "q_layernorm", None))
-        rope = getattr(root, "rotary_pos_emb", None)
+        qk = qk and not getattr(cfg, "multi_latent_attention", False)     # MLA's q_layernorm is the q latent's
+        rope = getattr(root, "rotary_pos_emb", None) or getattr(attn0, "rotary_pos_emb", None)   # MLA: per layer
         theta = None
         if rope is not None and getattr(rope, "inv_freq", None) is not None and rope.inv_freq.numel() > 1:
             inv = rope.inv_freq.detach().double().cpu()
@@ -415,6 +431,8 @@ class MegatronAdapter(Adapter):
             "context_parallel_size": int(getattr(cfg, "context_parallel_size", 1) or 1),
             "pipeline_model_parallel_size": int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1),
             "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
+            "router_scoring": getattr(cfg, "moe_router_score_function", None) if n_exp else None,
+            **latent_facts(cfg),
         }
 
     def architecture_of(self, models: list) -> str | None:
@@ -423,6 +441,9 @@ class MegatronAdapter(Adapter):
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, naming the components known to be mapped wrongly when the structure has any."""
         c = super().check_architecture(config)
+        latent = latent_refusal(config) if c.verified else None
+        if latent:
+            return ArchitectureCheck(c.adapter, c.name, False, latent)
         if c.verified or not c.name:
             return c
         bad = [f"`{p}`: {REFUSED[p]}" for p in c.name.replace("+", "/").split("/") if p in REFUSED]
@@ -529,6 +550,9 @@ class MegatronAdapter(Adapter):
         return True
 
     def applies(self, pm: PointMap, config: dict) -> bool:
+        latent = latent_applies(pm, _LATENT, config)
+        if latent is not None:
+            return latent and super().applies(pm, config)
         if pm.point == "attn_norm" and config.get("fused_input_norm"):
             return False
         if pm.point == "mlp_norm" and config.get("fused_dense_mlp_norm") and not config.get("moe_layers"):

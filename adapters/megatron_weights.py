@@ -1,4 +1,4 @@
-"""HF Qwen3 / Qwen3-MoE weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
+"""HF Qwen3 / Qwen3-MoE / DeepSeek-V3 weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
 
 Pure torch; megatron is never imported. The result is the per-rank ``state_dict`` of a megatron-core
 ``GPTModel`` built with the local layer spec (``get_gpt_layer_local_spec`` /
@@ -32,6 +32,13 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   ``mlp.experts.gate_up_proj [E, 2F, H]`` (gate rows first, then up) and ``mlp.experts.down_proj
   [E, H, F]``; transformers 4.x per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` is accepted too.
   Expert-TP defaults to TP (megatron's default ``expert_tensor_parallel_size``).
+* DeepSeek-V3 (a layer with ``self_attn.kv_a_proj_with_mqa``): multi-latent attention -> ``MLASelfAttention``'s
+  ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or ``linear_q_proj`` without a q latent),
+  ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``, ``linear_proj`` <- ``q_a_proj`` /
+  ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``,
+  ``o_proj``, unchanged (see ``_latent_attention``). The router's ``e_score_correction_bias`` ->
+  ``mlp.router.expert_bias`` (fp32, as megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
+  ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``.
 * ``decoder.final_layernorm.weight`` <- ``model.norm.weight``.
 * ``output_layer.weight`` ``[V/tp, H]`` <- ``lm_head.weight`` (row slice). With ``tie_word_embeddings``
   megatron shares ``embedding.word_embeddings.weight`` (``share_embeddings_and_output_weights=True``) and
@@ -93,6 +100,51 @@ def _pad_rows(t: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
 
+def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str, shape: tuple[int, int, int],
+                        tp_rank: int, tp_size: int, what: str) -> dict[str, torch.Tensor]:
+    """q/k/v/o (and q/k/v bias, QK-norm) -> ``linear_qkv`` (per-group interleaved), the norms, ``linear_proj``."""
+    n_heads, n_groups, head_dim = shape
+    out = {}
+    qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"),
+                          n_heads, n_groups, head_dim)
+    out[dst + "linear_qkv.weight"] = _shard(qkv, tp_rank, tp_size, 0, f"{what} qkv")
+    if attn + "q_proj.bias" in sd:
+        qkv_b = _interleave_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"),
+                                n_heads, n_groups, head_dim)
+        out[dst + "linear_qkv.bias"] = _shard(qkv_b, tp_rank, tp_size, 0, f"{what} qkv bias")
+    if attn + "q_norm.weight" in sd:
+        out[dst + "q_layernorm.weight"] = get(attn + "q_norm.weight")
+        out[dst + "k_layernorm.weight"] = get(attn + "k_norm.weight")
+    out[dst + "linear_proj.weight"] = _shard(get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"{what} o_proj")
+    return out
+
+
+# HF DeepseekV3Attention -> megatron MLASelfAttention (local spec): the same row layouts (q per head [nope | rope],
+# kv_a [latent | k_pe], kv_b per head [k_nope | v]; RoPE reads the rope dims as interleaved pairs on both), so
+# every tensor is copied; column-parallel ones are row-sliced per TP rank, linear_proj column-sliced.
+_LATENT_COLUMN = (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"), ("q_proj", "linear_q_proj"),
+                  ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_b_proj", "linear_kv_up_proj"))
+_LATENT_NORMS = (("q_a_layernorm", "q_layernorm"), ("kv_a_layernorm", "kv_layernorm"))
+
+
+def _latent_attention(get, attn: str, dst: str, tp_rank: int, tp_size: int, what: str) -> dict[str, torch.Tensor]:
+    """MLA's projections and latent norms (``q_a_*`` absent without a q latent: then ``q_proj``)."""
+    out = {}
+    for hf, mg in _LATENT_COLUMN:
+        try:
+            w = get(attn + hf + ".weight")
+        except KeyError:
+            continue
+        out[dst + mg + ".weight"] = _shard(w, tp_rank, tp_size, 0, f"{what} {hf}")
+    for hf, mg in _LATENT_NORMS:
+        try:
+            out[dst + mg + ".weight"] = get(attn + hf + ".weight")
+        except KeyError:
+            continue
+    out[dst + "linear_proj.weight"] = _shard(get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"{what} o_proj")
+    return out
+
+
 def hf_to_megatron_state_dict(
     hf_state_dict: Mapping[str, torch.Tensor],
     hf_config: Any,
@@ -146,18 +198,11 @@ def hf_to_megatron_state_dict(
         src, dst = f"layers.{i}.", f"decoder.layers.{i}."
         out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
         attn = src + "self_attn."
-        qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
-                              get(attn + "v_proj.weight"), n_heads, n_groups, head_dim)
-        out[dst + "self_attention.linear_qkv.weight"] = _shard(qkv, tp_rank, tp_size, 0, f"layer {i} qkv")
-        if attn + "q_proj.bias" in sd:
-            qkv_b = _interleave_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"),
-                                    get(attn + "v_proj.bias"), n_heads, n_groups, head_dim)
-            out[dst + "self_attention.linear_qkv.bias"] = _shard(qkv_b, tp_rank, tp_size, 0, f"layer {i} qkv bias")
-        if attn + "q_norm.weight" in sd:
-            out[dst + "self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
-            out[dst + "self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
-        out[dst + "self_attention.linear_proj.weight"] = _shard(
-            get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"layer {i} o_proj")
+        if attn + "kv_a_proj_with_mqa.weight" in sd:      # DeepSeek-V2/V3 multi-latent attention
+            out.update(_latent_attention(get, attn, dst + "self_attention.", tp_rank, tp_size, f"layer {i}"))
+        else:
+            out.update(_standard_attention(sd, get, attn, dst + "self_attention.", (n_heads, n_groups, head_dim),
+                                           tp_rank, tp_size, f"layer {i}"))
         out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
 
         mlp = src + "mlp."
@@ -180,8 +225,16 @@ def hf_to_megatron_state_dict(
                 edst = f"{dst}mlp.experts.local_experts.{k}."
                 out[edst + "linear_fc1.weight"] = _glu_fc1(gate, up, etp_rank, etp_size, f"layer {i} expert {e} fc1")
                 out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
+            if mlp + "gate.e_score_correction_bias" in sd:     # DeepSeek-V3 / GLM-4.5: choice-only bias
+                out[dst + "mlp.router.expert_bias"] = get(mlp + "gate.e_score_correction_bias").float()
             if mlp + "shared_expert.gate_proj.weight" in sd:
                 raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped yet")
+            if mlp + "shared_experts.gate_proj.weight" in sd:  # DeepSeek-V3 / GLM-4.5: ungated, plural
+                sh, shdst = mlp + "shared_experts.", dst + "mlp.shared_experts."
+                out[shdst + "linear_fc1.weight"] = _glu_fc1(get(sh + "gate_proj.weight"), get(sh + "up_proj.weight"),
+                                                            tp_rank, tp_size, f"layer {i} shared fc1")
+                out[shdst + "linear_fc2.weight"] = _shard(get(sh + "down_proj.weight"), tp_rank, tp_size, 1,
+                                                          f"layer {i} shared fc2")
         else:  # dense layer
             out[dst + "mlp.linear_fc1.weight"] = _glu_fc1(
                 get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight"), tp_rank, tp_size, f"layer {i} fc1")

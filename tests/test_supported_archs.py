@@ -284,9 +284,11 @@ def test_rope_scaling_spelled_differently_is_no_difference_but_another_factor_is
 
 # ------------------------------------------------------------------------------------------------ Megatron, SGLang
 
-def test_megatron_structures_are_named_and_mla_is_refused():
-    """A real megatron-core GPTModel (local spec) is named by its module structure and verified; a structure
-    with multi-latent attention is refused naming the component."""
+def test_megatron_structures_are_named_and_only_the_tested_mla_stack_is_verified():
+    """A real megatron-core GPTModel (local spec) is named by its module structure and verified; of the
+    multi-latent attention stacks only the tested DeepSeek-V3 one (dense first layer, then MoE:
+    tests/test_megatron_mla.py) is; a structure with a component known to be mapped wrongly is refused naming
+    it."""
     from tic_trace.testing import megatron_cpu as mc
     from tic_trace.testing.hf_models import tiny_qwen3_config
     ad = get_adapter("megatron")
@@ -304,8 +306,10 @@ def test_megatron_structures_are_named_and_mla_is_refused():
         assert ad.architecture_of([mixed]) == want
         mixed.decoder.layers = torch.nn.ModuleList([mixed.decoder.layers[0]])
         assert type(mixed.decoder.layers[0].mlp).__name__ == "MLP" and ad.architecture_of([mixed]) == want
-    c = ad.check_architecture({"architecture": "GPTModel/TransformerLayer/MLASelfAttention/MoELayer"})
-    assert not c.verified and "MLASelfAttention" in c.why and "multi-latent" in c.why
+    assert ad.check_architecture({"architecture": "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer"}).verified
+    assert not ad.check_architecture({"architecture": "GPTModel/TransformerLayer/MLASelfAttention/MoELayer"}).verified
+    c = ad.check_architecture({"architecture": "MambaModel/MambaLayer/-/-"})
+    assert not c.verified and "MambaModel" in c.why and "Mamba mixers" in c.why
     assert not ad.check_architecture({}).verified       # a trace that names no architecture is not verified
 
 

@@ -109,6 +109,13 @@ def _proj_variants(which: str, feed: str, row_parallel: bool) -> list[Variant]:
         return _gemm(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype,
                      v.w(f"self_attn.{which}_proj.bias", optional=True))
     out = [Variant("fp32_accumulate", "fp32 accumulation", True, single)]
+
+    def bias_after(v: VariantInput) -> torch.Tensor:    # megatron's local linear: matmul, then `output + bias`
+        b = v.w(f"self_attn.{which}_proj.bias", optional=True)
+        if b is None:
+            raise ValueError("no bias")         # run_variants: this implementation does not apply
+        return _gemm(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype) + b.to(v.dtype)
+    out.append(Variant("bias_after_rounding", "the bias added after the GEMM's rounding", True, bias_after))
     if row_parallel:
         def parallel(v: VariantInput, k: int) -> torch.Tensor:
             y = _row_parallel(v.feeds[feed], v.w(f"self_attn.{which}_proj.weight"), v.dtype, k)
