@@ -442,7 +442,7 @@ def _both_over_envelope(points: list[Point], min_numel: int = 32) -> Note | None
     shown = "; ".join(f"{k} (A {_x(v['a'])}, B {_x(v['b'])}, limit {_x(v['limit'])})" for k, v in list(out.items())[:4])
     return Note("both_over_envelope", f"{len(out)} point(s) where both sides are over the clean envelope alike, "
                 f"so the replay blames neither: {shown}" + (" …" if len(out) > 4 else "") + ". Either both run "
-                "the same less exact op, or the checkpoint's config does not describe what they compute (check "
+                "the same imprecise op, or the checkpoint's config does not describe what they compute (check "
                 "it is the one both ran, and that the architecture's features are in docs/replay.md)",
                 {"points": out})
 
