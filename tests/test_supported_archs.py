@@ -177,11 +177,13 @@ def test_dense_pairs_without_qk_norm_do_not_list_it_missing_but_qwen3_has_it(tmp
 
 # ------------------------------------------------------------------------------------------------ refused: HF
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_unverified_hf_architecture_is_refused_by_name(tmp_path, name):
+def test_unverified_hf_architecture_is_refused_by_name(tmp_path, monkeypatch):
     """The trace records the class and marks itself unverified; the comparator refuses the pair before
-    measuring anything: not_comparable, naming the class and what the table would get wrong."""
-    a, b, model = _pair(tmp_path, REFUSED[name])
+    measuring anything: not_comparable, naming the class and what the table would get wrong. (Every HF class
+    the tables know is verified now, so the refusal is given to one the tables do not map.)"""
+    name = "MistralForCausalLM"
+    monkeypatch.setitem(hf_adapter.REFUSED, name, "a refusal given by this test")
+    a, b, model = _pair(tmp_path, lambda: T.MistralConfig(**COMMON))
     assert type(model).__name__ == name
     m = CanonicalView(str(a)).config
     assert m["architecture"] == name and m["architecture_verified"] is False
