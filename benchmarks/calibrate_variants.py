@@ -230,20 +230,25 @@ def main() -> None:
     report(halves)
 
 
+def _tagged(halves: dict, tag: str) -> list[str]:
+    """The names recorded under `tag` ("ratio", "fault", "envelope") on either half."""
+    return sorted({k[1] for h in halves.values() for k in h if isinstance(k, tuple) and k[0] == tag})
+
+
 def report(halves: dict) -> None:
-    ops = sorted({k[1] for h in halves.values() for k in h if isinstance(k, tuple) and k[0] == "ratio"})
+    ops = _tagged(halves, "ratio")
     print("| op | calibration: max clean excess / worst clean variant | validation |")
     print("|---|---:|---:|")
     for op in ops:
         c, v = (max(halves[i].get(("ratio", op)) or [math.nan]) for i in (0, 1))
         print(f"| {op} | {c:.3f} | {v:.3f} |")
-    fl = sorted({k[1] for h in halves.values() for k in h if isinstance(k, tuple) and k[0] == "fault"})
+    fl = _tagged(halves, "fault")
     print("\n| 16-bit fault | calibration: fault side excess / worst clean variant (min-max) | validation |")
     print("|---|---:|---:|")
     for name in fl:
         c, v = (halves[i].get(("fault", name)) or [math.nan] for i in (0, 1))
         print(f"| {name} | {min(c):.3f}-{max(c):.3f} | {min(v):.3f}-{max(v):.3f} |")
-    env = sorted({k[1] for h in halves.values() for k in h if isinstance(k, tuple) and k[0] == "envelope"})
+    env = _tagged(halves, "envelope")
     print("\n| op judged by its constant envelope | ENVELOPE | calibration: max clean excess | validation |")
     print("|---|---:|---:|---:|")
     for op in env:
