@@ -545,11 +545,21 @@ def _near_tie_rows(model, framework: str, layer: int) -> None:
         w[j] = (w[i].double() + NEAR_TIE_GAP * u / u.norm()).to(w.dtype)
 
 
+# The least reversed gap: 8 units in the last place of a logit of magnitude max(1, |l|). A reversal smaller than
+# that can vanish in the softmax the top-k reads (probabilities that round alike tie, and a tie keeps the lower
+# index on both sides), so whether the fault flips anything would depend on one CPU's GEMM rounding.
+NEAR_TIE_LEAST_REVERSAL = 2.0 ** -20
+
+
 def _reverse_near_tie(logits: torch.Tensor) -> torch.Tensor:
-    """The near-tied pair's logit difference reversed: expert j's logit becomes 2*l_i - l_j (the fault)."""
+    """The near-tied pair's logit difference reversed (the fault): expert j's logit moves to the other side of
+    expert i's, by the same gap or at least NEAR_TIE_LEAST_REVERSAL relative; an exact tie stays a tie."""
     i, j = NEAR_TIE
+    li, lj = logits[..., i].double(), logits[..., j].double()
+    gap = lj - li
+    least = NEAR_TIE_LEAST_REVERSAL * li.abs().clamp(min=1.0)
     out = logits.clone()
-    out[..., j] = 2 * logits[..., i] - logits[..., j]
+    out[..., j] = (li - torch.sign(gap) * torch.maximum(gap.abs(), least)).to(logits.dtype)
     return out
 
 
