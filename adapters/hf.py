@@ -20,7 +20,8 @@ from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
 from tic_trace.adapters import hf_qwen3next as _q3n
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
-from tic_trace.adapters.hf_deepseek import LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts
+from tic_trace.adapters.hf_deepseek import (LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts,
+                                           selection_facts)
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -158,6 +159,7 @@ class HFAdapter(Adapter):
             # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
             **latent_facts(text),
+            **(selection_facts(models[0], text) if n_exp else {}),
             **_q3n.linear_facts(text),
         }
         arch = self.architecture(out)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from tic_trace.adapters.router_facts import router_facts
 from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
@@ -72,6 +73,19 @@ def latent_facts(text: Any) -> dict:
     if not getattr(text, "kv_lora_rank", None):
         return {}
     return {k: getattr(text, k, None) for k in _LATENT_FACTS}
+
+
+def selection_facts(model: Any, text: Any) -> dict:
+    """The routers' score-correction bias per MoE layer (`mlp.gate.e_score_correction_bias`) and the group
+    limit (`n_group`/`topk_group`; a group scored by its best two choice scores), for the flip margins."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        layers = getattr(getattr(getattr(model, "model", None), "language_model", None), "layers", None) or []
+    biases = [(i, getattr(getattr(lay.mlp, "gate", None), "e_score_correction_bias", None))
+              for i, lay in enumerate(layers) if hasattr(lay, "mlp")]
+    n_group = getattr(text, "n_group", None)
+    return router_facts(biases, n_group=n_group, topk_group=getattr(text, "topk_group", None),
+                        group_top=2 if isinstance(n_group, int) and n_group > 1 else None)
 
 
 SIGMOID_ROUTED = (

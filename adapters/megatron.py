@@ -68,6 +68,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tic_trace.adapters.router_facts import router_facts
 from tic_trace.graph.adapter import (Adapter, Architecture, ArchitectureCheck, PointMap, TransformContext,
                                register_adapter, register_merge, register_transform)
 from tic_trace.graph.adapter import as_ints as _ints
@@ -432,6 +433,7 @@ class MegatronAdapter(Adapter):
             "pipeline_model_parallel_size": int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1),
             "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
             "router_scoring": getattr(cfg, "moe_router_score_function", None) if n_exp else None,
+            **(_router_facts(cfg, layers) if n_exp else {}),
             **latent_facts(cfg),
         }
 
@@ -566,3 +568,15 @@ class MegatronAdapter(Adapter):
 
 ADAPTER = MegatronAdapter
 register_adapter(MegatronAdapter)
+
+
+def _router_facts(cfg: Any, layers: list) -> dict:
+    """The router's selection bias per MoE layer (`expert_bias`, global layer numbers) and its group limit:
+    Megatron scores a group by the sum of its best topk // group_topk scores (moe_utils.group_limited_topk)."""
+    groups = int(getattr(cfg, "moe_router_num_groups", None) or 1)
+    topk_group = int(getattr(cfg, "moe_router_group_topk", None) or groups)
+    topk = int(getattr(cfg, "moe_router_topk", 0) or 0)
+    biases = [(int(getattr(lay, "layer_number", i + 1)) - 1, getattr(getattr(lay.mlp, "router", None), "expert_bias", None))
+              for i, lay in enumerate(layers) if hasattr(getattr(lay, "mlp", None), "router")]
+    return router_facts(biases, n_group=groups, topk_group=topk_group,
+                        group_top=topk // topk_group if groups > 1 and topk_group else None)

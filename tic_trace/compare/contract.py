@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..graph.adapter import rope_scaling_of
-from ..graph.canonical import BY_NAME, key_name
+from ..graph.canonical import BY_NAME, EXPERT_IDS, key_name
 from ..replay.checkpoint import FLOAT_DTYPES, HFCheckpoint, ReferenceMismatch
 from ..store.dtypes import dtype_info, known_dtype
 from ..view.align import CanonicalView, common_points
+from .choice import selection_bias_differences
 
 # Model-description keys every adapter's `describe` writes under the same name (compared where both have one).
 CONFIG_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -104,6 +105,7 @@ def diff_contract(view_a: CanonicalView, view_b: CanonicalView,
     out += _diff_dicts("numerics", na, nb, sorted(set(na) & set(nb)))
     out += _dtype_diffs(view_a, view_b)
     out += _weight_diffs(view_a, view_b, reference)
+    out += _selection_bias_diffs(view_a.config, view_b.config)
     if reference is not None:
         for side, view in (("A", view_a), ("B", view_b)):
             out += reference_entries(side, view, reference)
@@ -155,6 +157,15 @@ def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
                                             side=side, note=f"{side}'s parameters differ from the checkpoint's: "
                                                             f"{', '.join(sorted(bad))}"))
     return out
+
+
+def _selection_bias_diffs(config_a: dict, config_b: dict) -> list[ContractDiff]:
+    """The routers' selection bias (a buffer, so not among the hashed parameters), where the sides' differ: at
+    the expert choice it changes."""
+    return [ContractDiff("weights", key_name(EXPERT_IDS, layer), ["router selection bias"], ["router selection bias"],
+                         note=f"the router's selection-only bias differs for expert(s) "
+                              f"{', '.join(map(str, experts[:8]))}{' ...' if len(experts) > 8 else ''}")
+            for layer, experts in selection_bias_differences(config_a, config_b)]
 
 
 def _vs_checkpoint(ckpt: HFCheckpoint, name: str, entry) -> str:

@@ -263,26 +263,32 @@ def _dlogprob(measured: list[PointMeasurement]) -> dict:
 
 
 def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[tuple[RowId, float, float, bool]]:
-    """Per flipped token of an ids point: (row, top-k margin of side A's router logits, that token's router-logit
-    error, explained). A flip is *explained* when the margin is within twice the error; without router logits
-    the margin is unknown (NaN) and the flip is not explained."""
+    """Per flipped token of an ids point: (row, top-k margin of side A's choice scores, the error that token's
+    router-logit error makes of a choice score, explained). The scores are those the router's top-k compares
+    (compare/choice.py: the logits of a softmax router; sigmoid + selection bias, inside the kept groups, of a
+    DeepSeek-style one). A flip is *explained* when its margin, or its group margin, is within twice the
+    error; without router logits the margin is unknown (NaN) and the flip is not explained."""
     k = int(m.routing["k"])
     if m.routing.get("k_b") not in (None, k):       # another top-k on side B: no margin explains that
         return [(row, math.nan, math.nan, False) for row in m.flipped]
     rix = {r: i for i, r in enumerate(router.rows)} if router is not None and router.router_top else {}
     out = []
     for row in m.flipped:
-        margin = logit_err = math.nan
+        margin = err = math.nan
         i = rix.get(row)
         if i is not None and len(router.router_top[i]) > k:
             top = router.router_top[i]
-            margin, logit_err = top[k - 1] - top[k], float(router.per_row_abs[i])
-        out.append((row, margin, logit_err, bool(margin <= 2.0 * logit_err)))
+            margin = top[k - 1] - top[k]
+            err = float(router.router_score_error[i] if router.router_score_error is not None
+                        else router.per_row_abs[i])
+            if router.router_group_margin is not None:
+                margin = min(margin, float(router.router_group_margin[i]))
+        out.append((row, margin, err, bool(margin <= 2.0 * err)))
     return out
 
 
 def _routing_facts(m: PointMeasurement, router: PointMeasurement | None, outputs: list, dlogprob: dict) -> dict:
-    """Each flip's margin against its router-logit error, and the error the flipped token carries to the
+    """Each flip's margin against the error its router-logit error makes of a choice score, and the error the flipped token carries to the
     output (the first output point that has its row)."""
     flips, explained_outputs = [], []
     for row, margin, logit_err, explained in flip_margins(m, router):
@@ -296,6 +302,7 @@ def _routing_facts(m: PointMeasurement, router: PointMeasurement | None, outputs
              if total > 0 else None)
     has_router = router is not None and bool(router.router_top)
     return {**m.routing, "router_key": key_name(ROUTER_LOGITS, m.layer) if has_router else None,
+            "margin_space": router.router_space if has_router else None,
             "explained": len(explained_outputs), "explained_outputs": explained_outputs,
             "flips": flips[:FLIPS_SHOWN], "dlogprob_share": share}
 

@@ -5,7 +5,7 @@ record (no arrays, no open files): the finder may run it in worker processes, on
 rows) at a time. Nothing here judges; the judge (`judge.py`) and the walk (`verdict.py`) decide from these
 numbers, so everything they need per row is kept: the per-row errors (for the worst-row judgement, the
 per-token walk and judging a routed point without the tokens whose experts flipped), the reference norm of each row (to
-recombine a relative L2 over a subset of rows), the reference router logits' top values (the top-k margin
+recombine a relative L2 over a subset of rows), side A's best router choice scores (the top-k margin
 of a flip) and the values of one-number points (log-probs: |Δ logprob| per token).
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from ..graph.canonical import BY_NAME, LOGPROBS, key_name
 from ..view.align import CanonicalView, RowId, align_rows
 from ..view.rows import row_identity
+from .choice import router_choice
 from .judge import coarser
 from .metrics import compare_routing, compare_stats, compare_values, row_aggregate
 
@@ -47,7 +48,14 @@ class PointMeasurement:
     per_row_judged: np.ndarray | None = None  # per_row with near-empty rows floored (compare.ROW_FLOOR);
                                               # None: no row under the floor, the judged errors are per_row
     row_ref_norm: np.ndarray | None = None                        # routed points: ||a_row||
-    router_top: list[list[float]] | None = None             # router logits: side A's top values, descending
+    router_top: list[list[float]] | None = None             # router logits: side A's best choice scores,
+                                                            # descending, in the space the top-k is taken in
+                                                            # (compare/choice.py; plain logits for softmax)
+    router_group_margin: np.ndarray | None = None           # group-limited routers: per row, the group margin
+                                                            # per choice score (choice.RouterChoice.margins)
+    router_score_error: np.ndarray | None = None            # per row: how far that row's logit error moves a
+                                                            # choice score
+    router_space: str = "logits"
     values_a: list[float] | None = None                     # one-number points (log-probs)
     values_b: list[float] | None = None
     reason: str | None = None
@@ -123,8 +131,12 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     if BY_NAME[point].routed:
         m.row_ref_norm = _row_norms(pair.a.reshape(n, -1))
     if BY_NAME[point].role == "router_logits":
-        top = -np.sort(-pair.a.reshape(n, -1).astype(np.float64), axis=1)[:, :ROUTER_TOP]
+        choice = router_choice(va.config, layer)
+        top, group_margin = choice.margins(pair.a.reshape(n, -1), ROUTER_TOP)
         m.router_top = top.tolist()
+        m.router_group_margin = group_margin
+        m.router_score_error = choice.score_error(m.per_row_abs, m.dtype)
+        m.router_space = choice.space
     if pair.a.size == n:
         m.values_a = [float(x) for x in pair.a.reshape(-1)]
         m.values_b = [float(x) for x in pair.b.reshape(-1)]

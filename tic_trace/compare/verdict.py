@@ -376,8 +376,10 @@ def _routing_finding(p: Point, r: dict) -> Finding:
         parts.append("the router logits were not compared, so no margin is known: every flip counts as "
                      "computational")
     else:
-        parts.append(f"{near} on near ties (router-logit margin within twice the token's router-logit error), "
-                     f"{unexpl} with a margin larger than the router-logit error")
+        space = r.get("margin_space") or "logits"
+        what = "router-logit" if space == "logits" else f"choice-score ({space})"
+        parts.append(f"{near} on near ties ({what} margin within twice the error the token's router-logit error "
+                     f"makes of it), {unexpl} with a larger margin")
         if r.get("router_status") == OVER:
             parts.append(f"the router-logit error is inherited from upstream ({r.get('router_key')} is over "
                          "tolerance without a jump): these flips follow an earlier difference")
@@ -390,7 +392,8 @@ def _routing_finding(p: Point, r: dict) -> Finding:
         parts.append("near ties accepted (--accept-near-tie-routing)")
     remedy = ROUTER_REMEDY if (router_div or unexpl) else NEAR_TIE_REMEDY
     detail = {k: r.get(k) for k in ("rows", "k", "k_b", "flipped", "near_tie", "unexplained",
-                                    "near_tie_to_output", "router_divergent", "dlogprob_share", "flips")}
+                                    "near_tie_to_output", "router_divergent", "dlogprob_share", "margin_space",
+                                    "flips")}
     return Finding(ROUTING, key, p.layer, p.status == DIVERGENT, bool(router_div or unexpl), "; ".join(parts),
                    remedy, detail)
 

@@ -64,6 +64,11 @@ class ModelConfig(TypedDict, total=False):
     rms_norm_eps: float | None
     rope_theta: float | None
     dtype: str | None
+    router_scoring: str | None
+    router_selection_bias: dict[str, list[float]]    # MoE layer -> its router's selection-only bias, [E]
+    router_n_group: Count
+    router_topk_group: Count
+    router_group_top: Count
 
 
 class RowSubsetSettings(TypedDict, total=False):

@@ -8,8 +8,10 @@ from .context import Ctx
 
 def routing_section(c: Ctx) -> str:
     head = ('<section id="routing"><h2>Routing</h2><p class="sub">Top-k expert choice per MoE layer. A flip is '
-            'a token whose selected expert set differs; a flip is <i>explained</i> when its router-logit margin is '
-            'within the router-logit error (a near tie).</p>')
+            'a token whose selected expert set differs; a flip is <i>explained</i> (a near tie) when its margin '
+            'is within twice the error its router-logit error makes of the scores the router chooses on: the '
+            'logits of a softmax router, sigmoid + selection bias inside the kept groups of a DeepSeek-style '
+            'one (the space is named per layer).</p>')
     rt = _d(c.r.get("routing"))
     layers = _d(rt.get("layers"))
     if not layers:
@@ -22,8 +24,10 @@ def routing_section(c: Ctx) -> str:
     margins = {}
     for p in c.points:
         if _is_ids(_point_of(p)) and isinstance(p.get("routing"), dict):
-            margins[str(_layer_of(p))] = [f"{_fmt_f(x.get('margin'))} (err {_fmt_f(x.get('logit_error'))})"
-                                          for x in _l(p["routing"].get("flips")) if isinstance(x, dict)]
+            space = p["routing"].get("margin_space")
+            margins[str(_layer_of(p))] = ([f"[{_e(space)}]"] if isinstance(space, str) else []) + [
+                f"{_fmt_f(x.get('margin'))} (err {_fmt_f(x.get('logit_error'))})"
+                for x in _l(p["routing"].get("flips")) if isinstance(x, dict)]
 
     def lk(k):
         v = _int(k)
@@ -32,7 +36,7 @@ def routing_section(c: Ctx) -> str:
     o.append('<table><thead><tr><th>Layer</th><th>Flipped tokens</th><th class="r">Share</th>'
              '<th class="r">Near tie</th><th class="r">Unexplained</th><th class="r">Near tie to output</th>'
              '<th class="r">Share of |Δ log-prob|</th><th class="r">Set agreement</th>'
-             '<th>Flip margins (router-logit error)</th></tr></thead><tbody>')
+             '<th>Flip margins [space] (error)</th></tr></thead><tbody>')
     for k in sorted(layers, key=lk):
         v = _d(layers[k])
         fl, rows = _num(v.get("flipped")), _num(v.get("rows"))

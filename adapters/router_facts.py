@@ -1,0 +1,26 @@
+"""The facts a DeepSeek-style router chooses by, for the model description (`describe()`): its selection-only
+bias per MoE layer and its group limit. The finder takes a flip's margin on the scores the router's top-k
+compares (tic_trace/compare/choice.py); without these the margin of a sigmoid router is read on the wrong scores.
+
+The bias is a trained value that moves every step (aux-loss-free balancing): it is read as it is when the
+trace begins, all layers in one host copy.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def router_facts(biases: Iterable[tuple[int, torch.Tensor | None]], *, n_group: int | None,
+                 topk_group: int | None, group_top: int | None) -> dict:
+    """`biases`: (layer, the router's selection bias or None) per MoE layer of this stage."""
+    got = [(layer, b) for layer, b in biases if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel()]
+    out: dict = {}
+    if got and len({b.numel() for _, b in got}) == 1:
+        values = torch.stack([b.detach().to(torch.float64) for _, b in got]).cpu().tolist()
+        out["router_selection_bias"] = {str(layer): row for (layer, _), row in zip(got, values)}
+    for key, v in (("router_n_group", n_group), ("router_topk_group", topk_group), ("router_group_top", group_top)):
+        if isinstance(v, int) and v >= 1:
+            out[key] = v
+    return out
