@@ -65,8 +65,15 @@ def test_reference_equals_hf_float64_forward_at_every_point(tmp_path, moe):
             assert r.rel_l2 <= (3e-7 if r.point in fp32_inside else 1e-13), r
 
 
+# llama3 (Llama 3.1+): an original context of 16 positions, so that of the head's frequencies some are scaled,
+# some kept and some on the ramp between, over the 40 positions traced
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
 @pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
-                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                                  LLAMA3])
 def test_reference_rope_scaling_kinds(tmp_path, rope):
     model = bf16_model(moe=False, rope_parameters={"rope_theta": 10000.0, **rope})
     model.save_pretrained(tmp_path / "ck")
@@ -74,6 +81,24 @@ def test_reference_rope_scaling_kinds(tmp_path, rope):
     res = {r.key: r for r in _float64_trace(tmp_path, tmp_path / "ck", False, ids)}
     for key in ("L0.attn.q_rope", "L1.attn.k_rope"):
         assert isinstance(res[key], IntrinsicError) and res[key].rel_l2 < 1e-6, res[key]
+
+
+def test_llama3_frequencies_are_scaled_kept_and_ramped():
+    """The llama3 kind is computed, not read as plain RoPE: against the default frequencies, the long
+    wavelengths are divided by the factor, the short ones kept, those between on the ramp."""
+    from tic_trace.replay.model_spec import model_spec
+    from tic_trace.replay.reference import rope_inv_freq
+    cfg = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 256, "num_attention_heads": 2,
+           "intermediate_size": 64, "vocab_size": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
+           "rope_parameters": {"rope_theta": 10000.0, **LLAMA3}}
+    inv, scale = rope_inv_freq(model_spec(cfg))
+    plain, _ = rope_inv_freq(model_spec({**cfg, "rope_parameters": {"rope_theta": 10000.0}}))
+    ratio = (plain / inv).numpy()
+    wavelen = (2 * np.pi / plain).numpy()
+    assert scale == 1.0
+    assert np.allclose(ratio[wavelen < 4], 1.0) and np.allclose(ratio[wavelen > 16], 8.0)
+    ramp = ratio[(wavelen > 4) & (wavelen < 16)]
+    assert len(ramp) and np.all((ramp > 1.0) & (ramp < 8.0))
 
 
 def test_round_to_matches_torch_bf16_rounding():

@@ -21,10 +21,13 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot serve as the reference; the message names the file and the fix."""
 
 
+ROPE_KINDS = ("default", "linear", "yarn", "llama3")      # HF rope_type values the replay computes
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    kind: str = "default"                  # default | linear | yarn (HF's rope_type)
+    kind: str = "default"                  # default | linear | yarn | llama3 (HF's rope_type)
     factor: float = 1.0
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
@@ -34,6 +37,8 @@ class RopeSpec:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    low_freq_factor: float = 1.0           # llama3: wavelengths over original_max / low_freq_factor are scaled,
+    high_freq_factor: float = 4.0          # those under original_max / high_freq_factor kept, a ramp between
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,7 @@ def _rope_from(c: _Config, p: _Config) -> RopeSpec:
     theta = p.num("rope_theta", 0.0, 1e12, default=None, lo_open=True)
     if theta is None:
         theta = c.num("rope_theta", 0.0, 1e12, default=10000.0, lo_open=True)
-    kind = p.str("rope_type", "", ("default", "linear", "yarn")) or p.str("type", "default", ("default", "linear", "yarn"))
+    kind = p.str("rope_type", "", ROPE_KINDS) or p.str("type", "default", ROPE_KINDS)
     prf = p.num("partial_rotary_factor", 0.0, 1.0, default=None, lo_open=True)
     spec = RopeSpec(
         theta=theta, kind=kind, factor=p.num("factor", 0.0, 1e6, default=1.0, lo_open=True),
@@ -237,9 +242,16 @@ def _rope_from(c: _Config, p: _Config) -> RopeSpec:
         beta_fast=p.num("beta_fast", -1e6, 1e6, default=32.0), beta_slow=p.num("beta_slow", -1e6, 1e6, default=1.0),
         mscale=p.num("mscale", -1e6, 1e6, default=None), mscale_all_dim=p.num("mscale_all_dim", -1e6, 1e6, default=None),
         attention_factor=p.num("attention_factor", 0.0, 1e6, default=None, lo_open=True),
-        truncate=p.bool("truncate", True))
+        truncate=p.bool("truncate", True),
+        low_freq_factor=p.num("low_freq_factor", 0.0, 1e6, default=1.0, lo_open=True),
+        high_freq_factor=p.num("high_freq_factor", 0.0, 1e6, default=4.0, lo_open=True))
     if kind == "yarn" and spec.original_max_position_embeddings is None and not c.has("max_position_embeddings"):
         raise p.error("original_max_position_embeddings", "given for yarn RoPE (or max_position_embeddings)")
+    if kind == "llama3":
+        if spec.original_max_position_embeddings is None:
+            raise p.error("original_max_position_embeddings", "given for llama3 RoPE")
+        if spec.high_freq_factor <= spec.low_freq_factor:
+            raise p.error("high_freq_factor", "larger than low_freq_factor for llama3 RoPE", spec.high_freq_factor)
     return spec
 
 
@@ -310,6 +322,18 @@ def _latent_and_dense(c: _Config, model_type: str) -> dict:
                    v_head_dim=c.int("v_head_dim", 1, 1 << 16),
                    rope_interleave=c.bool("rope_interleave", model_type == "deepseek_v3"))
     return out
+
+
+def llama3_inv_freq(rope: RopeSpec, inv: "torch.Tensor") -> "torch.Tensor":
+    """Llama 3's scaled inverse frequencies as HF's `_compute_llama3_parameters` states them (float64): long
+    wavelengths divided by `factor`, short ones kept, a smooth ramp between (attention scale 1)."""
+    import torch
+    omax, lo, hi = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > omax / lo, inv / rope.factor, inv)
+    smooth = (omax / wavelen - lo) / (hi - lo)
+    medium = (wavelen >= omax / hi) & (wavelen <= omax / lo)
+    return torch.where(medium, (1 - smooth) * scaled / rope.factor + smooth * scaled, scaled)
 
 
 def yarn_inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_pos: int | None):

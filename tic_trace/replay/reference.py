@@ -24,7 +24,7 @@ from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight, each
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .grouped_topk import GroupedTopkError, eligible_choice
-from .model_spec import ModelSpec, yarn_inv_freq_and_scale
+from .model_spec import ModelSpec, llama3_inv_freq, yarn_inv_freq_and_scale
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 from .qwen3next_ops import qwen3next_ops
 from .qwen3next_spec import is_qwen3next
@@ -71,6 +71,8 @@ def rope_inv_freq(spec: ModelSpec, layer: int | None = None) -> tuple[torch.Tens
     inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=F64) / dim))
     if r.kind == "linear":
         inv = inv / r.factor
+    elif r.kind == "llama3":
+        inv = llama3_inv_freq(r, inv)
     return inv, 1.0
 
 
