@@ -78,9 +78,8 @@ ARCHITECTURES = {a.name: a for a in (
                  "every point", _T + ", `test_replay.py`", lacks=_QK),
     # MixtralTopKRouter renormalises the top-k weights whatever the config says (it has no norm_topk_prob)
     Architecture("MixtralForCausalLM", ("Mixtral",), "MoE (softmax router, top-k always renormalised)",
-                 "the checkpoint names its router and experts `block_sparse_moe.*`, which the replay does not "
-                 "read (the A-B rule alone judges them)", _T, lacks=_QK + _SHARED,
-                 replay_gaps=("moe.router_logits", "moe.experts_out"), defaults={"norm_topk_prob": True}),
+                 "every point (the router and w1/w2/w3 experts read under the checkpoint's `block_sparse_moe`)",
+                 _T, lacks=_QK + _SHARED, defaults={"norm_topk_prob": True}),
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
                  "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
                  "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),

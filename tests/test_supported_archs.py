@@ -159,6 +159,24 @@ def test_verified_hf_architecture_replay_covers_what_the_table_says(tmp_path, na
     assert not far, far
 
 
+@pytest.mark.parametrize("target", ["router", "expert"])
+def test_mixtral_router_and_experts_are_replayed_from_block_sparse_moe(tmp_path, target):
+    """The checkpoint keeps Mixtral's `block_sparse_moe.gate` and w1/w2/w3 experts: side B's router, or one
+    expert's down projection, off the checkpoint by 2% is blamed on side B at exactly that point."""
+    from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
+    from tic_trace.replay.reference import ExactReference
+    model = build_hf_model_stable(_config(VERIFIED["MixtralForCausalLM"]), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    mlp = model.model.layers[1].mlp
+    with torch.no_grad():
+        (mlp.gate.weight if target == "router" else mlp.experts.down_proj[0]).mul_(1.02)
+    trace_hf(model, tmp_path / "b", IDS)
+    got = first_intrinsic_divergence(str(tmp_path / "a"), str(tmp_path / "b"), ExactReference(str(tmp_path / "ck")))
+    point = "moe.router_logits" if target == "router" else "moe.experts_out"
+    assert got is not None and (got.key, got.side) == (f"L1.{point}", "B"), got
+
+
 def test_dense_pairs_without_qk_norm_do_not_list_it_missing_but_qwen3_has_it(tmp_path):
     for name in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
         a, b, _ = _pair(tmp_path / name, VERIFIED[name])

@@ -13,7 +13,7 @@ import torch
 
 from .arch_ops import each_sample
 from .latent import LATENT_NORM_EPS, _heads, softmax_scale
-from .variants import Variant, VariantInput, _eager, _flash, _norm_variants, _sdpa, _softmax_bf16
+from .variants import Variant, VariantInput, _eager, _flash, _norm_variants, _sdpa, _softmax_bf16, rotate
 
 _NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
           "attn.kv_a_norm": ("attn.kv_a", "self_attn.kv_a_layernorm.weight")}
@@ -43,20 +43,8 @@ def _rope_input(v: VariantInput) -> torch.Tensor:
 
 
 def _latent_rope(fp32_tables: bool):
-    def run(v: VariantInput) -> torch.Tensor:
-        from .reference import rope_inv_freq
-        x = _rope_input(v)
-        inv, scale = rope_inv_freq(replace(v.spec, head_dim=v.spec.qk_rope_head_dim))
-        pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
-        ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]
-        emb = torch.cat([ang, ang], dim=-1)
-        cos, sin = (emb.cos() * scale)[:, None, :], (emb.sin() * scale)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        if fp32_tables:          # rotated in fp32, rounded once
-            return (x.float() * cos + rotated.float() * sin).to(v.dtype)
-        dt = v.dtype             # HF: tables cast to dt, product and sum each rounded
-        return x.to(dt) * cos.to(dt) + rotated.to(dt) * sin.to(dt)
+    def run(v: VariantInput) -> torch.Tensor:     # the rope dims are the whole of what is rotated
+        return rotate(v, _rope_input(v), fp32_tables, replace(v.spec, head_dim=v.spec.qk_rope_head_dim))
     return run
 
 

@@ -180,19 +180,20 @@ def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tens
 
 # ---------------------------------------------------------------- RoPE
 
-def _tables(v: VariantInput, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(v: VariantInput, x: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin in fp32 as HF and the engines build them: fp32 inverse frequencies times fp32 positions."""
     from .reference import rope_inv_freq
-    inv, scale = rope_inv_freq(v.spec, v.layer)
+    inv, scale = rope_inv_freq(spec, v.layer)
     pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
     ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]
     emb = torch.cat([ang, ang], dim=-1)
     return (emb.cos() * scale)[:, None, :], (emb.sin() * scale)[:, None, :]
 
 
-def _rope(v: VariantInput, fp32_tables: bool) -> torch.Tensor:
-    x = next(iter(v.feeds.values()))
-    cos, sin = _tables(v, x)
+def rotate(v: VariantInput, x: torch.Tensor, fp32_tables: bool, spec=None) -> torch.Tensor:
+    """Rotate-half RoPE of x [rows, heads, d] at v's positions in v's dtype, its tables from `spec` (v.spec
+    by default; MLA passes its rope dims as the head dim): the first rotary dims rotated, the rest kept."""
+    cos, sin = _tables(v, x, spec or v.spec)
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     half = rot // 2
@@ -203,6 +204,10 @@ def _rope(v: VariantInput, fp32_tables: bool) -> torch.Tensor:
         xr, rotated = xr.to(v.dtype), rotated.to(v.dtype)
         y = xr * cos.to(v.dtype) + rotated * sin.to(v.dtype)
     return torch.cat([y, xp.to(v.dtype)], dim=-1)
+
+
+def _rope(v: VariantInput, fp32_tables: bool) -> torch.Tensor:
+    return rotate(v, next(iter(v.feeds.values())), fp32_tables)
 
 
 _ROPE = [Variant("bf16_tables", "bf16 cos/sin tables", True, lambda v: _rope(v, False)),
