@@ -81,8 +81,8 @@ ARCHITECTURES = {a.name: a for a in (
                  "every point (the router and w1/w2/w3 experts read under the checkpoint's `block_sparse_moe`)",
                  _T, lacks=_QK + _SHARED, defaults={"norm_topk_prob": True}),
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
-                 "OLMoE normalises q and k over all heads at once, the replay per head (the A-B rule alone "
-                 "judges them)", _T, lacks=_SHARED, replay_gaps=_QK),
+                 "every point (the QK-norms over the whole projection, as their gains are heads x head_dim wide)",
+                 _T, lacks=_SHARED),
     *_more.ARCHITECTURES,
     *SIGMOID_ROUTED,
     *_q3n.ARCHITECTURES,

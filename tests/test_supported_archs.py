@@ -177,6 +177,36 @@ def test_mixtral_router_and_experts_are_replayed_from_block_sparse_moe(tmp_path,
     assert got is not None and (got.key, got.side) == (f"L1.{point}", "B"), got
 
 
+def _olmoe_q_norm_in_bf16(norm):
+    """OLMoE's q_norm without its fp32 upcast (a precision fault; same dtype, same weights)."""
+    def forward(x):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    norm.forward = forward
+
+
+@pytest.mark.parametrize("fault", ["weight", "no_upcast"])
+def test_olmoe_whole_projection_qk_norm_is_replayed(tmp_path, fault):
+    """OLMoE normalises q over all heads at once (a gain heads x head_dim wide): the replay does too, so side
+    B's q_norm with a gain 2% off the checkpoint, or computed without the fp32 upcast, is blamed on side B at
+    exactly L1.attn.q_norm (a per-head replay would be off on both sides alike and judge nothing)."""
+    from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
+    from tic_trace.replay.reference import ExactReference
+    model = build_hf_model_stable(_config(VERIFIED["OlmoeForCausalLM"]), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    norm = model.model.layers[1].self_attn.q_norm
+    assert norm.weight.numel() == model.config.num_attention_heads * (model.config.hidden_size //
+                                                                       model.config.num_attention_heads)
+    if fault == "weight":
+        with torch.no_grad():
+            norm.weight.mul_(1.02)
+    else:
+        _olmoe_q_norm_in_bf16(norm)
+    trace_hf(model, tmp_path / "b", IDS)
+    got = first_intrinsic_divergence(str(tmp_path / "a"), str(tmp_path / "b"), ExactReference(str(tmp_path / "ck")))
+    assert got is not None and (got.key, got.side) == ("L1.attn.q_norm", "B"), got
+
+
 def test_dense_pairs_without_qk_norm_do_not_list_it_missing_but_qwen3_has_it(tmp_path):
     for name in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
         a, b, _ = _pair(tmp_path / name, VERIFIED[name])

@@ -212,6 +212,12 @@ _PHI3_QKV = re.compile(r"self_attn\.([qkv])_proj\.weight")
 _PHI3_GATE_UP = re.compile(r"mlp\.(gate|up)_proj\.weight")
 
 
+def spans_heads(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a norm of per-head x [.., heads, d] normalises over the whole projection: its gain is heads x d
+    wide (OLMoE's QK-norm), not d (Qwen3's, Gemma 3's)."""
+    return x.dim() >= 2 and w.dim() == 1 and w.numel() != x.shape[-1] and w.numel() == x.shape[-2] * x.shape[-1]
+
+
 # Mixtral checkpoints keep the original layout: router and experts under `block_sparse_moe`, an expert's gate,
 # down and up projections as w1, w2, w3 (transformers 5 loads them into `mlp` and writes them back so).
 _MIXTRAL_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from ..graph.canonical import BY_NAME
-from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight, each_sample  # Gemma, Phi-3, GPT-OSS
+from .arch_ops import (arch_inputs_of, arch_op_of, arch_ops, derived_weight, each_sample,  # Gemma, Phi-3, GPT-OSS
+                       spans_heads)
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .grouped_topk import GroupedTopkError, eligible_choice
@@ -303,9 +304,12 @@ def _norm(weight: str) -> Callable:
 
 
 def _qk_norm(which: str) -> Callable:
+    """Per head (Qwen3), or over the whole projection where the gain is heads x head_dim wide (OLMoE)."""
     def op(ref: ExactReference, layer, feeds, rows, tokens):
-        return rms_norm(feeds[f"attn.{which}"], ref.weights(layer).get(f"self_attn.{which}_norm.weight"),
-                        ref.spec.rms_norm_eps)
+        x, w = feeds[f"attn.{which}"], ref.weights(layer).get(f"self_attn.{which}_norm.weight")
+        if spans_heads(x, w):
+            return rms_norm(x.reshape(*x.shape[:-2], -1), w, ref.spec.rms_norm_eps).reshape(x.shape)
+        return rms_norm(x, w, ref.spec.rms_norm_eps)
     return op
 
 

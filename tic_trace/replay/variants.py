@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .arch_ops import each_sample
+from .arch_ops import each_sample, spans_heads
 from .grid import round_to, row_relative_excess
 from .reference import NotReplayable
 
@@ -155,7 +155,17 @@ def _logits(v: VariantInput) -> torch.Tensor:
 def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tensor],
                    eps: Callable[[VariantInput], float] = lambda v: v.spec.rms_norm_eps) -> list[Variant]:
     def x_of(v):
-        return v.feeds[feed] if feed else next(iter(v.feeds.values()))
+        x = v.feeds[feed] if feed else next(iter(v.feeds.values()))
+        return x.reshape(*x.shape[:-2], -1) if spans_heads(x, weight(v)) else x
+
+    def variant(fn):             # a norm over the whole projection (OLMoE's QK-norm) back in the heads' layout
+        def run(v):
+            x = v.feeds[feed] if feed else next(iter(v.feeds.values()))
+            y = fn(v)
+            if isinstance(y, Renderings):
+                return Renderings(tuple(c.reshape(x.shape) for c in y.choices), y.seg)
+            return y.reshape(x.shape)
+        return run
 
     def gain_after(v):           # HF: normalise in fp32, round, x weight in dt, round
         x, e = x_of(v).float(), eps(v)
@@ -173,9 +183,9 @@ def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tens
         once = torch.rsqrt(var.float()).to(v.dtype)                  # vectorised body: fp32, one rounding
         twice = 1 / torch.sqrt(var)                                  # scalar tail: sqrt and 1/x each rounded
         return Renderings((w * (x * once), w * (x * twice)), x.shape[-1])
-    return [Variant("fp32_gain_after_cast", "fp32 upcast, gain after the cast back", True, gain_after),
-            Variant("fp32_gain_before_cast", "fp32 upcast, gain before the cast back", True, gain_before),
-            Variant("no_upcast", "no fp32 upcast", False, no_upcast)]
+    return [Variant("fp32_gain_after_cast", "fp32 upcast, gain after the cast back", True, variant(gain_after)),
+            Variant("fp32_gain_before_cast", "fp32 upcast, gain before the cast back", True, variant(gain_before)),
+            Variant("no_upcast", "no fp32 upcast", False, variant(no_upcast))]
 
 
 # ---------------------------------------------------------------- RoPE
