@@ -131,3 +131,4 @@ def selection_bias_differences(config_a: dict, config_b: dict) -> list[tuple[int
             if experts:
                 out.append((int(key), experts))
     return out
+

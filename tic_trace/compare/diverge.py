@@ -21,6 +21,7 @@ from ..graph.canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, 
 from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
+from ..view.model_facts import shown_model_facts
 from ..view.rows import row_identity
 from .judge import DEFAULT_TOL, SettingsError, Tolerance, check_accept_precision, coarser  # noqa: F401 - public names
 from .measure import PointMeasurement, measure_point, subset_error
@@ -412,7 +413,7 @@ def _side(v: CanonicalView, check=None) -> dict:
     check = check or v.adapter.check_architecture(v.config)
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
             "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
-            "model": m.get("model", {}), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "model": shown_model_facts(m.get("model", {})), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
             "repeated_calls": v.repeated_calls, "run_incomplete": v.trace.incomplete_runs(),
             "tracer_notes": v.tracer_notes}

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..store.format import open_trace
+from ..view.model_facts import shown_model_facts
 from .text import text, visible
 
 
@@ -38,7 +39,7 @@ def inspect_trace(path: str, console: Console, *, rank: int | None = None, pass_
     match = _matcher(pattern)
     tr = open_trace(path)
     m = tr.manifest
-    model = m.get("model") or {}
+    model = shown_model_facts(m.get("model") or {})
     if rank is not None and rank not in tr.ranks:
         raise ValueError(f"--rank {rank}: this trace has ranks {tr.ranks}")
     if pass_index is not None and not any(pass_index in tr.pass_indices(r) for r in ([rank] if rank is not None
