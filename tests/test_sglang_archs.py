@@ -367,3 +367,29 @@ def test_gpt_oss_swiglu_clamp_changed_is_found_at_the_experts(tmp_path, hf_pairs
             if hasattr(holder, "moe_runner_config"):
                 holder.moe_runner_config = tight
     assert _first(tmp_path, hf_pairs, "GptOssForCausalLM", plant) == ("moe.experts_out", 1)
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 3 RoPE
+
+def _gemma3_with_global_rope(full_attention: dict):
+    cfg = _config("Gemma3ForCausalLM")
+    cfg.rope_parameters = {"full_attention": {"rope_theta": 1e6, **full_attention},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return cfg
+
+
+def test_gemma3_linear_rope_of_the_global_layers_matches_hf(tmp_path, sglang_env):
+    """Gemma 3's released 4B/12B/27B configs scale the global layers' RoPE linearly (factor 8), the local ones
+    not: SGLang's rollout agrees with HF at every point; against HF without the factor (same weights) it
+    diverges first at the global layer's RoPE, so the factor is really applied on both sides."""
+    cfg = _gemma3_with_global_rope({"rope_type": "linear", "factor": 8.0})
+    model = build_hf_model(cfg)
+    _hf_trace(model, tmp_path / "hf")
+    _sg_trace(cfg, model, tmp_path / "sg")
+    rep = find_divergence(str(tmp_path / "hf"), str(tmp_path / "sg"))
+    assert rep.verdict == "consistent" and rep.rows["matched"] == SG_ROWS, _detail(rep)
+    plain = build_hf_model(_gemma3_with_global_rope({"rope_type": "default"}))
+    plain.load_state_dict(model.state_dict())
+    _hf_trace(plain, tmp_path / "plain")
+    rep = find_divergence(str(tmp_path / "plain"), str(tmp_path / "sg"))
+    assert rep.verdict == "divergent" and rep.first.key in ("L1.attn.q_rope", "L1.attn.k_rope"), rep.first
