@@ -7,14 +7,14 @@ trace begins, all layers in one host copy.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
+from typing import Any, Iterable
 
 
-def router_facts(biases: Iterable[tuple[int, torch.Tensor | None]], *, n_group: int | None,
-                 topk_group: int | None, group_top: int | None) -> dict:
-    """`biases`: (layer, the router's selection bias or None) per MoE layer of this stage."""
+def router_facts(biases: Iterable[tuple[int, Any]], *, n_group: int | None, topk_group: int | None,
+                 group_top: int | None) -> dict:
+    """`biases`: (layer, the router's selection bias tensor or None) per MoE layer of this stage. Trace time
+    only: torch is imported here, never when an adapter module is loaded to read a trace."""
+    import torch
     got = [(layer, b) for layer, b in biases if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel()]
     out: dict = {}
     if got and len({b.numel() for _, b in got}) == 1:
