@@ -65,6 +65,18 @@ def trace_hf(model, out_dir, ids, **kw):
     return logits, t
 
 
+def first_divergence_of_plant(model, plant, tmp_path, ids):
+    """(point, layer) of the first divergence between `model` traced clean (A) and after `plant(model)` (B)."""
+    from tic_trace import find_divergence
+    from tic_trace.graph.canonical import parse_key
+    trace_hf(model, tmp_path / "a", ids)
+    plant(model)
+    trace_hf(model, tmp_path / "b", ids)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert rep.verdict == "divergent", (rep.verdict, [(f.key, f.cause) for f in rep.findings])
+    return parse_key(rep.first["key"])
+
+
 def bf16_model(moe=True, seed=0, **cfg):
     """The tiny Qwen3 in bf16, its weights a function of (config, seed) only: the contract and replay suites'
     model, the same whether built directly or loaded back from its checkpoint."""

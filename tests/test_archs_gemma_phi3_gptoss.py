@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 
 from tic_trace import find_divergence
-from tic_trace.graph.canonical import parse_key
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
 from tic_trace.replay.intrinsic import IntrinsicError, replay_side
 from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
@@ -22,7 +21,7 @@ from tic_trace.testing.precision_faults import PRECISION_FAULTS, offset_rmsnorm_
 from tic_trace.view.align import CanonicalView
 
 from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
-from conftest import trace_hf
+from conftest import first_divergence_of_plant, trace_hf
 
 IDS = sample_tokens(2, 10)
 
@@ -38,13 +37,7 @@ def _model(name: str, dtype=torch.float32):
 def _first(tmp_path, name: str, plant) -> tuple[str, int | None]:
     """(point, layer) of the first divergence between the clean model (A) and the same model with `plant`
     applied to it (B)."""
-    model = _model(name)
-    trace_hf(model, tmp_path / "a", IDS)
-    plant(model)
-    trace_hf(model, tmp_path / "b", IDS)
-    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert rep.verdict == "divergent", (rep.verdict, [(f.key, f.cause) for f in rep.findings])
-    return parse_key(rep.first["key"])
+    return first_divergence_of_plant(_model(name), plant, tmp_path, IDS)
 
 
 def _wrap_output(mod: torch.nn.Module, fn) -> None:

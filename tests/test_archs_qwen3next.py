@@ -13,14 +13,13 @@ import numpy as np
 import torch
 
 from tic_trace import find_divergence
-from tic_trace.graph.canonical import parse_key
 from tic_trace.replay.intrinsic import SideReplayer
 from tic_trace.replay.reference import ExactReference
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, sample_tokens
 from tic_trace.view.align import CanonicalView
 
 from arch_configs_qwen3next import qwen3next_config
-from conftest import trace_hf
+from conftest import first_divergence_of_plant, trace_hf
 
 IDS = sample_tokens(2, 10)
 LINEAR = {"attn.linear_qkvz", "attn.linear_ba", "attn.linear_conv", "attn.linear_core", "attn.linear_norm"}
@@ -42,13 +41,7 @@ def _layer(model, i: int):
 
 def _first(tmp_path, plant) -> tuple[str, int | None]:
     """(point, layer) of the first divergence between the clean fp32 model (A) and the same model planted (B)."""
-    model = _model()
-    trace_hf(model, tmp_path / "a", IDS)
-    plant(model)
-    trace_hf(model, tmp_path / "b", IDS)
-    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert rep.verdict == "divergent", (rep.verdict, [(f.key, f.cause) for f in rep.findings])
-    return parse_key(rep.first["key"])
+    return first_divergence_of_plant(_model(), plant, tmp_path, IDS)
 
 
 # ------------------------------------------------------------------------------------------------ clean
