@@ -177,6 +177,33 @@ def test_mixtral_router_and_experts_are_replayed_from_block_sparse_moe(tmp_path,
     assert got is not None and (got.key, got.side) == (f"L1.{point}", "B"), got
 
 
+def test_a_rope_kind_the_replay_lacks_leaves_only_the_rope_points_unjudged(tmp_path):
+    """Phi-3's longrope (the 128k checkpoints): the checkpoint still serves as the reference for every other
+    point; the RoPE points are said not replayed, naming the kind, and a fault elsewhere is still blamed."""
+    from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence
+    from tic_trace.replay.reference import ExactReference
+    half = 64 // 4 // 2
+    cfg = T.Phi3Config(**{k: v for k, v in COMMON.items() if k != "head_dim"}, original_max_position_embeddings=32,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                        "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+    cfg._attn_implementation = "eager"
+    model = build_hf_model_stable(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "a", IDS)
+    trace_hf(model, tmp_path / "b", IDS)
+    rep = find_divergence(str(tmp_path / "a"), str(tmp_path / "b"), reference=str(tmp_path / "ck"))
+    assert rep.verdict == "consistent"
+    gaps = next(n.detail["points"] for n in rep.notes if n.kind == "not_replayed")
+    assert {k.split(".", 1)[1] for k in gaps} == {"attn.q_rope", "attn.k_rope"}, gaps
+    assert "longrope" in str(gaps)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(1.02)
+    trace_hf(model, tmp_path / "c", IDS)
+    got = first_intrinsic_divergence(str(tmp_path / "a"), str(tmp_path / "c"), ExactReference(str(tmp_path / "ck")))
+    assert got is not None and (got.key, got.side) == ("L1.attn.out", "B"), got
+
+
 def _olmoe_q_norm_in_bf16(norm):
     """OLMoE's q_norm without its fp32 upcast (a precision fault; same dtype, same weights)."""
     def forward(x):

@@ -232,8 +232,13 @@ def _rope_from(c: _Config, p: _Config) -> RopeSpec:
     theta = p.num("rope_theta", 0.0, 1e12, default=None, lo_open=True)
     if theta is None:
         theta = c.num("rope_theta", 0.0, 1e12, default=10000.0, lo_open=True)
-    kind = p.str("rope_type", "", ROPE_KINDS) or p.str("type", "default", ROPE_KINDS)
+    kind = p.str("rope_type", "") or p.str("type", "default")
     prf = p.num("partial_rotary_factor", 0.0, 1.0, default=None, lo_open=True)
+    if kind not in ROPE_KINDS:
+        # another kind (Phi-3's longrope, dynamic NTK): the checkpoint still serves every point but the RoPE
+        # ones, which the replay says it does not judge (reference.rope_inv_freq)
+        return RopeSpec(theta=theta, kind=kind, partial_rotary_factor=prf if prf is not None else
+                        c.num("partial_rotary_factor", 0.0, 1.0, default=1.0, lo_open=True))
     spec = RopeSpec(
         theta=theta, kind=kind, factor=p.num("factor", 0.0, 1e6, default=1.0, lo_open=True),
         partial_rotary_factor=prf if prf is not None else c.num("partial_rotary_factor", 0.0, 1.0, default=1.0,

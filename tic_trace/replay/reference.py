@@ -25,7 +25,7 @@ from .arch_ops import (arch_inputs_of, arch_op_of, arch_ops, derived_weight, eac
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .grouped_topk import GroupedTopkError, eligible_choice
-from .model_spec import ModelSpec, llama3_inv_freq, yarn_inv_freq_and_scale
+from .model_spec import ROPE_KINDS, ModelSpec, llama3_inv_freq, yarn_inv_freq_and_scale
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 from .qwen3next_ops import qwen3next_ops
 from .qwen3next_spec import is_qwen3next
@@ -67,6 +67,9 @@ def rope_inv_freq(spec: ModelSpec, layer: int | None = None) -> tuple[torch.Tens
     that layer type's RoPE where the config gives one per layer type, Gemma3)."""
     r = rope_of_layer(spec, layer)
     dim = int(spec.head_dim * r.partial_rotary_factor)
+    if r.kind not in ROPE_KINDS:
+        raise NotReplayable(f"RoPE `rope_type: {r.kind}` is not replayed (replayed: {', '.join(ROPE_KINDS)}): the "
+                            "A-B rule alone judges the RoPE points")
     if r.kind == "yarn":
         return yarn_inv_freq_and_scale(r, spec.head_dim, spec.max_position_embeddings)
     inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=F64) / dim))
