@@ -81,6 +81,10 @@ def test_the_trace_states_the_bias_the_router_held(tmp_path):
     assert router_choice({**cfg, "router_scoring": "softmax"}, LAYER).space == "logits"
     bad = {**cfg, "router_selection_bias": {str(LAYER): [0.0] * 7}}      # the wrong width: not used
     assert router_choice(bad, LAYER).bias is None
+    # another layer's bias stated, not this one's (a pipeline stage's manifest): said, not assumed zero
+    other = router_choice({**cfg, "router_selection_bias": {"2": [0.0] * 8}}, LAYER)
+    assert other.bias is None and "not in the trace" in other.space
+    assert "not in the trace" not in router_choice({**cfg, "router_selection_bias": {}}, LAYER).space
     # reports and `inspect` show the biases summarised, not 256 numbers per layer
     rep = find_divergence(str(tmp_path / "t"), str(tmp_path / "t"))
     assert rep.to_json()["sides"]["a"]["model"]["router_selection_bias"] == "2 layers x 8 experts, max |bias| 0.3"

@@ -34,13 +34,16 @@ class RouterChoice:
     n_group: int = 1
     topk_group: int = 1
     group_top: int = 2                   # a group's score: the sum of its best `group_top` choice scores
+    bias_missing: bool = False           # the trace states other layers' biases but not this one's (a
+                                         # pipeline stage's manifest): margins without it, and said so
 
     @property
     def space(self) -> str:
         """Where the margins are taken, as the report names it."""
         if self.scoring != "sigmoid":
             return "logits"
-        return "sigmoid" + ("+bias" if self.bias is not None else "") + (" in groups" if self.n_group > 1 else "")
+        return ("sigmoid" + ("+bias" if self.bias is not None else "") + (" in groups" if self.n_group > 1 else "")
+                + (" (this layer's selection bias is not in the trace)" if self.bias_missing else ""))
 
     @property
     def grouped(self) -> bool:
@@ -109,7 +112,7 @@ def router_choice(config: dict, layer: int | None) -> RouterChoice:
         bias = b if np.isfinite(b).all() else None
     n_group = _count(config.get("router_n_group"), 1)
     return RouterChoice("sigmoid", bias, n_group, _count(config.get("router_topk_group"), n_group),
-                        _count(config.get("router_group_top"), 2))
+                        _count(config.get("router_group_top"), 2), bias_missing=bias is None and bool(biases))
 
 
 def _count(v, default: int) -> int:
