@@ -171,3 +171,11 @@ def test_softmax_routers_keep_their_logit_margins(scoring):
     top, gm = c.margins(logits, 3)
     assert c.space == "logits" and gm is None and top.tolist() == [[0.3, 0.1, -0.2]]
     assert c.score_error(np.array([1e-3]), "bfloat16").tolist() == [1e-3]
+
+
+def test_selection_bias_differences_name_layers_and_experts():
+    from tic_trace.compare.choice import selection_bias_differences
+    a = {"router_selection_bias": {"1": [0.0, 0.1, float("nan")], "2": [0.0, 0.0, 0.0], "x": [1.0]}}
+    b = {"router_selection_bias": {"1": [0.0, 0.2, float("nan")], "2": [0.0, 0.0, 0.0], "3": [1.0, 1.0, 1.0]}}
+    assert selection_bias_differences(a, b) == [(1, [1])]
+    assert selection_bias_differences(a, {}) == []

@@ -130,7 +130,7 @@ def selection_bias_differences(config_a: dict, config_b: dict) -> list[tuple[int
     for key in sorted(set(a) & set(b), key=lambda k: (len(k), k)):
         ba, bb = np.asarray(a[key], dtype=np.float64), np.asarray(b[key], dtype=np.float64)
         if key.isdigit() and ba.shape == bb.shape:
-            experts = np.flatnonzero(ba != bb).tolist()
+            experts = np.flatnonzero((ba != bb) & ~(np.isnan(ba) & np.isnan(bb))).tolist()
             if experts:
                 out.append((int(key), experts))
     return out
