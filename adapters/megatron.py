@@ -576,7 +576,7 @@ def _router_facts(cfg: Any, layers: list) -> dict:
     groups = int(getattr(cfg, "moe_router_num_groups", None) or 1)
     topk_group = int(getattr(cfg, "moe_router_group_topk", None) or groups)
     topk = int(getattr(cfg, "moe_router_topk", 0) or 0)
-    biases = [(int(getattr(lay, "layer_number", i + 1)) - 1, getattr(getattr(lay.mlp, "router", None), "expert_bias", None))
+    biases = [(int(getattr(lay, "layer_number", i + 1)) - 1, getattr(lay.mlp.router, "expert_bias", None))
               for i, lay in enumerate(layers) if hasattr(getattr(lay, "mlp", None), "router")]
     return router_facts(biases, n_group=groups, topk_group=topk_group,
                         group_top=topk // topk_group if groups > 1 and topk_group else None)

@@ -289,8 +289,8 @@ def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[t
 
 
 def _routing_facts(m: PointMeasurement, router: PointMeasurement | None, outputs: list, dlogprob: dict) -> dict:
-    """Each flip's margin against the error its router-logit error makes of a choice score, and the error the flipped token carries to the
-    output (the first output point that has its row)."""
+    """Each flip's margin against the error its router-logit error makes of a choice score, and the error the
+    flipped token carries to the output (the first output point that has its row)."""
     flips, explained_outputs = [], []
     for row, margin, logit_err, explained in flip_margins(m, router):
         out_key, out_err = next(((key, rows[row]) for key, rows in outputs if row in rows), (None, None))
@@ -413,7 +413,8 @@ def _side(v: CanonicalView, check=None) -> dict:
     check = check or v.adapter.check_architecture(v.config)
     return {"path": str(v.trace.path), "framework": v.adapter.name, "versions": m.get("versions", {}),
             "architecture": {"name": check.name, "verified": check.verified, "why": check.why},
-            "model": shown_model_facts(m.get("model", {})), "ranks": v.trace.ranks, "unmapped_module_outputs": len(v.unmapped),
+            "model": shown_model_facts(m.get("model", {})), "ranks": v.trace.ranks,
+            "unmapped_module_outputs": len(v.unmapped),
             "skipped_passes": v.skipped, "ignored_entries": v.trace.ignored, "merge_notes": dict(v.notes),
             "repeated_calls": v.repeated_calls, "run_incomplete": v.trace.incomplete_runs(),
             "tracer_notes": v.tracer_notes}
