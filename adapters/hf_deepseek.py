@@ -78,9 +78,7 @@ def latent_facts(text: Any) -> dict:
 def selection_facts(model: Any, text: Any) -> dict:
     """The routers' score-correction bias per MoE layer (`mlp.gate.e_score_correction_bias`) and the group
     limit (`n_group`/`topk_group`; a group scored by its best two choice scores), for the flip margins."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        layers = getattr(getattr(getattr(model, "model", None), "language_model", None), "layers", None) or []
+    layers = getattr(getattr(model, "model", None), "layers", None) or []    # the table's model.layers.N
     biases = [(i, getattr(getattr(lay.mlp, "gate", None), "e_score_correction_bias", None))
               for i, lay in enumerate(layers) if hasattr(lay, "mlp")]
     n_group = getattr(text, "n_group", None)

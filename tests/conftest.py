@@ -77,6 +77,15 @@ def first_divergence_of_plant(model, plant, tmp_path, ids):
     return parse_key(rep.first["key"])
 
 
+def assert_planted_fault_found(rep, point: str, layer: int | None) -> None:
+    """The report's first divergence is exactly the planted fault's point and layer; a routing change is a
+    routing finding, not an MLP operator's."""
+    assert rep.verdict == "divergent"
+    assert (rep.first.point, rep.first.layer) == (point, layer), (rep.first.key, rep.first.summary)
+    if point == "moe.topk_ids":
+        assert rep.findings[0].cause == "routing", rep.findings[0]
+
+
 def bf16_model(moe=True, seed=0, **cfg):
     """The tiny Qwen3 in bf16, its weights a function of (config, seed) only: the contract and replay suites'
     model, the same whether built directly or loaded back from its checkpoint."""

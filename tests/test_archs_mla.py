@@ -25,7 +25,7 @@ from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable, s
 from tic_trace.testing.precision_faults import PRECISION_FAULTS
 from tic_trace.view.align import CanonicalView
 
-from conftest import trace_hf
+from conftest import assert_planted_fault_found, trace_hf
 
 IDS = sample_tokens(2, 10)
 _BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
@@ -178,10 +178,7 @@ FAULT_CASES = {
 def test_planted_fault_found_at_its_point_and_layer(tmp_path, case):
     name, plant, point, layer = FAULT_CASES[case]
     rep = _divergence(tmp_path, name, plant)
-    assert rep.verdict == "divergent"
-    assert (rep.first.point, rep.first.layer) == (point, layer), (rep.first.key, rep.first.summary)
-    if point == "moe.topk_ids":       # a routing change is a routing finding, not an MLP operator's
-        assert rep.findings[0].cause == "routing", rep.findings[0]
+    assert_planted_fault_found(rep, point, layer)
 
 
 def _rmsnorm_without_upcast(path: str):

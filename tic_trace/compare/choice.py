@@ -45,10 +45,6 @@ class RouterChoice:
         return ("sigmoid" + ("+bias" if self.bias is not None else "") + (" in groups" if self.n_group > 1 else "")
                 + (" (this layer's selection bias is not in the trace)" if self.bias_missing else ""))
 
-    @property
-    def grouped(self) -> bool:
-        return self.n_group > 1
-
     def scores(self, logits: np.ndarray) -> np.ndarray:
         """[rows, E] float64 scores the top-k compares (before the group limit)."""
         x = logits.astype(np.float64)
@@ -68,33 +64,38 @@ class RouterChoice:
         return _SIGMOID_SLOPE * err + _UNIT_ROUNDOFF.get(dtype or "", 2.0 ** -8)
 
     def _groups_fit(self, e: int) -> bool:
-        return self.grouped and e % self.n_group == 0 and e // self.n_group >= self.group_top \
+        return self.n_group > 1 and e % self.n_group == 0 and e // self.n_group >= self.group_top \
             and 1 <= self.topk_group < self.n_group
 
     def _group_scores(self, s: np.ndarray) -> np.ndarray:
         grouped = s.reshape(s.shape[0], self.n_group, -1)
         return -np.sort(-grouped, axis=2)[:, :, :self.group_top].sum(axis=2)
 
-    def eligible(self, logits: np.ndarray) -> np.ndarray:
-        """[rows, E] choice scores with every expert outside the kept groups at -inf: the top-k's input."""
-        s = self.scores(logits)
-        if not self._groups_fit(s.shape[1]):
-            return s
-        gscore = self._group_scores(s)
+    def _kept(self, s: np.ndarray, gscore: np.ndarray) -> np.ndarray:
+        """`s` with every expert outside the `topk_group` best groups (by `gscore`) at -inf."""
         keep = np.zeros_like(gscore, dtype=bool)
         np.put_along_axis(keep, np.argsort(-gscore, axis=1, kind="stable")[:, :self.topk_group], True, axis=1)
         return np.where(np.repeat(keep, s.shape[1] // self.n_group, axis=1), s, -np.inf)
+
+    def eligible(self, logits: np.ndarray) -> np.ndarray:
+        """[rows, E] choice scores with every expert outside the kept groups at -inf: the top-k's input."""
+        s = self.scores(logits)
+        return self._kept(s, self._group_scores(s)) if self._groups_fit(s.shape[1]) else s
 
     def margins(self, logits: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Per row of side A's logits: the `top` best eligible choice scores, descending (-inf past the eligible
         experts), and with groups the margin between the `topk_group`-th and the next group's score divided by
         `group_top` (a group score sums that many choice scores, so this compares against a choice score's
-        error like an expert margin does); None without groups."""
+        error like an expert margin does); None without groups. The scores and group scores are computed
+        once (a router point holds every token's row)."""
+        s = self.scores(logits)
         group_margin = None
-        if self._groups_fit(logits.shape[1]):
-            order = -np.sort(-self._group_scores(self.scores(logits)), axis=1)
+        if self._groups_fit(s.shape[1]):
+            gscore = self._group_scores(s)
+            order = -np.sort(-gscore, axis=1)
             group_margin = (order[:, self.topk_group - 1] - order[:, self.topk_group]) / self.group_top
-        return -np.sort(-self.eligible(logits), axis=1)[:, :top], group_margin
+            s = self._kept(s, gscore)
+        return -np.sort(-s, axis=1)[:, :top], group_margin
 
 
 def router_choice(config: dict, layer: int | None) -> RouterChoice:

@@ -280,8 +280,7 @@ def flip_margins(m: PointMeasurement, router: PointMeasurement | None) -> list[t
         if i is not None and len(router.router_top[i]) > k:
             top = router.router_top[i]
             margin = top[k - 1] - top[k]
-            err = float(router.router_score_error[i] if router.router_score_error is not None
-                        else router.per_row_abs[i])
+            err = float(router.router_score_error[i])
             if router.router_group_margin is not None:
                 margin = min(margin, float(router.router_group_margin[i]))
         out.append((row, margin, err, bool(margin <= 2.0 * err)))

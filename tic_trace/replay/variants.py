@@ -154,13 +154,16 @@ def _logits(v: VariantInput) -> torch.Tensor:
 
 def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tensor],
                    eps: Callable[[VariantInput], float] = lambda v: v.spec.rms_norm_eps) -> list[Variant]:
+    def fed(v):
+        return v.feeds[feed] if feed else next(iter(v.feeds.values()))
+
     def x_of(v):
-        x = v.feeds[feed] if feed else next(iter(v.feeds.values()))
+        x = fed(v)
         return x.reshape(*x.shape[:-2], -1) if spans_heads(x, weight(v)) else x
 
     def variant(fn):             # a norm over the whole projection (OLMoE's QK-norm) back in the heads' layout
         def run(v):
-            x = v.feeds[feed] if feed else next(iter(v.feeds.values()))
+            x = fed(v)
             y = fn(v)
             if isinstance(y, Renderings):
                 return Renderings(tuple(c.reshape(x.shape) for c in y.choices), y.seg)
