@@ -72,6 +72,8 @@ import logging
 import sys
 from typing import Any, Callable
 
+from tic_trace.adapters import sglang_deepseek as sgl_ds
+from tic_trace.adapters.hf_deepseek import latent_facts, selection_facts
 from tic_trace.graph.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
 from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
                                             PARTIAL_POINTS, POINTS, REFUSED, arch_row_applies, tp_copies_equal)
@@ -175,7 +177,7 @@ class SGLangAdapter(Adapter):
         if theta is None:
             params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
             theta = params.get("rope_theta") if isinstance(params, dict) else None
-        return {
+        out = {
             **self.architecture_facts(models),
             "model_type": getattr(text, "model_type", None),
             "arch_table": ARCH_OF_CLASS.get(_cls(model)),
@@ -195,7 +197,12 @@ class SGLangAdapter(Adapter):
             "dtype": dtype,
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
+            **(latent_facts(text) if mla else {}),
+            **(selection_facts(model, text) if n_exp else {}),
+            **(sgl_ds.routed_scale_facts(model, text) if n_exp else {}),
         }
+        arch = self.architecture(out)
+        return {**out, **arch.defaults} if arch is not None else out
 
     def architecture_of(self, models: list) -> str | None:
         return _cls(models[0])      # the *ForCausalLM class SGLang's ModelRunner built
@@ -277,7 +284,9 @@ class SGLangAdapter(Adapter):
             return False
         if not arch_row_applies(pm, config.get("architecture")):
             return False
-        if pm.point in MHA_POINTS and config.get("attention") == "mla":
+        if pm.point in MHA_POINTS and config.get("attention") == "mla" and "archs" not in pm.opts:
+            return False
+        if sgl_ds.row_applies(pm, config) is False:
             return False
         if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_norm", True):
             return False

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from tic_trace.adapters import sglang_deepseek as sgl_ds
 from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_merge, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
@@ -91,10 +92,11 @@ ARCH_POINTS = (
     PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
              note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
 )
+ARCH_POINTS += sgl_ds.ROWS
 #: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
 OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
 #: Module inputs an architecture's rows read (``tracer.record_inputs_of`` patterns).
-ARCH_INPUTS = {name: (r"re:^model\.layers\.0\.input_layernorm$",) for name in GEMMA}
+ARCH_INPUTS = {**{name: (r"re:^model\.layers\.0\.input_layernorm$",) for name in GEMMA}, **sgl_ds.INPUTS}
 
 
 def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
@@ -147,6 +149,8 @@ ARCH_OF_CLASS = {
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
 _ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
+_SIGMOID_TESTS = "`tests/test_sglang_mla.py` (against HF and Megatron, fp32 and bf16 replayed)"
+_SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in the config
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 #: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
 #: (a name table alone, checked on the meta device, is not a verification: those classes are in REFUSED).
@@ -181,13 +185,24 @@ ARCHITECTURES = {a.name: a for a in (
                  _ARCH_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
                  # TopK(renormalize=True) in gpt_oss.py: the top-k weights renormalised, whatever the config
                  defaults={"norm_topk_prob": True}),
+    Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",), "MoE: sigmoid router (`mlp.gate`) with a "
+                 "score-correction bias, group-limited top-k, routed scaling (multiplied into `moe.topk_weights` "
+                 "and `moe.experts_out` where SGLang applies it later), `shared_experts`, dense first layers; "
+                 "partial RoPE, q/k/v bias, QK-norm (tapped `apply_qk_norm`); prefill and decode rows (TP=1)",
+                 "every point the trace holds", _SIGMOID_TESTS, defaults=_SIGMOID),
+    Architecture("DeepseekV3ForCausalLM", ("DeepSeek-V3 (MLA, MoE)",), "multi-latent attention: q and kv latents "
+                 "split from `fused_qkv_a_proj_with_mqa`, their norms, `kv_b_proj` (MHA passes only: the absorbed "
+                 "decode path folds it into `w_kc`/`w_vc`), RoPE dims of `attn_mha` / `attn_mqa` inputs, `o_proj`'s "
+                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows (TP=1)",
+                 "every point the trace holds", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
+                 lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
 )}
 _META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {
     "Qwen2MoeForCausalLM": _META + ": its fused shared-expert gate is a Triton kernel that does not run on CPU",
-    "Glm4MoeForCausalLM": _META,
-    "DeepseekV2ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
-    "DeepseekV3ForCausalLM": _META + "; multi-latent attention: only the block points are mapped",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
+                             "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "
+                             "never run against another framework (the DeepSeek-V3 class is)",
     "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
                             "SGLang kernels are Triton only: the linear attention's gated norm "

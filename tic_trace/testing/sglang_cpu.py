@@ -40,6 +40,7 @@ Use this to test naming, row identity, sharding and alignment logic.
 Shims (each is a function below with the upstream file/function it bypasses):
   * ``_shim_stub_vllm_custom_ops``       (installed by ``install_cpu_shims``)
   * ``_shim_gloo_groups_without_pynccl`` (installed by ``install_cpu_shims``)
+  * ``_shim_rope_without_cpu_engine``    (installed by ``install_cpu_shims``)
   * ``disable_torch_compile``            (opt-in, for spawned TP>1 workers: speed only)
 plus one setting, not a patch: ``SGLANG_CPU_OMP_THREADS_BIND`` gets one entry per
 rank (see ``init_sglang_distributed``). No ``SGLANG_USE_CPU_ENGINE``: that path needs
@@ -154,6 +155,29 @@ def _shim_gloo_groups_without_pynccl() -> None:
     ps.init_model_parallel_group = init_model_parallel_group
 
 
+def _shim_rope_without_cpu_engine() -> None:
+    """Build RoPE on the CPU the way every other platform builds it (``get_rope``).
+
+    Bypasses: ``sglang/srt/layers/rotary_embedding/factory.py`` ``get_rope_wrapper`` (0.5.23), which sends
+    ``device == "cpu"`` (``deepseek_v2.py``'s MLA passes ``get_device().device``) to ``get_rope_cpu``: the
+    sgl-kernel CPU engine's RoPE, which asserts a ``deepseek_yarn`` ``rope_scaling`` ("Only deepseek_yarn is
+    supported for CPU for now") because that engine's fused kernel knows no other. This harness runs the
+    ``forward_native`` paths, which ``get_rope`` builds for any scaling, as on GPU.
+    """
+    from sglang.srt.layers.rotary_embedding import factory
+
+    if getattr(factory.get_rope_cpu, "_tic_trace_shim", False):
+        return
+
+    def get_rope_cpu(head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None,
+                     dtype=None, partial_rotary_factor=1.0, device=None):
+        return factory.get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling,
+                                dtype, partial_rotary_factor)
+
+    get_rope_cpu._tic_trace_shim = True
+    factory.get_rope_cpu = get_rope_cpu
+
+
 def disable_torch_compile() -> None:
     """Make SGLang's ``@torch.compile``-decorated helpers run eagerly in this process.
 
@@ -184,6 +208,7 @@ def install_cpu_shims() -> None:
         )
     _shim_stub_vllm_custom_ops()
     _shim_gloo_groups_without_pynccl()
+    _shim_rope_without_cpu_engine()
     _SHIMS_INSTALLED = True
 
 
@@ -283,6 +308,7 @@ _SGLANG_MODULE_OF_CLASS = {
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2ForCausalLM": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe", "LlamaForCausalLM": "llama", "Phi3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_causal", "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v2",
 }
 
 
@@ -302,6 +328,8 @@ def sglang_model_class(hf_config) -> type:
             "gemma2": "Gemma2ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM",
             "gpt_oss": "GptOssForCausalLM",
+            "glm4_moe": "Glm4MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM",
         }.get(model_type)
     module = _SGLANG_MODULE_OF_CLASS.get(arch)
     if module is None:
@@ -403,6 +431,22 @@ def build_sglang_model(
 # --------------------------------------------------------------------------------------
 # Rollout engine
 # --------------------------------------------------------------------------------------
+
+
+def _kv_pool(config, attns: list, size: int, dtype: torch.dtype, device: str):
+    """The KV pool SGLang's ModelRunner builds for the model: ``MLATokenToKVPool`` (one latent + k_pe row per
+    token and layer) for multi-latent attention (``kv_lora_rank`` in the config), else ``MHATokenToKVPool``.
+    MLA layers hold two RadixAttentions (``attn_mha``, ``attn_mqa``) of one layer id: layers are counted by id."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    a0, layers = attns[0], len({a.layer_id for a in attns})
+    if getattr(config, "kv_lora_rank", None):
+        return MLATokenToKVPool(size=size, page_size=1, dtype=dtype, kv_lora_rank=int(config.kv_lora_rank),
+                                qk_rope_head_dim=int(config.qk_rope_head_dim), layer_num=layers, device=device,
+                                enable_memory_saver=False, start_layer=a0.layer_id)
+    return MHATokenToKVPool(size=size, page_size=1, dtype=dtype, head_num=a0.tp_k_head_num,
+                            head_dim=a0.qk_head_dim, v_head_dim=a0.v_head_dim, layer_num=layers, device=device,
+                            enable_memory_saver=False, start_layer=a0.layer_id, enable_alt_stream=False)
 
 
 @dataclasses.dataclass
@@ -546,7 +590,7 @@ class SGLangRollout:
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.layers.radix_attention import RadixAttention
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         self.model = model
         self.device = "cpu"
@@ -564,19 +608,7 @@ class SGLangRollout:
             device=self.device,
             enable_memory_saver=False,
         )
-        self.token_to_kv_pool = MHATokenToKVPool(
-            size=kv_cache_tokens,
-            page_size=1,
-            dtype=kv_cache_dtype,
-            head_num=a0.tp_k_head_num,
-            head_dim=a0.qk_head_dim,
-            v_head_dim=a0.v_head_dim,
-            layer_num=len(attns),
-            device=self.device,
-            enable_memory_saver=False,
-            start_layer=a0.layer_id,
-            enable_alt_stream=False,
-        )
+        self.token_to_kv_pool = _kv_pool(model.config, attns, kv_cache_tokens, kv_cache_dtype, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             size=kv_cache_tokens,
             dtype=kv_cache_dtype,

@@ -106,3 +106,36 @@ class SoftcapSinkAttnBackend(TorchNativeAttnBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs):
         with self._attention_of(layer, sinks):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+class LatentCacheAttnBackend(TorchNativeAttnBackend):
+    """``TorchNativeAttnBackend`` for multi-latent attention (``deepseek_v2.py``'s ``DeepseekV2AttentionMLA``).
+
+    Works around ``torch_native_backend.py`` ``TorchNativeAttnBackend.forward_extend``, which always attends
+    over K and V read back from the KV pool. MLA's pool (``MLATokenToKVPool``) holds each token's normed kv
+    latent and k_pe, not per-head K/V. A prefill with no cached prefix runs MLA's MHA path
+    (``forward_normal``, chosen by ``attention_backend_handler.handle_attention_triton``, the handler every
+    backend without its own gets): it writes the latent to the pool itself, decompresses k_nope / v with
+    ``kv_b_proj`` and calls ``attn_mha(q, k, v, save_kv_cache=False)``, expecting the backend to attend over
+    the ``k`` / ``v`` it passes, as the GPU backends' extend kernels do (``triton_backend.forward_extend``
+    reads the extend part from ``k`` / ``v``). This class does that, per request and causal, with the upstream
+    SDPA; every other call (the absorbed MQA path over the latent cache, decode) runs upstream unchanged.
+    """
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if save_kv_cache or k is None or v is None:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if any(forward_batch.extend_prefix_lens_cpu):
+            raise NotImplementedError("MLA's MHA path over a cached prefix (MHA_CHUNKED_KV) is not emulated")
+        heads = layer.tp_q_head_num
+        q_, k_ = q.view(-1, heads, layer.qk_head_dim), k.view(-1, heads, layer.qk_head_dim)
+        v_ = v.view(-1, heads, layer.v_head_dim)
+        out = q.new_empty((q_.shape[0], heads, layer.v_head_dim))
+        start = 0
+        for n in forward_batch.extend_seq_lens_cpu:
+            rows = slice(start, start + int(n))
+            o = _UPSTREAM_SDPA(q_[rows].transpose(0, 1), k_[rows].transpose(0, 1), v_[rows].transpose(0, 1),
+                               is_causal=True, scale=layer.scaling)
+            out[rows] = o.transpose(0, 1)
+            start += int(n)
+        return out.view(q_.shape[0], heads * layer.v_head_dim)
