@@ -36,6 +36,7 @@ import numpy as np
 
 from tic_trace.adapters import hf_deepseek  # noqa: F401 - registers the `latent_heads` transform the rows use
 from tic_trace.graph.adapter import PointMap, TransformContext, register_transform, transform
+from tic_trace.replay.grid import round_to
 
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ROUTED_SCALED = MLA + ("Glm4MoeForCausalLM",)
@@ -67,22 +68,29 @@ def _mla_rope(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def _times_missing_scale(a: np.ndarray, ctx: TransformContext, fact: str) -> np.ndarray:
+def _times_missing_scale(a: np.ndarray, ctx: TransformContext, fact: str, onto: str | None) -> np.ndarray:
+    """`a` times the routed scale unless the trace says it carries it; the product rounded onto the dtype
+    `onto` where SGLang materialises it in that dtype (None: kept exact)."""
     if ctx.config.get(fact):
         return a
-    return a * np.asarray(float(ctx.config["routed_scaling_factor"]), dtype=a.dtype)
+    scaled = a.astype(np.float64) * float(ctx.config["routed_scaling_factor"])
+    return (round_to(scaled, onto) if onto else scaled).astype(a.dtype)
 
 
 @register_transform("sgl_routed_weights")
 def _routed_weights(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
-    """The top-k weights by sorted id (as every router's), times the routed scale where SGLang's lack it."""
-    return _times_missing_scale(transform("weights_by_sorted_ids")(a, ctx), ctx, "routed_scale_in_weights")
+    """The top-k weights by sorted id (as every router's), times the routed scale where SGLang's lack it (they
+    then never meet the scale in SGLang: the exact product)."""
+    return _times_missing_scale(transform("weights_by_sorted_ids")(a, ctx), ctx, "routed_scale_in_weights", None)
 
 
 @register_transform("sgl_routed_experts")
 def _routed_experts(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
-    """The routed experts' combination, times the routed scale where SGLang's block applies it afterwards."""
-    return _times_missing_scale(transform("tokens")(a, ctx), ctx, "routed_scale_in_experts")
+    """The routed experts' combination, times the routed scale where SGLang's block applies it afterwards: as
+    the block's in-place ``*=`` computes it, rounded onto the activations' dtype (a second rounding of the
+    routed output that a scale inside the experts, HF's and Megatron's, does not have)."""
+    return _times_missing_scale(transform("tokens")(a, ctx), ctx, "routed_scale_in_experts",
+                                str(ctx.config.get("dtype") or "float32"))
 
 
 def _only(archs: tuple[str, ...], **opts: Any) -> dict:

@@ -17,7 +17,6 @@ from pathlib import Path
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
 import pytest
 import torch
-import transformers as T
 
 import tic_trace
 from tic_trace import find_divergence
@@ -29,10 +28,11 @@ from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence, intri
 from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing import megatron_mla as mm
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens
+from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.testing.precision_faults import _rmsnorm_bf16_torch
 from tic_trace.view.align import CanonicalView
 
+from arch_configs_mla import mla_config, mla_hf_model
 from conftest import assert_planted_fault_found, trace_hf
 
 IDS = sample_tokens(2, 12)
@@ -41,42 +41,14 @@ ARCH = "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer"
 LATENT = {"attn.q_a", "attn.q_a_norm", "attn.kv_a", "attn.kv_a_norm", "attn.kv_b"}
 
 
-_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
-               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
-               bos_token_id=1, eos_token_id=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-               n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-               norm_topk_prob=True)
-
-
-def _config(name: str, **changes):
-    """tests/test_archs_mla.py's tiny models: 8 experts in 2 groups (1 kept), top-2, routed scaling 2.5, one
-    shared expert, layer 0 dense. DeepSeek-V3: q latent 24, kv latent 32, nope 16 + rope 8, v 16, interleaved
-    RoPE. GLM-4.5: 2 KV heads of 16, q/k/v bias, QK-norm, RoPE on half the head (its default)."""
-    if name == "deepseek":
-        cfg = T.DeepseekV3Config(**{**_COMMON, **changes}, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
-                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    else:
-        cfg = T.Glm4MoeConfig(**{**_COMMON, **changes}, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                              use_qk_norm=True)
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
-CFGS = {"deepseek": _config("deepseek"), "glm": _config("glm")}
+CFGS = {"deepseek": mla_config("deepseek"), "glm": mla_config("glm")}
 BUILD = {"deepseek": mm.build_mla_gpt_model, "glm": mm.build_glm4_moe_gpt_model}
 ARCH = {"deepseek": "GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer",
         "glm": "GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer"}
 
 
 def _hf_model(name: str, dtype: torch.dtype):
-    """The HF model, with a non-zero score-correction bias (zero would leave the bias path untested)."""
-    model = build_hf_model_stable(CFGS[name], dtype=dtype)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in model.model.layers[CFGS[name].first_k_dense_replace:]:
-            bias = layer.mlp.gate.e_score_correction_bias
-            bias.copy_(0.1 * torch.randn(bias.shape, generator=g))
-    return model
+    return mla_hf_model(CFGS[name], dtype)
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +292,7 @@ def test_table_rows_and_the_setups_still_refused():
 def test_configs_megatron_cannot_reproduce_are_refused_by_the_harness():
     for change in ({"rope_interleave": False}, {"rms_norm_eps": 1e-5}, {"num_experts_per_tok": 4},
                    {"norm_topk_prob": False}):
-        cfg = _config("deepseek")
+        cfg = mla_config("deepseek")
         for k, v in change.items():
             setattr(cfg, k, v)
         with pytest.raises(NotImplementedError):
