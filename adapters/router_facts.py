@@ -15,7 +15,9 @@ def router_facts(biases: Iterable[tuple[int, Any]], *, n_group: int | None, topk
     """`biases`: (layer, the router's selection bias tensor or None) per MoE layer of this stage. Trace time
     only: torch is imported here, never when an adapter module is loaded to read a trace."""
     import torch
-    got = [(layer, b) for layer, b in biases if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel()]
+    # a meta tensor (a module tree built without weights) holds no values to state
+    got = [(layer, b) for layer, b in biases
+           if isinstance(b, torch.Tensor) and b.dim() == 1 and b.numel() and not b.is_meta]
     out: dict = {}
     if got and len({b.numel() for _, b in got}) == 1:
         values = torch.stack([b.detach().to(torch.float64) for _, b in got]).cpu().tolist()

@@ -717,12 +717,15 @@ def test_name_tables_on_meta_module_trees(sglang_env):
         assert config["arch_table"] == arch
         assert config["attention"] == ("mla" if arch == "deepseek_mla" else "mha")
         promised = ad.promised_points(config)
-        if arch == "deepseek_mla":
-            assert not set(promised) & set(sga.MHA_POINTS)
+        if arch == "deepseek_mla":      # MLA's own rows; a q latent only with q_lora_rank (V3 here, not V2)
+            assert not set(promised) & {"attn.k", "attn.v", "attn.q_norm", "attn.k_norm"}
+            assert {"attn.q", "attn.q_rope", "attn.k_rope", "attn.core", "attn.kv_a", "attn.kv_a_norm",
+                    "attn.kv_b"} <= set(promised)
+            assert ({"attn.q_a", "attn.q_a_norm"} <= set(promised)) == bool(cfg.q_lora_rank)
         if arch in ("deepseek_mla", "glm4_moe"):
             assert {"moe.router_logits", "moe.topk_ids", "moe.shared_out"} <= set(promised)
         # every table row the adapter applies to this model names a module the model has
-        for pm in POINTS:
+        for pm in ad.points:
             if not ad.applies(pm, config):
                 continue
             rx = record_module(pm).replace("(?P<layer>\\d+)", r"\d+")

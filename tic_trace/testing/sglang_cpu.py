@@ -161,20 +161,26 @@ def _shim_rope_without_cpu_engine() -> None:
     Bypasses: ``sglang/srt/layers/rotary_embedding/factory.py`` ``get_rope_wrapper`` (0.5.23), which sends
     ``device == "cpu"`` (``deepseek_v2.py``'s MLA passes ``get_device().device``) to ``get_rope_cpu``: the
     sgl-kernel CPU engine's RoPE, which asserts a ``deepseek_yarn`` ``rope_scaling`` ("Only deepseek_yarn is
-    supported for CPU for now") because that engine's fused kernel knows no other. This harness runs the
-    ``forward_native`` paths, which ``get_rope`` builds for any scaling, as on GPU.
+    supported for CPU for now") because that engine's fused kernel knows no other. Without a scaling, this
+    builds the plain RoPE ``get_rope`` builds on GPU (run through ``forward_native`` here); a YaRN scaling still
+    goes to the CPU factory, which handles it.
     """
     from sglang.srt.layers.rotary_embedding import factory
 
-    if getattr(factory.get_rope_cpu, "_tic_trace_shim", False):
+    original = factory.get_rope_cpu
+    if getattr(original, "_tic_trace_shim", False):
         return
 
     def get_rope_cpu(head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None,
                      dtype=None, partial_rotary_factor=1.0, device=None):
+        if rope_scaling is not None:        # the case the CPU factory handles (its DeepSeek YaRN): unchanged
+            return original(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                            partial_rotary_factor, device)
         return factory.get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling,
                                 dtype, partial_rotary_factor)
 
     get_rope_cpu._tic_trace_shim = True
+    get_rope_cpu.__wrapped__ = original
     factory.get_rope_cpu = get_rope_cpu
 
 
