@@ -74,7 +74,7 @@ from typing import Any, Callable
 
 from tic_trace.adapters import sglang_deepseek as sgl_ds
 from tic_trace.adapters.hf_deepseek import latent_facts, selection_facts
-from tic_trace.graph.adapter import Adapter, PointMap, merge, plain_settings, register_adapter
+from tic_trace.graph.adapter import Adapter, ArchitectureCheck, PointMap, merge, plain_settings, register_adapter
 from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
                                             PARTIAL_POINTS, POINTS, REFUSED, arch_row_applies, tp_copies_equal)
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
@@ -197,7 +197,7 @@ class SGLangAdapter(Adapter):
             "dtype": dtype,
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
-            **(latent_facts(text) if mla else {}),
+            **({**latent_facts(text), **sgl_ds.mla_path_facts()} if mla else {}),
             **(selection_facts(model, text) if n_exp else {}),
             **(sgl_ds.routed_scale_facts(model, text) if n_exp else {}),
         }
@@ -206,6 +206,12 @@ class SGLangAdapter(Adapter):
 
     def architecture_of(self, models: list) -> str | None:
         return _cls(models[0])      # the *ForCausalLM class SGLang's ModelRunner built
+
+    def check_architecture(self, config: dict) -> ArchitectureCheck:
+        """As the base, and an MLA trace only in the setup its rows were verified in (sglang_deepseek)."""
+        c = super().check_architecture(config)
+        why = sgl_ds.mla_refusal(config) if c.verified else None
+        return ArchitectureCheck(c.adapter, c.name, False, why) if why else c
 
     def rank_coords(self) -> dict:
         out: dict[str, Any] = {}

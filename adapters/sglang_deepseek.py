@@ -169,3 +169,40 @@ def routed_scale_facts(model: Any, text: Any) -> dict:
     in_weights = None if cfg is None else bool(getattr(cfg, "apply_routed_scaling_factor_on_output", False))
     return {"routed_scaling_factor": float(factor), "routed_scale_in_weights": in_weights,
             "routed_scale_in_experts": _routed_scale_in_experts(mlp, in_weights)}
+
+
+def mla_path_facts() -> dict:
+    """The attention backend MLA ran on and whether its absorbed path hands the RoPE dims to the kernel apart
+    (``attn_mqa(q_nope_out, ..., q_rope=, k_rope=)``, the backends in ``deepseek_common/utils.py``'s
+    ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS``) instead of inside the attention's q and k inputs, where the
+    rows read them. None where the trace cannot tell (no server arguments, or a version without that list)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        sa = get_server_args()
+    except Exception:  # noqa: BLE001 - outside a server (a model built directly) there are none
+        sa = None
+    backend = getattr(sa, "decode_attention_backend", None) or getattr(sa, "attention_backend", None)
+    try:
+        from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS as apart
+    except Exception:  # noqa: BLE001 - another SGLang layout: unknown
+        apart = None
+    return {"mla_decode_backend": backend,
+            "mla_rope_apart": None if backend is None or apart is None else backend in apart}
+
+
+def mla_refusal(config: dict) -> str | None:
+    """Why an MLA trace's setup is not the one the tests verify (None: it is, or the model is not MLA)."""
+    if config.get("attention") != "mla" or config.get("architecture") not in MLA:
+        return None
+    why = []
+    if int(config.get("tensor_model_parallel_size") or 1) > 1:
+        why.append(f"tensor parallelism {config.get('tensor_model_parallel_size')}: MLA's sharded heads and "
+                   "latents are run at TP 1 only in the tests")
+    apart = config.get("mla_rope_apart")
+    if apart is None:
+        why.append("the trace does not say which attention backend ran the absorbed path (where its RoPE dims are)")
+    elif apart:
+        why.append(f"decode attention backend `{config.get('mla_decode_backend')}` takes the RoPE dims apart "
+                   "(`q_rope=` / `k_rope=`): the rows read them inside the attention's q and k inputs, as "
+                   "torch_native, triton and flashmla pass them; not run in the tests")
+    return "MLA: " + "; ".join(why) if why else None

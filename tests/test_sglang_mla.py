@@ -124,6 +124,8 @@ def test_clean_fp32_pairs_with_hf_and_megatron_are_consistent(tmp_path, sides, n
     assert (v.config["architecture"], v.config["architecture_verified"]) == (CLASS[name], True)
     assert (v.config["routed_scale_in_weights"], v.config["routed_scale_in_experts"]) == (False, False)
     assert v.config["router_scoring"] == "sigmoid" and v.config["router_selection_bias"]
+    if name == "deepseek":      # the absorbed path's backend, and that it passes the RoPE dims inside q and k
+        assert (v.config["mla_decode_backend"], v.config["mla_rope_apart"]) == ("torch_native", False)
     points = {p for p, _ in v.points()}
     assert points == set(v.adapter.promised_points(v.config)) | {"logprobs"}
     if name == "deepseek":
@@ -275,3 +277,20 @@ def test_routed_scale_facts_follow_the_block_flags(sides):
     mlp.topk.topk_config = copy.copy(mlp.topk.topk_config)
     mlp.topk.topk_config.apply_routed_scaling_factor_on_output = True
     assert sgl_ds.routed_scale_facts(model, cfg)["routed_scale_in_weights"] is True
+
+
+def test_mla_setups_not_run_in_the_tests_are_refused_by_name():
+    """An MLA trace is verified only at TP 1 on a backend that passes the RoPE dims inside q and k (the rows
+    read them there): TP 2, a backend taking them apart (fa3, flashinfer, trtllm_mla) or a trace that does not
+    say which backend ran are refused, naming why; GLM-4.5 (no MLA) is not concerned."""
+    ad = sga.SGLangAdapter()
+    base = {"architecture": "DeepseekV3ForCausalLM", "attention": "mla", "tensor_model_parallel_size": 1,
+            "mla_decode_backend": "torch_native", "mla_rope_apart": False}
+    assert ad.check_architecture(base).verified
+    for change, word in (({"tensor_model_parallel_size": 2}, "tensor parallelism 2"),
+                         ({"mla_decode_backend": "fa3", "mla_rope_apart": True}, "`fa3` takes the RoPE dims apart"),
+                         ({"mla_decode_backend": None, "mla_rope_apart": None}, "does not say which attention")):
+        c = ad.check_architecture({**base, **change})
+        assert not c.verified and word in c.why, (change, c.why)
+    assert ad.check_architecture({"architecture": "Glm4MoeForCausalLM", "attention": "mha",
+                                  "tensor_model_parallel_size": 2}).verified
