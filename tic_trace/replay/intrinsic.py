@@ -21,13 +21,14 @@ from ..store.dtypes import dtype_info, known_dtype
 from ..view.align import CanonicalTensor, CanonicalView
 from .grid import effective_dtype, grid_spacing, round_to, row_relative_excess  # noqa: F401 - public here too
 from .exact_model import feed_key
+from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
 from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
-_KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "__kv_rows__")
+_KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
 
 RowId = tuple[str, int]
 
@@ -232,6 +233,8 @@ class SideReplayer:
         feeds = {}
         for f in self.ref.inputs_of(point, self.has_qk_norm, layer):
             k = self._feed_key(f, layer)
+            if k not in self.present and f in OPTIONAL_INPUTS.get(point, ()):
+                continue
             if k not in self.present:
                 raise NotReplayable(f"input {key_name(*k)} not recorded")
             feeds[k[0] if f[0] != "<" else f] = t = self._load(*k)
@@ -244,7 +247,9 @@ class SideReplayer:
             raise NotReplayable("no row recorded in both the point and its inputs")
         dev = self.ref.device
         x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
-        if point == "attn.core":
+        if point == "attn.core" and "attn.kv_b" in feeds:
+            x.update(_latent_kv_feeds(feeds["attn.k_rope"], feeds["attn.kv_b"], feeds.get("attn.kv_a_norm"), dev))
+        elif point == "attn.core":
             x.update(_kv_feeds(*(feeds[f] for f in _KV_FEEDS if f in feeds), dev,
                                names=[f for f in _KV_FEEDS if f in feeds]))
         try:
@@ -331,6 +336,25 @@ def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str, names=("attn.k_r
     rows, idx = _common_rows(k, [v])
     kt, vt = _tensor(k.values[idx[0]], dev), _tensor(v.values[idx[1]], dev)
     return {names[0]: kt, names[1]: vt, "__kv_rows__": {r: i for i, r in enumerate(rows)}}
+
+
+def _latent_kv_feeds(k_pe: CanonicalTensor, kv_b: CanonicalTensor, latent: CanonicalTensor | None, dev: str) -> dict:
+    """MLA's key/value rows (all passes): k_pe, and kv_b where the side materialised it (NaN where it did not:
+    an absorbed path), with the normed latent those rows were up-projected from (latent.py's core reads it
+    where kv_b is NaN). Without the latent, the rows that have a kv_b."""
+    if any(t is not None and t.values is None for t in (k_pe, kv_b, latent)):
+        raise NotReplayable("attn.k_rope, attn.kv_b or attn.kv_a_norm has no values")
+    rows, idx = _common_rows(k_pe, [latent if latent is not None else kv_b])
+    at = {r: i for i, r in enumerate(kv_b.rows)}
+    vb = np.full((len(rows),) + kv_b.values.shape[1:], np.nan)
+    for n, r in enumerate(rows):
+        if r in at:
+            vb[n] = kv_b.values[at[r]]
+    out = {"attn.k_rope": _tensor(k_pe.values[idx[0]], dev), "attn.kv_b": _tensor(vb, dev),
+           "__kv_rows__": {r: i for i, r in enumerate(rows)}}
+    if latent is not None:
+        out["attn.kv_a_norm"] = _tensor(latent.values[idx[1]], dev)
+    return out
 
 
 def replay_side(view: CanonicalView | str, reference: ExactReference,

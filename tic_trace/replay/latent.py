@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .model_spec import ModelSpec
+from .not_replayable import NotReplayable
 
 if TYPE_CHECKING:      # torch loads with the replay's ops: checkpoint.py reads the shapes here without it
     import torch
@@ -38,7 +39,45 @@ def latent_inputs(point: str, spec: ModelSpec) -> tuple[str, ...] | None:
         return ("attn_norm",) if point in ("attn.q", "attn.k", "attn.v") else None
     return {"attn.q": ("attn.q_a_norm",) if spec.q_lora_rank else ("attn_norm",),
             "attn.q_rope": ("attn.q",), "attn.k_rope": ("attn.kv_a",),
-            "attn.core": ("attn.q", "attn.q_rope", "attn.k_rope", "attn.kv_b")}.get(point)
+            "attn.core": ("attn.q", "attn.q_rope", "attn.k_rope", "attn.kv_b", "attn.kv_a_norm")}.get(point)
+
+
+#: Inputs an op reads only where the trace holds them: MLA's core reads the normed kv latent for the keys whose
+#: kv_b was never materialised (the absorbed path); a trace without the latent is replayed from kv_b alone.
+OPTIONAL_INPUTS = {"attn.core": ("attn.kv_a_norm",)}
+
+
+def absorbed_queries(rows, kv_rows: dict, present: "torch.Tensor", dev) -> "torch.Tensor":
+    """Per query row, whether it ran an absorbed path: a query whose keys 0..p all have a recorded kv_b ran
+    the MHA path (its attention read that kv_b); any other read the latent cache, up-projected inside its
+    weights (kv_b never materialised, for any of its keys)."""
+    import torch
+    from .arch_ops import each_sample
+    out = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+    for qi, qpos, kidx, _ in each_sample(rows, kv_rows, dev):
+        upto = torch.cumprod(present[kidx].to(torch.int64), 0).bool()      # kv_b at every key 0..p
+        out[torch.tensor(qi, device=dev)] = ~upto[qpos]
+    return out
+
+
+def key_values(ref, layer, feeds: dict, proj) -> tuple:
+    """(kv_b as recorded [keys, H, nope + v] (NaN where not), kv_b up-projected exactly from the recorded
+    latent or None when every key has one, which keys have a recorded one). `proj(ref, layer, x, name)`:
+    the float64 projection."""
+    s = ref.spec
+    kv_b = _heads(feeds["attn.kv_b"], s)
+    present = kv_b_present(feeds)
+    if bool(present.all()):
+        return kv_b, None, present
+    if "attn.kv_a_norm" not in feeds:
+        raise NotReplayable("kv_b of some key rows not recorded (an absorbed path), nor the kv latent")
+    return kv_b, _heads(proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), s), present
+
+
+def kv_b_present(feeds: dict) -> "torch.Tensor":
+    """Which key rows hold a recorded kv_b (the rest are NaN: see intrinsic._latent_kv_feeds)."""
+    kv_b = feeds["attn.kv_b"]
+    return ~kv_b.reshape(kv_b.shape[0], -1).isnan().any(dim=1)
 
 
 def latent_shape(rest: str, spec: ModelSpec) -> list[int | None] | None:
@@ -126,14 +165,24 @@ class LatentOps:
 
     def core(self, ref, layer, feeds, rows, tokens):
         """Per sample, every query row over the keys at positions 0..p (reference.attend_by_sample, in query
-        blocks): q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe the same for every head), v from kv_b."""
+        blocks): q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe the same for every head), v from kv_b. A query
+        that ran an absorbed path (an engine's decode: kv_b never materialised) reads k_nope and v up-projected
+        exactly from the recorded latent, for every key: in exact arithmetic the absorbed attention is this."""
         import torch
         s, nope = ref.spec, ref.spec.qk_nope_head_dim
         q = torch.cat([_heads(feeds["attn.q"], s)[..., :nope], _heads(feeds["attn.q_rope"], s)], dim=-1)
-        kv_b = _heads(feeds["attn.kv_b"], s)
+        kv_b, up, present = key_values(ref, layer, feeds, self._proj)
         k_pe = feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
-        k, v = torch.cat([kv_b[..., :nope], k_pe], dim=-1), kv_b[..., nope:]
-        return self.f.attend_by_sample(q, k, v, rows, feeds["__kv_rows__"], softmax_scale(s))
+        absorbed = (absorbed_queries(rows, feeds["__kv_rows__"], present, q.device) if up is not None
+                    else torch.zeros(len(rows), dtype=torch.bool))
+        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=q.dtype, device=q.device)
+        for sel, kv in ((~absorbed, kv_b), (absorbed, up)):
+            idx = sel.nonzero().flatten().tolist()
+            if idx:
+                k, v = torch.cat([kv[..., :nope], k_pe], dim=-1), kv[..., nope:]
+                out[idx] = self.f.attend_by_sample(q[idx], k, v, [rows[i] for i in idx], feeds["__kv_rows__"],
+                                                   softmax_scale(s))
+        return out
 
 
 def _heads(y: torch.Tensor, spec: ModelSpec) -> torch.Tensor:

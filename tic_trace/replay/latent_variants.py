@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from .arch_ops import each_sample
-from .latent import LATENT_NORM_EPS, _heads, softmax_scale
+from .latent import LATENT_NORM_EPS, _heads, absorbed_queries, kv_b_present, softmax_scale
 from .variants import Variant, VariantInput, _eager, _flash, _norm_variants, _sdpa, _softmax_bf16, rotate
 
 _NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
@@ -51,25 +51,54 @@ def _latent_rope(fp32_tables: bool):
 def _latent_attention(kernel, same_v_dim: bool = False):
     """q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe shared by every head), v from kv_b, in the side's
     dtype, through one attention kernel per sample. `same_v_dim`: the kernel needs v's head dim to be q's
-    (torch's fused SDPA; otherwise it falls back to the math path, a variant of its own)."""
+    (torch's fused SDPA; otherwise it falls back to the math path, a variant of its own). A query that ran an
+    absorbed path (latent.absorbed_queries) runs the absorbed attention instead (_absorbed)."""
     def run(v: VariantInput) -> torch.Tensor:
         s, dt = v.spec, v.dtype
         nope = s.qk_nope_head_dim
         if same_v_dim and s.v_head_dim != nope + s.qk_rope_head_dim:
             raise NotImplementedError("the fused kernel needs v's head dim to be q's")
-        q = torch.cat([_heads(v.feeds["attn.q"], s)[..., :nope], _heads(v.feeds["attn.q_rope"], s)], dim=-1)
+        q_nope, q_rope = _heads(v.feeds["attn.q"], s)[..., :nope], _heads(v.feeds["attn.q_rope"], s)
         kv_b = _heads(v.feeds["attn.kv_b"], s)
-        k_pe = v.feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
-        k, vv = torch.cat([kv_b[..., :nope], k_pe], dim=-1), kv_b[..., nope:]
-        out = torch.empty(q.shape[0], s.num_attention_heads * vv.shape[-1], dtype=dt, device=q.device)
-        for qi, qpos, kidx, kpos in each_sample(v.rows, v.feeds["__kv_rows__"], q.device):
-            qs = q[qi].to(dt).transpose(0, 1)[None]
-            ks, vs = (t[kidx].to(dt).transpose(0, 1)[None] for t in (k, vv))
-            mask = (kpos[None, :] <= qpos[:, None])[None, None]
-            o = kernel(qs, ks, vs, mask, softmax_scale(s), dt)[0]
-            out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
+        k_pe = v.feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k, vv = torch.cat([kv_b[..., :nope], k_pe.expand(-1, s.num_attention_heads, -1)], dim=-1), kv_b[..., nope:]
+        absorbed = absorbed_queries(v.rows, v.feeds["__kv_rows__"], kv_b_present(v.feeds), q.device)
+        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=dt, device=q.device)
+        for qi_all, qpos_all, kidx, kpos in each_sample(v.rows, v.feeds["__kv_rows__"], q.device):
+            which = absorbed[torch.tensor(qi_all, device=q.device)]
+            for sel in (~which, which):
+                if not bool(sel.any()):
+                    continue
+                qi, qpos = [qi_all[j] for j in sel.nonzero().flatten().tolist()], qpos_all[sel]
+                hi = int(qpos.max()) + 1        # this group's keys (later ones may lack kv_b: NaN)
+                mask = (kpos[None, :hi] <= qpos[:, None])[None, None]
+                if sel is which:
+                    out[qi] = _absorbed(v, kernel, q_nope[qi], q_rope[qi], kidx[:hi], k_pe[kidx[:hi]], mask)
+                    continue
+                qs = q[qi].to(dt).transpose(0, 1)[None]
+                ks, vs = (t[kidx[:hi]].to(dt).transpose(0, 1)[None] for t in (k, vv))
+                o = kernel(qs, ks, vs, mask, softmax_scale(s), dt)[0]
+                out[qi] = o.transpose(0, 1).reshape(len(qi), -1).to(dt)
         return out
     return run
+
+
+def _absorbed(v: VariantInput, kernel, q_nope, q_rope, kidx, k_pe, mask) -> torch.Tensor:
+    """MLA's absorbed attention in the side's dtype (an engine's decode: the latent cache never decompressed):
+    q_nope folded into the latent space by kv_b_proj's k rows (w_kc), attention over [latent | k_pe] with the
+    latent as the value, the result taken out by its v rows (w_vc); each product rounded to the dtype."""
+    s, dt, heads, nope = v.spec, v.dtype, v.spec.num_attention_heads, v.spec.qk_nope_head_dim
+    if "attn.kv_a_norm" not in v.feeds:
+        raise NotImplementedError("an absorbed path's query without the recorded kv latent")
+    latent = v.feeds["attn.kv_a_norm"][kidx]
+    w = v.w("self_attn.kv_b_proj.weight").reshape(heads, nope + s.v_head_dim, -1).to(dt)
+    q_lat = torch.einsum("rhn,hnl->rhl", q_nope.to(dt), w[:, :nope])
+    qs = torch.cat([q_lat, q_rope.to(dt)], dim=-1).transpose(0, 1)[None]
+    ks = torch.cat([latent, k_pe[:, 0]], dim=-1).to(dt)[None, None].expand(1, heads, -1, -1)
+    vs = latent.to(dt)[None, None].expand(1, heads, -1, -1)
+    o_lat = kernel(qs, ks, vs, mask, softmax_scale(s), dt)[0].to(dt)           # [heads, rows, kv_lora]
+    return torch.einsum("hrl,hvl->rhv", o_lat, w[:, nope:]).reshape(q_nope.shape[0], -1)
 
 
 def _latent_variants() -> dict[str, list[Variant]]:
