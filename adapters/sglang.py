@@ -96,6 +96,15 @@ def _cls(m: Any) -> str:
     return type(m).__name__ if m is not None else "None"
 
 
+def _adds_in_fp32(norm: Any) -> bool:
+    """Whether the model's norms, called with a residual, normalise the fp32 sum of the two and store the
+    residual rounded (SGLang's ``RMSNorm``: ``forward_native`` adds in fp32, as the CUDA fused_add_rmsnorm
+    kernel does; ``GemmaRMSNorm`` adds in the activations' dtype): the replay then normalises the exact sum of
+    the addends, not the rounded residual (replay/intrinsic.py, ``_unrounded_sum``)."""
+    cls = type(norm)
+    return cls.__name__ == "RMSNorm" and cls.__module__.startswith("sglang.") and not getattr(norm, "fp32_residual", False)
+
+
 def _reduces(mod: Any) -> bool | None:
     """A row-parallel module's ``reduce_results`` (None: not such a module)."""
     v = getattr(mod, "reduce_results", None)
@@ -197,6 +206,7 @@ class SGLangAdapter(Adapter):
             "dtype": dtype,
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
+            "fused_add_norm_fp32": _adds_in_fp32(getattr(real[0], "input_layernorm", None) if real else None),
             **({**latent_facts(text), **sgl_ds.mla_path_facts()} if mla else {}),
             **(selection_facts(model, text) if n_exp else {}),
             **(sgl_ds.routed_scale_facts(model, text) if n_exp else {}),

@@ -22,20 +22,20 @@ DEEPSEEK_HUB_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func=
 def mla_config(name: str, **changes):
     """The HF config of `name` ("deepseek" or "glm"), eager attention."""
     if name == "deepseek":
-        cfg = T.DeepseekV3Config(**{**COMMON, **changes}, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
-                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        cfg = T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 24,
+                                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, **changes})
         for k, v in DEEPSEEK_HUB_KEYS.items():
             setattr(cfg, k, v)
     else:
-        cfg = T.Glm4MoeConfig(**{**COMMON, **changes}, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                              use_qk_norm=True)
+        cfg = T.Glm4MoeConfig(**{**COMMON, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": True,
+                                 "use_qk_norm": True, **changes})
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def mla_hf_model(cfg, dtype: torch.dtype):
+def mla_hf_model(cfg, dtype: torch.dtype, seed: int = 0):
     """The HF model, with a non-zero score-correction bias (zero would leave the bias path untested)."""
-    model = build_hf_model_stable(cfg, dtype=dtype)
+    model = build_hf_model_stable(cfg, seed=seed, dtype=dtype)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for layer in model.model.layers[cfg.first_k_dense_replace:]:

@@ -29,6 +29,9 @@ from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants,
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
 _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
+#: Norms a fused add + norm feeds with the residual sum (the trace's `fused_add_norm_fp32` says it reads the
+#: unrounded sum of the addends: _unrounded_sum).
+SUM_NORMS = ("attn_norm", "mlp_norm", "final_norm")
 
 RowId = tuple[str, int]
 
@@ -240,6 +243,8 @@ class SideReplayer:
             feeds[k[0] if f[0] != "<" else f] = t = self._load(*k)
             if t.values is None:
                 raise NotReplayable(f"input {key_name(*k)} has no values recorded (stats only)")
+            if point in SUM_NORMS and self.view.config.get("fused_add_norm_fp32"):
+                feeds[k[0] if f[0] != "<" else f] = self._unrounded_sum(t, k)
         # Attention reads every earlier key/value row of a sample, not the query's row: those are gathered apart.
         aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f not in _KV_FEEDS}
         rows, idx = _common_rows(out, list(aligned.values()))
@@ -281,6 +286,23 @@ class SideReplayer:
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
         fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants))
         return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
+
+    def _unrounded_sum(self, recorded: CanonicalTensor, key: tuple[str, int | None]) -> CanonicalTensor:
+        """A residual sum as a fused add + norm reads it: the exact sum of the two addends the residual stream
+        adds there (the reference's own inputs of that point), not its copy rounded to the stream's dtype
+        (SGLang's RMSNorm(x, residual) adds in fp32, normalises that, and stores the residual rounded). The
+        recorded sum where an addend is not recorded (layer 0's input is the embedding: no sum)."""
+        if key[0] == "input" and key[1]:            # a layer's input is the stream leaving the layer before
+            key = ("output", key[1] - 1)
+        names = self.ref.inputs_of(key[0], self.has_qk_norm, key[1]) if key[0] in ("mid", "output") else ()
+        parts = [self._load(*self._feed_key(a, key[1])) for a in names
+                 if self._feed_key(a, key[1]) in self.present]
+        if len(names) != 2 or len(parts) != 2 or any(t.values is None for t in parts):
+            return recorded
+        rows, idx = _common_rows(recorded, parts)
+        total = (np.asarray(parts[0].values[idx[1]], dtype=np.float64)
+                 + np.asarray(parts[1].values[idx[2]], dtype=np.float64))
+        return dataclasses.replace(recorded, rows=rows, values=total.reshape((len(rows),) + recorded.values.shape[1:]))
 
     def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
         """Why the exact op is non-finite: a tensor of the checkpoint, this side's own inputs, or the config.
