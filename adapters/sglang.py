@@ -51,16 +51,20 @@ mapping rests on (SGLang 0.5.23, checked on real model code in ``tests/test_sgla
   ``slot{req_pool_index}``, stable only within a request's lifetime).
 
 Name tables: Qwen2 / Qwen3 (dense), Qwen2-MoE / Qwen3-MoE, GLM-4-MoE (same attention names as Qwen; partial
-RoPE, optional QK-norm, shared experts) and DeepSeek-V2/V3 (MLA: ``self_attn`` has no fused ``qkv_proj``;
-in absorbed-MLA decode the q/k/v live in the latent space and do not correspond to any other framework's,
-so only the block points are promised for MLA: norms, ``attn.out``, residuals, router, top-k, experts,
-shared experts, MLP, head). ``ARCH_MODULES`` lists, per architecture, the module paths every table row
-relies on; the tests check them on module trees built on the ``meta`` device. Gemma 2 / Gemma 3 (text) have
-rows of their own (``ARCH_POINTS``: sandwich norms, the scaled embedding read as layer 0's norm input, Gemma 3's
-QK-norm modules). Verified (``ARCHITECTURES`` in :mod:`.sglang_names`: run against another framework) are
-Qwen2, Qwen3, Qwen3-MoE, Llama, Phi-3, Gemma 2 and Gemma 3 (text); a trace of any other class is marked
+RoPE, optional QK-norm, shared experts) and DeepSeek-V2/V3 (MLA: ``self_attn`` has no fused ``qkv_proj``; its
+latent points, the two attention paths and the routed scale's place are in :mod:`.sglang_deepseek`).
+``ARCH_MODULES`` lists, per architecture, the module paths every table row relies on; the tests check them on
+module trees built on the ``meta`` device. Gemma 2 / Gemma 3 (text) have rows of their own (``ARCH_POINTS``:
+sandwich norms, the scaled embedding read as layer 0's norm input, Gemma 3's QK-norm modules). Verified
+(``ARCHITECTURES`` in :mod:`.sglang_names`: run against another framework) are Qwen2, Qwen3, Qwen3-MoE, Llama,
+Phi-3, Gemma 2, Gemma 3 (text), GPT-OSS, GLM-4.5 and DeepSeek-V3 (MLA at TP 1, on a backend that passes the
+RoPE dims inside q and k: :func:`.sglang_deepseek.mla_refusal`); a trace of any other class is marked
 unverified and refused at compare time, the name-table-only ones with the reason in ``REFUSED``
 (docs/adapters.md).
+
+* **Norms with a residual** (SGLang's ``RMSNorm``) add the two in fp32 and normalise that sum, storing the
+  residual rounded: ``describe()["fused_add_norm_fp32"]`` says so, and the replay normalises the exact sum of
+  the two recorded addends (docs/replay.md).
 
 Split by job: the point table and shard merges in :mod:`.sglang_names`, ForwardBatch rows and parallel
 coordinates in :mod:`.sglang_rows`, tracing inside a server in :mod:`.sglang_server`; this module is the
