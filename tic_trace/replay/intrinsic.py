@@ -300,8 +300,11 @@ class SideReplayer:
         if len(names) != 2 or len(parts) != 2 or any(t.values is None for t in parts):
             return recorded
         rows, idx = _common_rows(recorded, parts)
-        total = (np.asarray(parts[0].values[idx[1]], dtype=np.float64)
-                 + np.asarray(parts[1].values[idx[2]], dtype=np.float64))
+        # each addend as the norm received it, in its dtype: a TP partial sum merged here in float is the
+        # engine's all-reduced tensor, rounded (a no-op for an addend recorded whole)
+        a, b = (round_to(np.asarray(t.values[i], dtype=np.float64), t.dtype) if t.dtype in DTYPES
+                else np.asarray(t.values[i], dtype=np.float64) for t, i in zip(parts, idx[1:]))
+        total = a + b
         return dataclasses.replace(recorded, rows=rows, values=total.reshape((len(rows),) + recorded.values.shape[1:]))
 
     def _nonfinite_reason(self, exact: np.ndarray, feeds: dict) -> str:
