@@ -304,3 +304,50 @@ def test_mla_setups_not_run_in_the_tests_are_refused_by_name():
         assert not c.verified and word in c.why, (change, c.why)
     assert ad.check_architecture({"architecture": "Glm4MoeForCausalLM", "attention": "mha",
                                   "tensor_model_parallel_size": 2}).verified
+
+
+# DeepSeek-V3's released checkpoints run YaRN RoPE (rope_scaling yarn, factor 40) with the mscale in the
+# attention's softmax scale: SGLang builds it through its CPU factory (DeepseekScalingRotaryEmbedding) and
+# `compute_mla_mscale_scaling`. Megatron's MLA with YaRN is refused (megatron_mla.latent_refusal): HF only.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def _plain_softmax_scale(model) -> None:
+    """Layer 1's attention without YaRN's mscale in its softmax scale (both paths): 1/sqrt(nope + rope)."""
+    attn = _attn(model, 1)
+    plain = (attn.qk_nope_head_dim + attn.qk_rope_head_dim) ** -0.5
+    attn.attn_mha.scaling = attn.attn_mqa.scaling = plain
+
+
+@pytest.fixture(scope="module")
+def yarn_sides(sides, tmp_path_factory):
+    """("fp32"|"bf16") -> (checkpoint, HF trace) of the DeepSeek-V3 model with YaRN RoPE (after `sides`, whose
+    Megatron traces come first in this process)."""
+    d, out = tmp_path_factory.mktemp("sglang_mla_yarn"), {}
+    for tag, dtype in DTYPES.items():
+        hf = mla_hf_model(mla_config("deepseek", rope_parameters=YARN), dtype)
+        hf.save_pretrained(d / tag / "ck")
+        out[tag] = (str(d / tag / "ck"), _hf_trace(hf, d / tag / "hf"))
+    return out
+
+
+def test_yarn_rope_pairs_with_hf_are_consistent_and_replayed_clean(tmp_path, yarn_sides):
+    """YaRN: fp32 SGLang <-> HF consistent at fp32 accuracy; bf16 against the checkpoint: every point replayed
+    and nothing blamed but SGLang's CPU router precision (CPU_ROUTER)."""
+    ck, hf = yarn_sides["fp32"]
+    rep = find_divergence(hf, _sg_trace(tmp_path / "sg32", ck, torch.float32))
+    assert rep.verdict == "consistent" and max(p.error for p in rep.points) < 1e-5, _not_ok(rep)
+    ck, hf = yarn_sides["bf16"]
+    rep = find_divergence(hf, _sg_trace(tmp_path / "sg16", ck, torch.bfloat16), reference=ck,
+                          accept_precision=list(CPU_ROUTER["deepseek"]))
+    assert not [n for n in rep.notes if n.kind == "not_replayed"]
+    left = {p.key for p in rep.points if (p.replay or {}).get("side") and not p.replay.get("accepted")}
+    assert left <= {"L1.moe.topk_weights", "L2.moe.topk_weights"}, left
+    assert {"L1.attn.q_rope", "L1.attn.k_rope", "L1.attn.core"} <= {p.key for p in rep.points if p.intrinsic}
+
+
+def test_yarn_mscale_left_out_of_the_softmax_scale_is_found_at_attn_core(tmp_path, yarn_sides):
+    ck, hf = yarn_sides["fp32"]
+    rep = find_divergence(hf, _sg_trace(tmp_path / "sg", ck, torch.float32, _plain_softmax_scale))
+    assert_planted_fault_found(rep, "attn.core", 1)
