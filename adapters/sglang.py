@@ -213,7 +213,7 @@ class SGLangAdapter(Adapter):
             "fused_add_norm_fp32": _adds_in_fp32(getattr(real[0], "input_layernorm", None) if real else None),
             **({**latent_facts(text), **sgl_ds.mla_path_facts()} if mla else {}),
             **(selection_facts(model, text) if n_exp else {}),
-            **(sgl_ds.routed_scale_facts(model, text) if n_exp else {}),
+            **({**sgl_ds.routed_scale_facts(model, text), **sgl_ds.fused_shared_facts(model)} if n_exp else {}),
         }
         arch = self.architecture(out)
         return {**out, **arch.defaults} if arch is not None else out
@@ -222,9 +222,10 @@ class SGLangAdapter(Adapter):
         return _cls(models[0])      # the *ForCausalLM class SGLang's ModelRunner built
 
     def check_architecture(self, config: dict) -> ArchitectureCheck:
-        """As the base, and an MLA trace only in the setup its rows were verified in (sglang_deepseek)."""
+        """As the base, and a DeepSeek-V3 / GLM-4.5 trace only in the setup its rows were verified in
+        (sglang_deepseek.setup_refusal)."""
         c = super().check_architecture(config)
-        why = sgl_ds.mla_refusal(config) if c.verified else None
+        why = sgl_ds.setup_refusal(config) if c.verified else None
         return ArchitectureCheck(c.adapter, c.name, False, why) if why else c
 
     def rank_coords(self) -> dict:

@@ -158,11 +158,24 @@ def _routed_scale_in_experts(mlp: Any, in_weights: bool | None) -> bool | None:
     return runner_scales and not kt_wrapper
 
 
+def _first_moe_block(model: Any) -> Any:
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return next((lay.mlp for lay in layers if hasattr(getattr(lay, "mlp", None), "experts")), None)
+
+
+def fused_shared_facts(model: Any) -> dict:
+    """How many shared experts SGLang fused into the routed experts (``num_fused_shared_experts``, the default
+    on GPU for DeepSeek-V3 / GLM-4.5 unless ``--disable-shared-experts-fusion``): the experts' output and the
+    top-k then hold the shared expert too, and there is no ``shared_experts`` module."""
+    mlp = _first_moe_block(model)
+    n = getattr(mlp, "num_fused_shared_experts", None) if mlp is not None else None
+    return {} if n is None else {"fused_shared_experts": int(n)}
+
+
 def routed_scale_facts(model: Any, text: Any) -> dict:
     """The routed scale and where SGLang's first MoE block applies it (every block of a model is built alike)."""
     factor = getattr(text, "routed_scaling_factor", None)
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    mlp = next((lay.mlp for lay in layers if hasattr(getattr(lay, "mlp", None), "experts")), None)
+    mlp = _first_moe_block(model)
     if factor is None or mlp is None:
         return {}
     cfg = getattr(getattr(mlp, "topk", None), "topk_config", None)
@@ -188,6 +201,20 @@ def mla_path_facts() -> dict:
         apart = None
     return {"mla_decode_backend": backend,
             "mla_rope_apart": None if backend is None or apart is None else backend in apart}
+
+
+def setup_refusal(config: dict) -> str | None:
+    """Why a DeepSeek-V3 / GLM-4.5 trace's setup is not the one the tests verify (None: it is, or the model is
+    neither): shared experts fused into the routed ones, and MLA's (mla_refusal)."""
+    if config.get("architecture") not in ROUTED_SCALED:
+        return None
+    why = []
+    if config.get("fused_shared_experts"):
+        why.append(f"{config['fused_shared_experts']} shared expert(s) fused into the routed experts: "
+                   "`moe.experts_out` and the top-k hold the shared expert too and `moe.shared_out` is not "
+                   "produced; start the server with --disable-shared-experts-fusion")
+    mla = mla_refusal(config)
+    return "; ".join(why + ([mla] if mla else [])) or None
 
 
 def mla_refusal(config: dict) -> str | None:

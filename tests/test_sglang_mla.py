@@ -124,6 +124,7 @@ def test_clean_fp32_pairs_with_hf_and_megatron_are_consistent(tmp_path, sides, n
     v = CanonicalView(sg)
     assert (v.config["architecture"], v.config["architecture_verified"]) == (CLASS[name], True)
     assert (v.config["routed_scale_in_weights"], v.config["routed_scale_in_experts"]) == (False, False)
+    assert v.config["fused_shared_experts"] == 0
     assert v.config["router_scoring"] == "sigmoid" and v.config["router_selection_bias"]
     if name == "deepseek":      # the absorbed path's backend, and that it passes the RoPE dims inside q and k
         assert (v.config["mla_decode_backend"], v.config["mla_rope_apart"]) == ("torch_native", False)
@@ -289,10 +290,11 @@ def test_routed_scale_facts_follow_the_block_flags(sides):
     assert sgl_ds.routed_scale_facts(model, cfg)["routed_scale_in_weights"] is True
 
 
-def test_mla_setups_not_run_in_the_tests_are_refused_by_name():
+def test_setups_not_run_in_the_tests_are_refused_by_name():
     """An MLA trace is verified only at TP 1 on a backend that passes the RoPE dims inside q and k (the rows
     read them there): TP 2, a backend taking them apart (fa3, flashinfer, trtllm_mla) or a trace that does not
-    say which backend ran are refused, naming why; GLM-4.5 (no MLA) is not concerned."""
+    say which backend ran are refused, naming why; GLM-4.5 (no MLA) is not concerned by those. Either, with its
+    shared expert fused into the routed ones, is refused naming the flag that keeps them apart."""
     ad = sga.SGLangAdapter()
     base = {"architecture": "DeepseekV3ForCausalLM", "attention": "mla", "tensor_model_parallel_size": 1,
             "mla_decode_backend": "torch_native", "mla_rope_apart": False}
@@ -304,6 +306,10 @@ def test_mla_setups_not_run_in_the_tests_are_refused_by_name():
         assert not c.verified and word in c.why, (change, c.why)
     assert ad.check_architecture({"architecture": "Glm4MoeForCausalLM", "attention": "mha",
                                   "tensor_model_parallel_size": 2}).verified
+    # SGLang's GPU default for both: the shared expert fused into the routed ones (experts_out holds it)
+    for arch in ({**base, "fused_shared_experts": 1}, {"architecture": "Glm4MoeForCausalLM", "fused_shared_experts": 1}):
+        c = ad.check_architecture(arch)
+        assert not c.verified and "--disable-shared-experts-fusion" in c.why, c.why
 
 
 # DeepSeek-V3's released checkpoints run YaRN RoPE (rope_scaling yarn, factor 40) with the mscale in the
