@@ -188,12 +188,14 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",), "MoE: sigmoid router (`mlp.gate`) with a "
                  "score-correction bias, group-limited top-k, routed scaling (multiplied into `moe.topk_weights` "
                  "and `moe.experts_out` where SGLang applies it later), `shared_experts`, dense first layers; "
-                 "partial RoPE, q/k/v bias, QK-norm (tapped `apply_qk_norm`); prefill and decode rows (TP=1)",
+                 "partial RoPE, q/k/v bias, QK-norm (tapped `apply_qk_norm`); prefill and decode rows (TP=1); the "
+                 "shared expert fused into the routed ones refused (`--disable-shared-experts-fusion`)",
                  "every point the trace holds", _SIGMOID_TESTS, defaults=_SIGMOID),
     Architecture("DeepseekV3ForCausalLM", ("DeepSeek-V3 (MLA, MoE)",), "multi-latent attention: q and kv latents "
                  "split from `fused_qkv_a_proj_with_mqa`, their norms, `kv_b_proj` (MHA passes only: the absorbed "
                  "decode path folds it into `w_kc`/`w_vc`), RoPE dims of `attn_mha` / `attn_mqa` inputs, `o_proj`'s "
-                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows (TP=1)",
+                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows (TP=1; TP > 1 and decode backends "
+                 "that take the RoPE dims apart, such as fa3 and flashinfer, refused)",
                  "the other points the trace holds (the absorbed decode path never materialises `kv_b`, the "
                  "key/value rows the exact attention reads: `attn.core` is judged by the A-B rule alone, said as "
                  "not replayed)", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
