@@ -79,6 +79,7 @@ from typing import Any, Callable
 from tic_trace.adapters import sglang_deepseek as sgl_ds
 from tic_trace.adapters.hf_deepseek import latent_facts, selection_facts
 from tic_trace.graph.adapter import Adapter, ArchitectureCheck, PointMap, merge, plain_settings, register_adapter
+from tic_trace.replay.grid import round_to
 from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
                                             PARTIAL_POINTS, POINTS, REFUSED, arch_row_applies, tp_copies_equal)
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
@@ -107,6 +108,14 @@ def _adds_in_fp32(norm: Any) -> bool:
     the addends, not the rounded residual (replay/intrinsic.py, ``_unrounded_sum``)."""
     cls = type(norm)
     return cls.__name__ == "RMSNorm" and cls.__module__.startswith("sglang.") and not getattr(norm, "fp32_residual", False)
+
+
+def _all_reduced(arrays: list, config: dict):
+    """TP partial sums added as the engine's all-reduce returns them: in the activations' dtype, so the sum is
+    rounded onto its grid (the residual add and the next norm read that rounded tensor, not the float sum)."""
+    total = merge("sum", arrays, config)
+    dtype = str(config.get("dtype") or "")
+    return round_to(total, dtype) if dtype in ("bfloat16", "float16", "float32") else total
 
 
 def _reduces(mod: Any) -> bool | None:
@@ -298,7 +307,7 @@ class SGLangAdapter(Adapter):
         elif not declared and not replicated:
             note = (f"{pm.point}: the module declares a reduced output but the ranks recorded different "
                     "tensors: added as TP partial sums")
-        return (arrays[0] if replicated else merge("sum", arrays, config)), note
+        return (arrays[0] if replicated else _all_reduced(arrays, config)), note
 
     def applies(self, pm: PointMap, config: dict) -> bool:
         if pm.opts.get("input_logprobs") and not self.input_logprobs:

@@ -105,16 +105,16 @@ ROWS = (
     PointMap("attn.kv_a", _A + r"\.kv_a_proj_with_mqa:out\[0\]", opts=_only(MLA),
              note="MLA without a q latent: its own kv down-projection"),
     PointMap("attn.q_a_norm", _A + r"\.q_a_layernorm:out", opts=_only(MLA)),
-    PointMap("attn.q", _A + r"\.q_(b_)?proj:out\[0\]", "latent_heads", opts=_only(MLA),
+    PointMap("attn.q", _A + r"\.q_(b_)?proj:out\[0\]", "latent_heads", "cat:-1", opts=_only(MLA),
              note="MLA: q_b_proj (q_proj without a q latent), every head's [nope | rope]"),
     PointMap("attn.kv_a_norm", _A + r"\.kv_a_layernorm:out", opts=_only(MLA)),
-    PointMap("attn.kv_b", _A + r"\.kv_b_proj:out\[0\]", "latent_heads", opts=_only(MLA),
+    PointMap("attn.kv_b", _A + r"\.kv_b_proj:out\[0\]", "latent_heads", "cat:-1", opts=_only(MLA),
              note="every head's [k_nope | v]: MHA passes only (the absorbed path folds kv_b_proj into w_kc/w_vc)"),
-    PointMap("attn.q_rope", _A + r"\.attn_m[hq]a:in\[0\]", "sgl_mla_rope", opts=_only(MLA, part="q"),
+    PointMap("attn.q_rope", _A + r"\.attn_m[hq]a:in\[0\]", "sgl_mla_rope", "cat:-2", opts=_only(MLA, part="q"),
              note="the attention's q input (attn_mha or attn_mqa): its last qk_rope_head_dim dims"),
     PointMap("attn.k_rope", _A + r"\.attn_m[hq]a:in\[1\]", "sgl_mla_rope", opts=_only(MLA, part="k"),
              note="the attention's k input: the RoPE dims of head 0 (k_pe is one tensor for every head)"),
-    PointMap("attn.core", _A + r"\.o_proj:in\[0\]", opts=_only(MLA),
+    PointMap("attn.core", _A + r"\.o_proj:in\[0\]", merge="cat:-1", opts=_only(MLA),
              note="MLA: o_proj's input, every head's attention output (after w_vc on the absorbed path)"),
     PointMap("moe.topk_weights", _M + r"\.topk:out\.topk_weights", "sgl_routed_weights",
              opts=_only(ROUTED_SCALED, routed_scale="routed_scale_in_weights"),
@@ -222,9 +222,9 @@ def mla_refusal(config: dict) -> str | None:
     if config.get("attention") != "mla" or config.get("architecture") not in MLA:
         return None
     why = []
-    if int(config.get("tensor_model_parallel_size") or 1) > 1:
-        why.append(f"tensor parallelism {config.get('tensor_model_parallel_size')}: MLA's sharded heads and "
-                   "latents are run at TP 1 only in the tests")
+    if int(config.get("tensor_model_parallel_size") or 1) > 2:
+        why.append(f"tensor parallelism {config.get('tensor_model_parallel_size')}: MLA's sharded heads are run "
+                   "at TP 1 and 2 only in the tests")
     apart = config.get("mla_rope_apart")
     if apart is None:
         why.append("the trace does not say which attention backend ran the absorbed path (where its RoPE dims are)")

@@ -194,13 +194,12 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("DeepseekV3ForCausalLM", ("DeepSeek-V3 (MLA, MoE)",), "multi-latent attention: q and kv latents "
                  "split from `fused_qkv_a_proj_with_mqa`, their norms, `kv_b_proj` (MHA passes only: the absorbed "
                  "decode path folds it into `w_kc`/`w_vc`), RoPE dims of `attn_mha` / `attn_mqa` inputs, `o_proj`'s "
-                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows (TP=1; TP > 1 and decode backends "
-                 "that take the RoPE dims apart, such as fa3 and flashinfer, refused)",
-                 "the other points the trace holds (the absorbed decode path never materialises `kv_b`, the "
-                 "key/value rows the exact attention reads: `attn.core` is judged by the A-B rule alone, said as "
-                 "not replayed)", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
-                 lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), replay_gaps=("attn.core",),
-                 defaults=_SIGMOID),
+                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows, TP=1 and 2 (TP > 2 and decode "
+                 "backends that take the RoPE dims apart, such as fa3 and flashinfer, refused)",
+                 "every point the trace holds: the absorbed decode path's `attn.core` over the exact up-projection "
+                 "of its recorded latent; at TP 2 the MoE block's output (a sum of per-rank partials) is said as "
+                 "not replayed", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
+                 lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
 )}
 _META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {

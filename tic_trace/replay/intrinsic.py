@@ -228,6 +228,7 @@ class SideReplayer:
     def _exact(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str, dict]:
         """exact_pair, and the side's inputs as the exact op read them (float64 tensors by feed name)."""
         self._enter(layer)
+        self._check_not_rank_partials(point, layer)
         out = self._load(point, layer)
         if out.values is None:
             raise NotReplayable("no values recorded (stats only)")
@@ -286,6 +287,17 @@ class SideReplayer:
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
         fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants))
         return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
+
+    def _check_not_rank_partials(self, point: str, layer: int | None) -> None:
+        """A MoE block's output that is the sum over TP ranks of each rank's own (experts + shared) partial
+        (SGLang's blocks at TP > 1: `tp_partial`, whether the block or the next norm all-reduces it) went
+        through per-rank roundings the canonical view does not hold (it holds the merged experts and shared
+        outputs): no exact op on the side's own inputs reproduces it, so it is said, not judged by the replay."""
+        tp = int(self.view.config.get("tensor_model_parallel_size") or 1)
+        partial = (self.view.config.get("tp_partial") or {}).get(point) or []
+        if point == "mlp.out" and tp > 1 and layer in partial and self.ref.spec.at_layer(layer).num_experts:
+            raise NotReplayable(f"the MoE block's output at TP {tp} is a sum over the ranks of each one's (experts "
+                                "+ shared) partial, rounded per rank: its addends are not in the trace")
 
     def _unrounded_sum(self, recorded: CanonicalTensor, key: tuple[str, int | None]) -> CanonicalTensor:
         """A residual sum as a fused add + norm reads it: the exact sum of the two addends the residual stream
