@@ -72,7 +72,9 @@ from tic_trace.adapters.router_facts import router_facts
 from tic_trace.graph.adapter import (Adapter, Architecture, ArchitectureCheck, PointMap, TransformContext,
                                register_adapter, register_merge, register_transform)
 from tic_trace.graph.adapter import as_ints as _ints
-from tic_trace.graph.adapter import plain_settings
+from tic_trace.graph.adapter import plain_settings, transform
+from tic_trace.replay.grid import round_to
+from tic_trace.adapters.megatron_features import feature_facts, feature_refusal
 from tic_trace.adapters.megatron_mla import STANDARD_ATTN, latent_applies, latent_facts, latent_points, latent_refusal
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
@@ -114,6 +116,9 @@ POINTS = (
     PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
     PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
              note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
+    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", "megatron_biased", "seq", opts={"linear_bias": True},
+             also={"bias": "{prefix}decoder.layers.{layer}.self_attention.linear_proj:out[1]"},
+             note="add_bias_linear: linear_proj returns its bias apart (out[1]); bias-dropout-add adds it"),
     PointMap("mid", _L + r"\.pre_mlp_layernorm:in\[0\]", merge="seq", note="pre-MLP norm input = residual"),
     PointMap("mlp_norm", _L + r"\.pre_mlp_layernorm:out", merge="seq",
              note="TE spec dense layers: IdentityOp (norm fused into linear_fc1) -> not produced"),
@@ -132,6 +137,15 @@ POINTS = (
 
 
 # ---------------------------------------------------------------- transforms and merges
+
+@register_transform("megatron_biased")
+def _megatron_biased(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
+    """A row-parallel output returned without its bias, plus the bias as megatron's bias-dropout-add adds it: in the
+    activations' dtype (one more rounding than a GEMM that adds its bias inside, HF's)."""
+    x = transform("tokens")(a, ctx)
+    total = x.astype(np.float64) + np.asarray(ctx.extra["bias"], np.float64).reshape(-1)
+    return round_to(total, str(ctx.config.get("dtype") or "float32")).astype(x.dtype)
+
 
 @register_transform("megatron_qkv")
 def _megatron_qkv(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
@@ -402,7 +416,7 @@ class MegatronAdapter(Adapter):
             theta = float(f"{(1.0 / float(inv[1])) ** (dim / 2.0):.6g}")
         n_exp = int(getattr(cfg, "num_moe_experts", 0) or 0)
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) is not None
-        return {
+        return self.settle_verified({
             **self.architecture_facts(models),
             "model_type": "megatron-gpt",
             "spec": "te" if te else "local",
@@ -412,6 +426,7 @@ class MegatronAdapter(Adapter):
             "num_key_value_heads": int(getattr(cfg, "num_query_groups", None) or heads),
             "head_dim": int(getattr(cfg, "kv_channels", None) or cfg.hidden_size // heads),
             "attention_output_gate": bool(getattr(cfg, "attention_output_gate", False)),
+            "linear_bias": bool(getattr(cfg, "add_bias_linear", False)),
             "qk_layernorm": qk,
             "vocab_size": int(self.true_vocab_size or padded),
             "padded_vocab_size": padded,
@@ -435,7 +450,8 @@ class MegatronAdapter(Adapter):
             "router_scoring": getattr(cfg, "moe_router_score_function", None) if n_exp else None,
             **(_router_facts(cfg, layers) if n_exp else {}),
             **latent_facts(cfg),
-        }
+            **feature_facts(cfg, root),
+        })
 
     def architecture_of(self, models: list) -> str | None:
         return architecture_name([_unwrap(m) for m in models])
@@ -443,9 +459,9 @@ class MegatronAdapter(Adapter):
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, naming the components known to be mapped wrongly when the structure has any."""
         c = super().check_architecture(config)
-        latent = latent_refusal(config) if c.verified else None
-        if latent:
-            return ArchitectureCheck(c.adapter, c.name, False, latent)
+        refusal = (latent_refusal(config) or feature_refusal(config)) if c.verified else None
+        if refusal:
+            return ArchitectureCheck(c.adapter, c.name, False, refusal)
         if c.verified or not c.name:
             return c
         bad = [f"`{p}`: {REFUSED[p]}" for p in c.name.replace("+", "/").split("/") if p in REFUSED]
@@ -560,6 +576,8 @@ class MegatronAdapter(Adapter):
         if pm.point == "mlp_norm" and config.get("fused_dense_mlp_norm") and not config.get("moe_layers"):
             return False
         if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_layernorm", True):
+            return False
+        if pm.point == "attn.out" and bool(pm.opts.get("linear_bias")) != bool(config.get("linear_bias")):
             return False
         if pm.point in ("moe.experts_out", "moe.shared_out") and config.get("moe_shared_expert_overlap"):
             return False

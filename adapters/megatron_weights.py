@@ -1,4 +1,4 @@
-"""HF Qwen3 / Qwen3-MoE / DeepSeek-V3 weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
+"""HF Qwen3 / Qwen3-MoE / DeepSeek-V3 / GPT-OSS weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
 
 Pure torch; megatron is never imported. The result is the per-rank ``state_dict`` of a megatron-core
 ``GPTModel`` built with the local layer spec (``get_gpt_layer_local_spec`` /
@@ -39,6 +39,9 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   ``o_proj``, unchanged (see ``_latent_attention``). The router's ``e_score_correction_bias`` ->
   ``mlp.router.expert_bias`` (fp32, as megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
   ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``.
+* GPT-OSS (a layer with ``mlp.router.weight``): ``o_proj.bias`` -> ``linear_proj.bias``, ``self_attn.sinks`` ->
+  ``core_attention.softmax_offset``, ``mlp.router.{weight,bias}`` -> ``mlp.router.{weight,bias}``, the experts as
+  ``_gpt_oss_experts`` says (gate and up de-interleaved from alternate columns).
 * ``decoder.final_layernorm.weight`` <- ``model.norm.weight``.
 * ``output_layer.weight`` ``[V/tp, H]`` <- ``lm_head.weight`` (row slice). With ``tie_word_embeddings``
   megatron shares ``embedding.word_embeddings.weight`` (``share_embeddings_and_output_weights=True``) and
@@ -116,6 +119,28 @@ def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str
         out[dst + "q_layernorm.weight"] = get(attn + "q_norm.weight")
         out[dst + "k_layernorm.weight"] = get(attn + "k_norm.weight")
     out[dst + "linear_proj.weight"] = _shard(get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"{what} o_proj")
+    if attn + "o_proj.bias" in sd:          # GPT-OSS: added once, after the row-parallel reduce
+        out[dst + "linear_proj.bias"] = get(attn + "o_proj.bias")
+    if attn + "sinks" in sd:                # GPT-OSS: one sink logit per query head
+        out[dst + "core_attention.softmax_offset"] = _shard(get(attn + "sinks"), tp_rank, tp_size, 0, f"{what} sinks")
+    return out
+
+
+def _gpt_oss_experts(get, mlp: str, dst: str, experts: list[tuple[int, int]], etp: tuple[int, int],
+                     what: str) -> dict[str, torch.Tensor]:
+    """GPT-OSS's router (weight and bias) and experts: ``gate_up_proj [E, H, 2F]`` with gate and up in alternate
+    columns, ``down_proj [E, F, H]`` (both input-major), their biases -> per expert ``linear_fc1`` ``[gate; up]``
+    and ``linear_fc2`` (output-major), with biases."""
+    out = {dst + "mlp.router.weight": get(mlp + "router.weight"), dst + "mlp.router.bias": get(mlp + "router.bias")}
+    gate_up, gate_up_b = get(mlp + "experts.gate_up_proj"), get(mlp + "experts.gate_up_proj_bias")
+    down, down_b = get(mlp + "experts.down_proj"), get(mlp + "experts.down_proj_bias")
+    for k, e in experts:
+        edst = f"{dst}mlp.experts.local_experts.{k}."
+        w, b = gate_up[e].T, gate_up_b[e]
+        out[edst + "linear_fc1.weight"] = _glu_fc1(w[0::2], w[1::2], *etp, f"{what} expert {e} fc1")
+        out[edst + "linear_fc1.bias"] = _glu_fc1(b[0::2], b[1::2], *etp, f"{what} expert {e} fc1 bias")
+        out[edst + "linear_fc2.weight"] = _shard(down[e].T, *etp, 1, f"{what} expert {e} fc2")
+        out[edst + "linear_fc2.bias"] = down_b[e]
     return out
 
 
@@ -206,7 +231,14 @@ def hf_to_megatron_state_dict(
         out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
 
         mlp = src + "mlp."
-        if mlp + "gate.weight" in sd:  # MoE layer
+        if mlp + "router.weight" in sd:     # GPT-OSS
+            n_experts = int(get(mlp + "router.weight").shape[0])
+            if n_experts % ep_size:
+                raise ValueError(f"{n_experts} experts are not divisible by ep_size={ep_size}")
+            n_local = n_experts // ep_size
+            out.update(_gpt_oss_experts(get, mlp, dst, [(k, ep_rank * n_local + k) for k in range(n_local)],
+                                        (etp_rank, etp_size), f"layer {i}"))
+        elif mlp + "gate.weight" in sd:  # MoE layer
             out[dst + "mlp.router.weight"] = get(mlp + "gate.weight")
             n_experts = int(get(mlp + "gate.weight").shape[0])
             if n_experts % ep_size:

@@ -225,7 +225,7 @@ class SGLangAdapter(Adapter):
             **({**sgl_ds.routed_scale_facts(model, text), **sgl_ds.fused_shared_facts(model)} if n_exp else {}),
         }
         arch = self.architecture(out)
-        return {**out, **arch.defaults} if arch is not None else out
+        return self.settle_verified({**out, **arch.defaults} if arch is not None else out)
 
     def architecture_of(self, models: list) -> str | None:
         return _cls(models[0])      # the *ForCausalLM class SGLang's ModelRunner built

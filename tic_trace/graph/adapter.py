@@ -288,6 +288,22 @@ class Adapter:
                         "(--allow-unverified / find_divergence(..., allow_unverified=True)).", check.describe())
         return {"architecture": name, "architecture_verified": check.verified}
 
+    def settle_verified(self, facts: dict) -> dict:
+        """`facts` (a whole `describe()`) with `architecture_verified` re-decided on all of them: an adapter whose
+        `check_architecture` also reads setup facts (a switch, a backend) refuses a structure its table has, and
+        the trace must say so at trace time too, as loudly as an unknown name. Never raises."""
+        if not facts.get("architecture_verified"):
+            return facts
+        try:
+            check = self.check_architecture(facts)
+        except Exception as e:  # noqa: BLE001 - recorded as unverified: the reader re-checks anyway
+            check = ArchitectureCheck(self.name, facts.get("architecture"), False, f"{type(e).__name__}: {e}")
+        if check.verified:
+            return facts
+        log.warning("tic-trace: UNVERIFIED MAPPING: %s. The trace is marked unverified: comparing it is refused "
+                    "(not comparable, exit 3) unless unverified mappings are accepted.", check.describe())
+        return {**facts, "architecture_verified": False}
+
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """Whether the architecture a trace names (`config["architecture"]`, from its manifest) is in this
         adapter's table. Read time, no framework: the reader's table decides, not what the trace claims."""

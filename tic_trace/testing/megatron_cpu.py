@@ -118,6 +118,12 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: Any) -> torch.Tensor:
+    # Upstream's construction (True = masked) on the CPU: the bands above the causal diagonal and below the window.
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
 class _CpuDtoHStream:
     """Placeholder for ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream``; never used as a stream."""
 
@@ -188,6 +194,11 @@ def apply_base() -> None:
     # attention_mask is None (the causal default). Patch both names with a CPU bool mask (True = masked).
     _patch(transformer_utils, "get_default_causal_mask", _cpu_default_causal_mask)
     _patch(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
+    # P2b. transformer/utils.py:38-45 get_sliding_window_causal_mask() (sliding-window attention, the
+    # `window_size` switch) builds its mask with device="cuda"; imported by name into fused_softmax.py:8 and
+    # called at fused_softmax.py:322. The same mask on the CPU.
+    _patch(transformer_utils, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask)
+    _patch(fused_softmax, "get_sliding_window_causal_mask", _cpu_sliding_window_causal_mask)
 
     # P3. transformer/moe/moe_utils.py:22-39 imports te_general_gemm only when transformer_engine is
     # present, but RouterGatingLinearFunction.forward (moe_utils.py:1192) tests `te_general_gemm is not
