@@ -56,7 +56,9 @@ padded vocabulary, a shared expert, packed THD (with a per-segment stand-in for 
 TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``); DeepSeek-V3-style MLA with
 the sigmoid group-limited router, shared experts and a dense first layer against HF ``DeepseekV3ForCausalLM``
 at TP 1 and 2 (``tests/test_megatron_mla.py``; MLA with TP > 2, SP, EP, CP, PP, the TE spec, fused or YaRN RoPE
-is refused: ``megatron_mla.latent_refusal``). Not runnable on CPU,
+is refused: ``megatron_mla.latent_refusal``); GPT-OSS-style (learnable sinks, windows, clamped GLU, biases, YaRN)
+against HF ``GptOssForCausalLM`` on one rank (``tests/test_megatron_gptoss.py``; other ``TransformerConfig``
+switches the module structure does not show are refused: ``megatron_features.feature_refusal``). Not runnable on CPU,
 so checked by name / pure function only, to be verified on GPU: real Transformer Engine modules
 (``TEDotProductAttention``, ``TEGroupedMLP``, fused RoPE / permute / router), context parallelism (the
 zigzag row mapping is checked against megatron's own SBHD split and a re-implementation of TE's THD
@@ -334,10 +336,14 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3",), f"dense; {_SPEC}",
                  "every point the trace holds", "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`",
                  lacks=_MOE),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE",),
-                 f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}",
-                 "every point the trace holds",
-                 "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "GPT-OSS"),
+                 f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}; "
+                 "GPT-OSS's switches on one rank: learnable sinks, sliding windows, the clamped GLU with its offset, "
+                 "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; other switches the structure does "
+                 "not show refused by name (`megatron_features.py`)",
+                 "every point the trace holds (GPT-OSS: sinks, windows, YaRN, router bias, clamped experts)",
+                 "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`, "
+                 "`tests/test_megatron_gptoss.py`, `tests/test_megatron_features.py`"),
     Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
                  "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
                  "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "

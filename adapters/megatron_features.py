@@ -6,37 +6,51 @@ A ``GPTModel``'s module structure (``megatron.architecture_name``) does not show
 layers) or one with NoPE layers is built from the very same ``SelfAttention`` / ``MLP`` / ``MoELayer`` classes as
 a Qwen3. Mapped by the plain rows, its ``attn.core`` would be compared against a reference that has no sinks, or
 its pre-gate core output against HF's gated one: a confident wrong point. So each switch is recorded at trace
-time (:func:`feature_facts`) and :func:`feature_refusal` names every one that is on, with what the table would
-get wrong. An old trace that does not record them says nothing here (it cannot have been written with them
-mapped either).
+time (:func:`feature_facts`) and :func:`feature_refusal` names every one that is on and was not run against a
+reference in the tests, with what the table would get wrong. GPT-OSS's switches (learnable sinks, windows, the
+clamped GLU with its offset, YaRN) are: they change values, not which record a point reads, and the tests run them
+against HF's GPT-OSS on one rank (the attention output's separate bias is ``megatron.py``'s
+``megatron_biased``). An old trace that does not record them says nothing here (it cannot have been written
+with them mapped either).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-# field -> (the value that changes nothing, what the plain rows would get wrong with another value)
-FEATURES: dict[str, tuple[Any, str]] = {
-    "softmax_type": ("vanilla", "attention sinks (`softmax_offset`, GPT-OSS): the softmax's extra column is in no "
-                                "row, so `attn.core` would be judged against sink-free attention"),
-    "window_size": (None, "sliding-window attention (GPT-OSS, Gemma): which layers are windowed is not mapped"),
-    "activation_func_clamp_value": (None, "a clamped GLU (GPT-OSS's SwiGLU limit): not mapped to the experts' points"),
-    "glu_linear_offset": (0.0, "a GLU with an offset on its linear half (GPT-OSS's `up + 1`): not mapped"),
-    "attention_output_gate": (False, "gated attention (Qwen3-Next): megatron's `core_attention` output is before "
-                                     "the gate, HF's `attn.core` after it"),
-    "experimental_attention_variant": (None, "Gated DeltaNet / DSA layers (Qwen3-Next, DeepSeek-V3.2): no row "
-                                             "maps them"),
-    "no_rope_freq": (None, "NoPE layers (Llama 4): the rows assume RoPE in every layer"),
-    "moe_shared_expert_gate": (False, "a gated shared expert (Qwen2-MoE): `moe.shared_out` before or after the "
-                                      "gate is not verified"),
-    "moe_apply_probs_on_input": (False, "top-k weights applied to the experts' input (Llama 4): "
-                                        "`moe.experts_out` would not be HF's weighted sum"),
-    "moe_latent_size": (None, "latent MoE (experts in a down-projected space): not mapped"),
-    "apply_residual_connection_post_layernorm": (False, "the residual taken after the input norm: `input` / `mid` "
-                                                        "are not the residual stream the rows assume"),
-    "mrope_section": (None, "multimodal RoPE (Qwen2-VL): not mapped"),
-    "position_embedding_type": ("rope", "position embeddings other than RoPE (YaRN, learned absolute, none): "
-                                        "`attn.q_rope` / `attn.k_rope` not verified against a reference"),
+
+class Feature(NamedTuple):
+    off: Any                    # the value that changes nothing
+    wrong: str                  # what the plain rows would get wrong with it on
+    verified: tuple = ()        # values run against a reference in the tests ("any": every value)
+
+
+_GPT_OSS = "GPT-OSS, `tests/test_megatron_gptoss.py`"
+FEATURES: dict[str, Feature] = {
+    "softmax_type": Feature("vanilla", "attention sinks other than GPT-OSS's learnable ones (`off-by-one`): not run "
+                                       "against a reference", ("learnable",)),
+    "window_size": Feature(None, "sliding-window attention", ("any",)),
+    "activation_func_clamp_value": Feature(None, "a clamped GLU", ("any",)),
+    "glu_linear_offset": Feature(0.0, "a GLU with an offset on its linear half", ("any",)),
+    "attention_output_gate": Feature(False, "gated attention (Qwen3-Next): megatron's `core_attention` output is "
+                                            "before the gate, HF's `attn.core` after it"),
+    "experimental_attention_variant": Feature(None, "Gated DeltaNet / DSA layers (Qwen3-Next, DeepSeek-V3.2): no "
+                                                    "row maps them"),
+    "no_rope_freq": Feature(None, "NoPE layers (Llama 4): the rows assume RoPE in every layer"),
+    "moe_shared_expert_gate": Feature(False, "a gated shared expert (Qwen2-MoE): `moe.shared_out` before or after "
+                                             "the gate is not verified"),
+    "moe_apply_probs_on_input": Feature(False, "top-k weights applied to the experts' input (Llama 4): "
+                                               "`moe.experts_out` would not be HF's weighted sum"),
+    "moe_latent_size": Feature(None, "latent MoE (experts in a down-projected space): not mapped"),
+    "apply_residual_connection_post_layernorm": Feature(False, "the residual taken after the input norm: `input` / "
+                                                               "`mid` are not the residual stream the rows assume"),
+    "mrope_section": Feature(None, "multimodal RoPE (Qwen2-VL): not mapped"),
+    "position_embedding_type": Feature("rope", "position embeddings other than RoPE and YaRN (learned absolute, "
+                                               "multimodal, none): `attn.q_rope` / `attn.k_rope` not verified "
+                                               "against a reference", ("yarn",)),
 }
+# The verified values above ran on one rank only (GPT-OSS): with any of them on, other layouts are refused.
+_ONE_RANK = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+             "expert_model_parallel_size")
 # Where the model keeps a switch that is not a config field (GPTModel's constructor argument).
 _ON_MODEL = ("position_embedding_type",)
 
@@ -47,22 +61,27 @@ def feature_facts(cfg: Any, root: Any) -> dict:
     out = {}
     for field in FEATURES:
         holder = root if field in _ON_MODEL and hasattr(root, field) else cfg
-        value = getattr(holder, field, FEATURES[field][0])
+        value = getattr(holder, field, FEATURES[field].off)
         out[f"megatron_{field}"] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
     return out
 
 
-def feature_refusal(config: dict, verified: dict[str, Any] | None = None) -> str | None:
-    """Why a trace's switches are outside the verified rows (None: every recorded one is off, or is set to the
-    value ``verified`` allows, e.g. MLA's own YaRN handling)."""
-    verified = verified or {}
-    why = []
-    for field, (off, wrong) in FEATURES.items():
-        key = f"megatron_{field}"
-        if key not in config:
+def feature_refusal(config: dict) -> str | None:
+    """Why a trace's switches are outside the verified rows (None: every recorded one is off, or on at a value and
+    in a layout the tests ran against a reference)."""
+    why, on = [], []
+    for field, f in FEATURES.items():
+        value = config.get(f"megatron_{field}", f.off)
+        if value == f.off:
             continue
-        value = config[key]
-        if value == off or (field in verified and value == verified[field]):
-            continue
-        why.append(f"`{field}={value!r}`: {wrong}")
+        if "any" in f.verified or value in f.verified:
+            on.append(field)
+        else:
+            why.append(f"`{field}={value!r}`: {f.wrong}")
+    layout = [f"`{k}` {config[k]}" for k in _ONE_RANK if int(config.get(k) or 1) > 1]
+    if config.get("sequence_parallel"):
+        layout.append("sequence parallelism")
+    if on and layout:
+        why.append(f"{', '.join(f'`{x}`' for x in on)} ({_GPT_OSS}) verified on one rank only, not with "
+                   + ", ".join(layout))
     return "TransformerConfig switches outside the verified rows: " + "; ".join(why) if why else None

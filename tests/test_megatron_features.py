@@ -1,7 +1,8 @@
-"""Megatron-core switches that its module structure does not show (GPT-OSS's attention sinks, sliding windows and
-clamped GLU; Qwen3-Next's gated attention; NoPE layers; a gated shared expert): a real megatron-core 0.16.1
-GPTModel built with one on is traced, marked unverified at trace time, and its comparison refused (exit 3) with
-the switch named; the same model with every switch off stays verified."""
+"""Megatron-core switches that its module structure does not show (Qwen3-Next's gated attention, NoPE layers,
+off-by-one sinks, a gated shared expert...): a real megatron-core 0.16.1 GPTModel built with one on is traced,
+marked unverified at trace time, and its comparison refused (exit 3) with the switch named; the same model with
+every switch off stays verified. GPT-OSS's switches are mapped (tests/test_megatron_gptoss.py) on one rank only:
+with another layout they are refused."""
 from __future__ import annotations
 
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
@@ -19,9 +20,7 @@ IDS = sample_tokens(1, 8)
 
 # switches megatron-core builds and runs on CPU (local spec), each with the word its refusal must name
 SWITCHES = {
-    "sinks": ({"softmax_type": "learnable"}, "softmax_type"),
-    "window": ({"window_size": (4, 0)}, "window_size"),
-    "clamped_glu": ({"activation_func_clamp_value": 7.0, "glu_linear_offset": 1.0}, "activation_func_clamp_value"),
+    "off_by_one_sinks": ({"softmax_type": "off-by-one"}, "softmax_type"),
     "gated_attention": ({"attention_output_gate": True}, "attention_output_gate"),
     "nope_layers": ({"no_rope_freq": 2}, "no_rope_freq"),
 }
@@ -80,9 +79,25 @@ def test_switches_not_built_on_cpu_are_refused_from_their_facts():
     base = {"architecture": "GPTModel/TransformerLayer/SelfAttention/MoELayer", "megatron_softmax_type": "vanilla"}
     assert ad.check_architecture(base).verified
     for field, value in (("experimental_attention_variant", "gated_delta_net"), ("moe_latent_size", 64),
-                         ("position_embedding_type", "yarn"), ("moe_apply_probs_on_input", True),
+                         ("position_embedding_type", "learned_absolute"), ("moe_apply_probs_on_input", True),
                          ("moe_shared_expert_gate", True), ("mrope_section", "[16, 24, 24]")):
         c = ad.check_architecture({**base, f"megatron_{field}": value})
-        assert not c.verified and field in c.why and FEATURES[field][1] in c.why, (field, c.why)
+        assert not c.verified and field in c.why and FEATURES[field].wrong in c.why, (field, c.why)
     # a trace written before the switches were recorded says nothing of them
     assert ad.check_architecture({"architecture": base["architecture"]}).verified
+
+
+def test_gpt_oss_switches_are_verified_on_one_rank_only():
+    ad = MegatronAdapter()
+    gpt_oss = {"architecture": "GPTModel/TransformerLayer/SelfAttention/MoELayer",
+               "megatron_softmax_type": "learnable", "megatron_window_size": "(127, 0)",
+               "megatron_activation_func_clamp_value": 7.0, "megatron_glu_linear_offset": 1.0,
+               "megatron_position_embedding_type": "yarn"}
+    assert ad.check_architecture(gpt_oss).verified
+    for layout, word in (({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size"),
+                         ({"expert_model_parallel_size": 4}, "expert_model_parallel_size"),
+                         ({"sequence_parallel": True}, "sequence parallelism")):
+        c = ad.check_architecture({**gpt_oss, **layout})
+        assert not c.verified and word in c.why and "softmax_type" in c.why and "one rank" in c.why
+    # the plain rows at TP 2 stay verified (tests/test_megatron_adapter.py runs them)
+    assert ad.check_architecture({"architecture": gpt_oss["architecture"], "tensor_model_parallel_size": 2}).verified

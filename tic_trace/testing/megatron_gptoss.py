@@ -34,8 +34,8 @@ _QUICK_GELU_ALPHA = 1.702
 
 def _check(hf_config: Any) -> None:
     params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise NotImplementedError(f"RoPE {params.get('rope_type')!r}: only plain RoPE is mapped here")
+    if params.get("rope_type", "default") not in ("default", "yarn", None):
+        raise NotImplementedError(f"RoPE {params.get('rope_type')!r}: only plain RoPE and YaRN are mapped here")
     if abs(float(getattr(hf_config, "swiglu_alpha", _QUICK_GELU_ALPHA)) - _QUICK_GELU_ALPHA) > 1e-9:
         raise NotImplementedError("swiglu_alpha != 1.702: megatron's quick_gelu has that constant")
     if not getattr(hf_config, "attention_bias", True):
@@ -64,15 +64,41 @@ def build_gpt_oss_transformer_fields(hf_config: Any) -> dict[str, Any]:
     return fields
 
 
+def _yarn_fields(hf_config: Any) -> dict[str, Any] | None:
+    """GPTModel's YaRN settings (read from the config object by ``GPTModel.__init__``, gpt_model.py:172-190, and by
+    attention's concentration factor) for a HF YaRN ``rope_parameters``; None for plain RoPE."""
+    p = getattr(hf_config, "rope_parameters", None) or {}
+    if p.get("rope_type", "default") in ("default", None):
+        return None
+    return {"yarn_rotary_scaling_factor": float(p["factor"]),
+            "yarn_original_max_position_embeddings": int(p["original_max_position_embeddings"]),
+            "yarn_beta_fast": float(p.get("beta_fast", 32.0)), "yarn_beta_slow": float(p.get("beta_slow", 1.0)),
+            "yarn_mscale": p.get("mscale"), "yarn_mscale_all_dim": p.get("mscale_all_dim"),
+            "yarn_correction_range_round_to_int": bool(p.get("truncate", True))}
+
+
 def build_gpt_oss_gpt_model(hf_config: Any, dtype: torch.dtype = torch.float32, **config_overrides: Any):
     """An eval-mode megatron ``GPTModel`` shaped like the HF ``GptOssConfig`` (TP 1; uninitialised weights: load
     them with ``megatron_weights.load_into``). Needs ``megatron_cpu.init_parallel`` / ``single_rank`` first."""
+    mc.apply_all()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
     fields = {**build_gpt_oss_transformer_fields(hf_config), **config_overrides}
+    c = hf_config
     # megatron_cpu reads the HF names of a Qwen3-MoE config: GPT-OSS's experts under their Qwen names
-    alias = {"hidden_act": "silu", "num_experts": int(hf_config.num_local_experts),
-             "moe_intermediate_size": int(hf_config.intermediate_size)}
-    cfg = {k: getattr(hf_config, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_key_value_heads", "head_dim", "intermediate_size",
-                                              "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
-                                              "num_experts_per_tok", "rope_parameters", "attention_bias")}
-    return mc.build_gpt_model({**cfg, **alias}, tp=1, ep=1, sp=False, dtype=dtype, **fields)
+    base = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                       "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
+                                       "num_experts_per_tok", "attention_bias")}
+    base.update(hidden_act="silu", num_experts=int(c.num_local_experts), moe_intermediate_size=int(c.intermediate_size))
+    config = mc.build_transformer_config(base, tp=1, ep=1, sp=False, dtype=dtype, **fields)
+    yarn = _yarn_fields(c)
+    for k, v in (yarn or {}).items():
+        setattr(config, k, v)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    theta = float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=int(c.vocab_size),
+                     max_sequence_length=int(c.max_position_embeddings), pre_process=True, post_process=True,
+                     parallel_output=True, share_embeddings_and_output_weights=bool(c.tie_word_embeddings),
+                     position_embedding_type="yarn" if yarn else "rope", rotary_base=theta)
+    return model.eval()
