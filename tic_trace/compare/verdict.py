@@ -22,7 +22,7 @@ from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
 from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, accepted_point, coarser, growth_of, judge, judge_point, judge_replay,
-                    point_kind)
+                    point_kind, decode_intrinsic)
 from ..report.schema import Finding, Note, Point, WorstToken, num
 from ..store.dtypes import known_dtype
 from .identity_notes import (ALWAYS, UNLESS_DIVERGENT, identity_notes as _identity_notes,  # noqa: F401 - public here too
@@ -72,7 +72,7 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     counted = computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
-    notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points),
+    notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points), _carried_notes(points),
                                           _accumulated_noise(points, findings), _shared_nonfinite(points))
                               if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
@@ -120,6 +120,26 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
                 p.replay["accepted"] = accepted
             elif r.side is not None:        # the replay names a side: this point diverges for that reason
                 p.status, p.cause = DIVERGENT, PRECISION if r.kind == PRECISION else INTRINSIC
+            elif p.status == DIVERGENT and p.cause == OPERATOR and _carried(p, margins):
+                p.status, p.cause = OVER, None
+                p.replay["carried"] = True
+
+
+def _carried(p: Point, margins=None) -> bool:
+    """Whether an A-B jump at `p` is its inputs' difference carried through the op, not a fault of the op: the
+    inputs already differ, and the replay found each side's op as exact as clean implementations are on that
+    side's own inputs. Then |A - B| <= (A's rounding) + |op(A's inputs) - op(B's inputs)| + (B's rounding): all of
+    the jump is the exact op's response to its inputs' difference, which an ill-conditioned op (attention over
+    large scores and sinks, a norm over a massive row) amplifies past any fixed growth factor. The divergence, if
+    any, starts upstream, where the inputs began to differ."""
+    from ..replay.intrinsic import IntrinsicError
+    from ..replay.intrinsic_verdict import DEFAULT_MARGINS, abnormal
+    if not (p.input_error or 0) > 0:
+        return False
+    sides = [decode_intrinsic((p.intrinsic or {}).get(s)) for s in ("a", "b")]
+    m = margins or DEFAULT_MARGINS
+    return all(isinstance(x, IntrinsicError) and x.kind == "float" and x.numel >= m.min_numel
+               and not abnormal(x, m) for x in sides)
 
 
 def _accepted(p: Point, kind: str | None, accept: tuple[str, ...]) -> str | None:
@@ -448,6 +468,19 @@ def _both_over_envelope(points: list[Point], min_numel: int = 32) -> Note | None
                 "the same imprecise op, or the checkpoint's config does not describe what they compute (check "
                 "it is the one both ran, and that the architecture's features are in docs/replay.md)",
                 {"points": out})
+
+
+def _carried_notes(points: list[Point]) -> Note | None:
+    """Points whose A-B jump the replay found carried from their inputs (`_carried`): said, never hidden."""
+    out = [p for p in points if (p.replay or {}).get("carried")]
+    if not out:
+        return None
+    shown = ", ".join(f"{p.key} ({_f(p.error)}, {_x(p.growth, 1)}x its inputs')" for p in out[:4])
+    return Note("carried", f"{len(out)} point(s) where A and B differ by more than a fixed growth over their inputs "
+                f"allows, yet each side computes the op as exactly as clean implementations do on its own inputs: "
+                f"{shown}" + (" …" if len(out) > 4 else "") + ". The op carries its inputs' difference (an "
+                "ill-conditioned op: attention over large scores, a norm over a massive row); not a divergence here",
+                {"points": [p.key for p in out]})
 
 
 def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:

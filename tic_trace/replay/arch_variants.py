@@ -67,6 +67,20 @@ def _fp32(q, k, v, mask, scale, cap, sinks, dt):
     return ((p.to(dt).float() @ v.float()) / den).to(dt)
 
 
+def _scaled_gemm(q, k, v, mask, scale, cap, sinks, dt):
+    """megatron-core's local ``DotProductAttention``: the scale inside the score GEMM (``baddbmm(alpha=scale)``: one
+    rounding), softmax in fp32 (``attention_softmax_in_fp32``; the sinks as one more column, ``SoftmaxOne``),
+    probabilities rounded before P.V."""
+    s = ((q.float() @ k.float().transpose(-1, -2)) * scale).to(dt).float()
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return (p[..., :-1] if sinks is not None else p).to(dt) @ v
+
+
 def _attention(kernel):
     def run(v: VariantInput) -> torch.Tensor:
         q, kk, vv = v.feeds["attn.q_rope"], v.feeds["attn.k_rope"], v.feeds["attn.v"]
@@ -148,6 +162,8 @@ def _arch_variants() -> dict[str, list[Variant]]:
         "offset_rmsnorm": _norm_variants(None, _offset_weight),
         "attention_ext": [Variant("eager", "eager attention", True, _attention(_eager)),
                           Variant("fp32_scores", "fp32 scores and softmax (fused kernel)", True, _attention(_fp32)),
+                          Variant("scaled_gemm", "scale inside the score GEMM, fp32 softmax (megatron-core local)",
+                                  True, _attention(_scaled_gemm)),
                           Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16))],
         "gated_mlp_act": [Variant("unfused", "unfused act x up", True, _gated_act(False)),
                           Variant("fused_act_up", "fused act x up", True, _gated_act(True)),

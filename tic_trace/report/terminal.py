@@ -103,6 +103,8 @@ def _answer_line(report: dict) -> str:
             extra.append("BOTH sides compute NaN/Inf at the same elements (noted below)")
         if "accumulated_noise" in kinds:
             extra.append("accumulated noise noted below")
+        if "carried" in kinds:
+            extra.append("differences carried through ill-conditioned ops noted below")
         return (f"CONSISTENT: {n} canonical points compared on {(report.get('rows') or {}).get('matched')} rows, "
                 "none diverges" + ("; " + "; ".join(extra) if extra else ""))
     if n:
