@@ -14,7 +14,8 @@ from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swi
 from .arch_spec import sliding_window
 from .latent_variants import LATENT_VARIANTS
 from .qwen3next_variants import qwen3next_variants
-from .variants import Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
+from .variants import (Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst,
+                       scaled_gemm_attention)
 
 
 def _offset_weight(v: VariantInput) -> torch.Tensor:
@@ -68,17 +69,7 @@ def _fp32(q, k, v, mask, scale, cap, sinks, dt):
 
 
 def _scaled_gemm(q, k, v, mask, scale, cap, sinks, dt):
-    """megatron-core's local ``DotProductAttention``: the scale inside the score GEMM (``baddbmm(alpha=scale)``: one
-    rounding), softmax in fp32 (``attention_softmax_in_fp32``; the sinks as one more column, ``SoftmaxOne``),
-    probabilities rounded before P.V."""
-    s = ((q.float() @ k.float().transpose(-1, -2)) * scale).to(dt).float()
-    if cap:
-        s = torch.tanh(s / cap) * cap
-    s = s.masked_fill(~mask, -math.inf)
-    if sinks is not None:
-        s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], dim=-1)
-    p = torch.softmax(s, dim=-1)
-    return (p[..., :-1] if sinks is not None else p).to(dt) @ v
+    return scaled_gemm_attention(q, k, v, mask, scale, dt, cap, sinks)
 
 
 def _attention(kernel):

@@ -243,6 +243,20 @@ def _flash(q, k, v, mask, scale, dt):
     return ((p.to(dt).float() @ v.float()) / p.sum(-1, keepdim=True)).to(dt)
 
 
+def scaled_gemm_attention(q, k, v, mask, scale, dt, cap=None, sinks=None):
+    """megatron-core's local ``DotProductAttention``: the scale inside the score GEMM (``baddbmm(alpha=scale)``: one
+    rounding of the scaled scores), softmax in fp32 (``attention_softmax_in_fp32``; GPT-OSS's sinks as one more
+    column, ``SoftmaxOne``), probabilities rounded before P.V. (arch_variants.py reuses it with caps and sinks.)"""
+    s = ((q.float() @ k.float().transpose(-1, -2)) * scale).to(dt).float()
+    if cap:
+        s = torch.tanh(s / cap) * cap
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return (p[..., :-1] if sinks is not None else p).to(dt) @ v
+
+
 def _sdpa(backend):
     def fn(q, k, v, mask, scale, dt):
         from torch.nn.attention import sdpa_kernel
@@ -291,6 +305,8 @@ def _attention_variants() -> list[Variant]:
                     _attention(_flash)),
             Variant("sdpa_math", "SDPA math path", True, _attention(_sdpa(SDPBackend.MATH))),
             Variant("sdpa", "fused SDPA kernel", True, _attention(_sdpa(SDPBackend.FLASH_ATTENTION))),
+            Variant("scaled_gemm", "scale inside the score GEMM, fp32 softmax (megatron-core local)", True,
+                    _attention(scaled_gemm_attention)),
             Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16)),
             Variant("kv_fp8", "fp8 KV cache", False, _attention(_kv_fp8(_eager)))]
 
