@@ -333,17 +333,19 @@ _SPEC = ("local spec run on CPU (TP, SP, EP, pipeline chunks, packed THD); Trans
 # Structures, not families: the HF or SGLang side of a pair names the family. The families listed are those
 # whose configs ran through each structure in the tests.
 ARCHITECTURES = {a.name: a for a in (
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3",), f"dense; {_SPEC}",
-                 "every point the trace holds", "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`",
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3", "Llama", "Qwen2"),
+                 f"dense (QK-norm or none, q/k/v bias or none); {_SPEC}", "every point the trace holds",
+                 "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`, `tests/test_megatron_families.py`",
                  lacks=_MOE),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "GPT-OSS"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "Mixtral", "GPT-OSS"),
                  f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}; "
                  "GPT-OSS's switches on one rank: learnable sinks, sliding windows, the clamped GLU with its offset, "
                  "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; other switches the structure does "
                  "not show refused by name (`megatron_features.py`)",
                  "every point the trace holds (GPT-OSS: sinks, windows, YaRN, router bias, clamped experts)",
                  "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`, "
-                 "`tests/test_megatron_gptoss.py`, `tests/test_megatron_features.py`"),
+                 "`tests/test_megatron_families.py` (Mixtral), `tests/test_megatron_gptoss.py`, "
+                 "`tests/test_megatron_features.py`"),
     Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
                  "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
                  "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "

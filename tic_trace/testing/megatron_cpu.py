@@ -581,7 +581,7 @@ def build_gpt_model(
         # One spec per layer: MoE or dense, following config.moe_layer_freq.
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     theta, percent = _rope_settings(hf_config)
     vocab = int(_cfg(hf_config, "vocab_size"))
     model = GPTModel(
