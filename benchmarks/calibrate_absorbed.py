@@ -55,7 +55,7 @@ def _fp8(name: str):
 
 def _bf16_softmax_decode(model):
     """The absorbed attention's softmax in bf16 at one layer (SGLang's attn_mqa, decode only)."""
-    from tic_trace.replay.variants import _softmax_bf16
+    from tic_trace.replay.attention_kernels import softmax_bf16 as _softmax_bf16
     from tic_trace.testing.sglang_cpu_kernels import _tnb
     mqa = _attn(model, LAYER).attn_mqa
     inner = mqa.forward

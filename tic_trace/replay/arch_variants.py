@@ -14,8 +14,8 @@ from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swi
 from .arch_spec import sliding_window
 from .latent_variants import LATENT_VARIANTS
 from .qwen3next_variants import qwen3next_variants
-from .variants import (Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst,
-                       scaled_gemm_attention)
+from .attention_kernels import scaled_gemm
+from .variants import Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
 
 
 def _offset_weight(v: VariantInput) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _fp32(q, k, v, mask, scale, cap, sinks, dt):
 
 
 def _scaled_gemm(q, k, v, mask, scale, cap, sinks, dt):
-    return scaled_gemm_attention(q, k, v, mask, scale, dt, cap, sinks)
+    return scaled_gemm(q, k, v, mask, scale, dt, cap, sinks)
 
 
 def _attention(kernel):

@@ -13,7 +13,9 @@ import torch
 
 from .arch_ops import each_sample
 from .latent import LATENT_NORM_EPS, _heads, absorbed_queries, kv_b_present, softmax_scale
-from .variants import Variant, VariantInput, _eager, _flash, _norm_variants, _sdpa, _softmax_bf16, rotate
+from .attention_kernels import eager as _eager, flash as _flash, scaled_gemm as _scaled_gemm, sdpa as _sdpa
+from .attention_kernels import softmax_bf16 as _softmax_bf16
+from .variants import Variant, VariantInput, _norm_variants, rotate
 
 _NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
           "attn.kv_a_norm": ("attn.kv_a", "self_attn.kv_a_layernorm.weight")}
@@ -112,6 +114,8 @@ def _latent_variants() -> dict[str, list[Variant]]:
             Variant("flash", "flash-style attention", True, _latent_attention(_flash)),
             Variant("sdpa_math", "SDPA math path", True, _latent_attention(_sdpa(SDPBackend.MATH))),
             Variant("sdpa", "fused SDPA kernel", True, _latent_attention(_sdpa(SDPBackend.FLASH_ATTENTION), True)),
+            Variant("scaled_gemm", "scale inside the score GEMM, fp32 softmax (megatron-core local)", True,
+                    _latent_attention(_scaled_gemm)),
             # (no fp8-KV-cache fault: MLA caches the latent and k_pe, not k and v)
             Variant("softmax_bf16", "bf16 softmax", False, _latent_attention(_softmax_bf16))],
     }

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import attention_kernels as K
 from .arch_ops import each_sample, spans_heads
 from .grid import round_to, row_relative_excess
 from .reference import NotReplayable
@@ -229,57 +230,6 @@ _ROPE = [Variant("bf16_tables", "bf16 cos/sin tables", True, lambda v: _rope(v, 
 
 # ---------------------------------------------------------------- attention
 
-def _eager(q, k, v, mask, scale, dt):
-    s = (q @ k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, -math.inf)
-    return torch.softmax(s, dim=-1, dtype=torch.float32).to(dt) @ v
-
-
-def _flash(q, k, v, mask, scale, dt):
-    """fp32 scores and softmax statistics, probabilities rounded to dt before P.V, normalised at the end."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, -math.inf)
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    return ((p.to(dt).float() @ v.float()) / p.sum(-1, keepdim=True)).to(dt)
-
-
-def scaled_gemm_attention(q, k, v, mask, scale, dt, cap=None, sinks=None):
-    """megatron-core's local ``DotProductAttention``: the scale inside the score GEMM (``baddbmm(alpha=scale)``: one
-    rounding of the scaled scores), softmax in fp32 (``attention_softmax_in_fp32``; GPT-OSS's sinks as one more
-    column, ``SoftmaxOne``), probabilities rounded before P.V. (arch_variants.py reuses it with caps and sinks.)"""
-    s = ((q.float() @ k.float().transpose(-1, -2)) * scale).to(dt).float()
-    if cap:
-        s = torch.tanh(s / cap) * cap
-    s = s.masked_fill(~mask, -math.inf)
-    if sinks is not None:
-        s = torch.cat([s, sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], dim=-1)
-    p = torch.softmax(s, dim=-1)
-    return (p[..., :-1] if sinks is not None else p).to(dt) @ v
-
-
-def _sdpa(backend):
-    def fn(q, k, v, mask, scale, dt):
-        from torch.nn.attention import sdpa_kernel
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return fn
-
-
-def _softmax_bf16(q, k, v, mask, scale, dt):
-    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~mask, -math.inf)
-    e = torch.exp(s - s.amax(-1, keepdim=True))
-    return (e / e.sum(-1, keepdim=True)) @ v
-
-
-def _kv_fp8(kernel):
-    """The KV cache in fp8 (e4m3, unit scales: an engine's `--kv-cache-dtype fp8_e4m3` without calibrated
-    scales): k and v rounded to fp8 before the kernel reads them back in the activations' dtype."""
-    def fn(q, k, v, mask, scale, dt):
-        f8 = torch.float8_e4m3fn
-        return kernel(q, k.to(f8).to(dt), v.to(f8).to(dt), mask, scale, dt)
-    return fn
-
-
 def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
     def run(v: VariantInput) -> torch.Tensor:
         q, kk, vv, kv_rows = v.feeds["attn.q_rope"], v.feeds["attn.k_rope"], v.feeds["attn.v"], v.feeds["__kv_rows__"]
@@ -300,15 +250,15 @@ def _attention(kernel) -> Callable[[VariantInput], torch.Tensor]:
 
 def _attention_variants() -> list[Variant]:
     from torch.nn.attention import SDPBackend
-    return [Variant("eager", "eager attention", True, _attention(_eager)),
+    return [Variant("eager", "eager attention", True, _attention(K.eager)),
             Variant("flash", "flash-style attention", True,
-                    _attention(_flash)),
-            Variant("sdpa_math", "SDPA math path", True, _attention(_sdpa(SDPBackend.MATH))),
-            Variant("sdpa", "fused SDPA kernel", True, _attention(_sdpa(SDPBackend.FLASH_ATTENTION))),
+                    _attention(K.flash)),
+            Variant("sdpa_math", "SDPA math path", True, _attention(K.sdpa(SDPBackend.MATH))),
+            Variant("sdpa", "fused SDPA kernel", True, _attention(K.sdpa(SDPBackend.FLASH_ATTENTION))),
             Variant("scaled_gemm", "scale inside the score GEMM, fp32 softmax (megatron-core local)", True,
-                    _attention(scaled_gemm_attention)),
-            Variant("softmax_bf16", "bf16 softmax", False, _attention(_softmax_bf16)),
-            Variant("kv_fp8", "fp8 KV cache", False, _attention(_kv_fp8(_eager)))]
+                    _attention(K.scaled_gemm)),
+            Variant("softmax_bf16", "bf16 softmax", False, _attention(K.softmax_bf16)),
+            Variant("kv_fp8", "fp8 KV cache", False, _attention(K.kv_fp8(K.eager)))]
 
 
 # ---------------------------------------------------------------- gated MLPs and experts
