@@ -131,6 +131,9 @@ POINTS = (
     PointMap("moe.experts_out", _M + r"/fn:combine_postprocess:out", merge="seq",
              note="tapped token_dispatcher.combine_postprocess: routed experts combined, token order"),
     PointMap("moe.shared_out", _M + r"\.shared_experts:out", merge="seq"),
+    PointMap("moe.shared_out", _M + r"\.shared_experts\.linear_fc2:out\[0\]", merge="seq", opts={"shared_gate": True},
+             note="moe_shared_expert_gate: the shared expert's output before its sigmoid gate (the module's output is "
+                  "after it; HF's shared_expert, the canonical point, before)"),
     PointMap("mlp.out", _M + r":out\[0\]", merge="seq"),
     PointMap("output", _L + r":out\[0\]", merge="seq"),
     PointMap("final_norm", _P + r"decoder\.final_(?:layernorm|norm):out", merge="seq"),
@@ -337,14 +340,15 @@ ARCHITECTURES = {a.name: a for a in (
                  f"dense (QK-norm or none, q/k/v bias or none); {_SPEC}", "every point the trace holds",
                  "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`, `tests/test_megatron_families.py`",
                  lacks=_MOE),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "Mixtral", "GPT-OSS"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "Mixtral", "Qwen2-MoE", "GPT-OSS"),
                  f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}; "
                  "GPT-OSS's switches on one rank: learnable sinks, sliding windows, the clamped GLU with its offset, "
-                 "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; other switches the structure does "
-                 "not show refused by name (`megatron_features.py`)",
+                 "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; Qwen2-MoE's sigmoid-gated shared "
+                 "expert (`moe.shared_out` before the gate) on one rank; other switches the structure does not show "
+                 "refused by name (`megatron_features.py`)",
                  "every point the trace holds (GPT-OSS: sinks, windows, YaRN, router bias, clamped experts)",
                  "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`, "
-                 "`tests/test_megatron_families.py` (Mixtral), `tests/test_megatron_gptoss.py`, "
+                 "`tests/test_megatron_families.py` (Mixtral, Qwen2-MoE), `tests/test_megatron_gptoss.py`, "
                  "`tests/test_megatron_features.py`"),
     Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
                  "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
@@ -586,6 +590,9 @@ class MegatronAdapter(Adapter):
         if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_layernorm", True):
             return False
         if pm.point == "attn.out" and bool(pm.opts.get("linear_bias")) != bool(config.get("linear_bias")):
+            return False
+        if pm.point == "moe.shared_out" and \
+                bool(pm.opts.get("shared_gate")) != bool(config.get("megatron_moe_shared_expert_gate")):
             return False
         if pm.point in ("moe.experts_out", "moe.shared_out") and config.get("moe_shared_expert_overlap"):
             return False

@@ -10,7 +10,8 @@ time (:func:`feature_facts`) and :func:`feature_refusal` names every one that is
 reference in the tests, with what the table would get wrong. GPT-OSS's switches (learnable sinks, windows, the
 clamped GLU with its offset, YaRN) are: they change values, not which record a point reads, and the tests run them
 against HF's GPT-OSS on one rank (the attention output's separate bias is ``megatron.py``'s
-``megatron_biased``). An old trace that does not record them says nothing here (it cannot have been written
+``megatron_biased``); so is Qwen2-MoE's gated shared expert (its ``moe.shared_out`` row reads the expert before
+the gate). An old trace that does not record them says nothing here (it cannot have been written
 with them mapped either).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Feature(NamedTuple):
     verified: tuple = ()        # values run against a reference in the tests ("any": every value)
 
 
-_GPT_OSS = "GPT-OSS, `tests/test_megatron_gptoss.py`"
+_VERIFIED_BY = "`tests/test_megatron_gptoss.py`, `tests/test_megatron_families.py`"
 FEATURES: dict[str, Feature] = {
     "softmax_type": Feature("vanilla", "attention sinks other than GPT-OSS's learnable ones (`off-by-one`): not run "
                                        "against a reference", ("learnable",)),
@@ -36,8 +37,7 @@ FEATURES: dict[str, Feature] = {
     "experimental_attention_variant": Feature(None, "Gated DeltaNet / DSA layers (Qwen3-Next, DeepSeek-V3.2): no "
                                                     "row maps them"),
     "no_rope_freq": Feature(None, "NoPE layers (Llama 4): the rows assume RoPE in every layer"),
-    "moe_shared_expert_gate": Feature(False, "a gated shared expert (Qwen2-MoE): `moe.shared_out` before or after "
-                                             "the gate is not verified"),
+    "moe_shared_expert_gate": Feature(False, "a gated shared expert", (True,)),
     "moe_apply_probs_on_input": Feature(False, "top-k weights applied to the experts' input (Llama 4): "
                                                "`moe.experts_out` would not be HF's weighted sum"),
     "moe_latent_size": Feature(None, "latent MoE (experts in a down-projected space): not mapped"),
@@ -48,7 +48,8 @@ FEATURES: dict[str, Feature] = {
                                                "multimodal, none): `attn.q_rope` / `attn.k_rope` not verified "
                                                "against a reference", ("yarn",)),
 }
-# The verified values above ran on one rank only (GPT-OSS): with any of them on, other layouts are refused.
+# The verified values above ran on one rank only (GPT-OSS, Qwen2-MoE): with any of them on, other layouts are
+# refused.
 _ONE_RANK = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
              "expert_model_parallel_size")
 # Where the model keeps a switch that is not a config field (GPTModel's constructor argument).
@@ -82,6 +83,6 @@ def feature_refusal(config: dict) -> str | None:
     if config.get("sequence_parallel"):
         layout.append("sequence parallelism")
     if on and layout:
-        why.append(f"{', '.join(f'`{x}`' for x in on)} ({_GPT_OSS}) verified on one rank only, not with "
+        why.append(f"{', '.join(f'`{x}`' for x in on)} ({_VERIFIED_BY}) verified on one rank only, not with "
                    + ", ".join(layout))
     return "TransformerConfig switches outside the verified rows: " + "; ".join(why) if why else None

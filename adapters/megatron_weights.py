@@ -38,7 +38,8 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``,
   ``o_proj``, unchanged (see ``_latent_attention``). The router's ``e_score_correction_bias`` ->
   ``mlp.router.expert_bias`` (fp32, as megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
-  ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``.
+  ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``. Qwen2-MoE's one gated shared expert
+  (``mlp.shared_expert.*``) the same, its ``mlp.shared_expert_gate.weight`` -> ``mlp.shared_experts.gate_weight``.
 * GPT-OSS (a layer with ``mlp.router.weight``): ``o_proj.bias`` -> ``linear_proj.bias``, ``self_attn.sinks`` ->
   ``core_attention.softmax_offset``, ``mlp.router.{weight,bias}`` -> ``mlp.router.{weight,bias}``, the experts as
   ``_gpt_oss_experts`` says (gate and up de-interleaved from alternate columns).
@@ -259,10 +260,12 @@ def hf_to_megatron_state_dict(
                 out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
             if mlp + "gate.e_score_correction_bias" in sd:     # DeepSeek-V3 / GLM-4.5: choice-only bias
                 out[dst + "mlp.router.expert_bias"] = get(mlp + "gate.e_score_correction_bias").float()
-            if mlp + "shared_expert.gate_proj.weight" in sd:
-                raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped yet")
-            if mlp + "shared_experts.gate_proj.weight" in sd:  # DeepSeek-V3 / GLM-4.5: ungated, plural
-                sh, shdst = mlp + "shared_experts.", dst + "mlp.shared_experts."
+            shared = next((mlp + n for n in ("shared_experts.", "shared_expert.") if mlp + n + "gate_proj.weight" in sd),
+                          None)     # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
+            if shared is not None:
+                sh, shdst = shared, dst + "mlp.shared_experts."
+                if mlp + "shared_expert_gate.weight" in sd:     # [1, H]: megatron's gate_weight, replicated
+                    out[shdst + "gate_weight"] = get(mlp + "shared_expert_gate.weight")
                 out[shdst + "linear_fc1.weight"] = _glu_fc1(get(sh + "gate_proj.weight"), get(sh + "up_proj.weight"),
                                                             tp_rank, tp_size, f"layer {i} shared fc1")
                 out[shdst + "linear_fc2.weight"] = _shard(get(sh + "down_proj.weight"), tp_rank, tp_size, 1,

@@ -1,8 +1,9 @@
-"""Llama, Qwen2 (dense) and Mixtral (MoE) through megatron-core 0.16.1's plain ``GPTModel`` structures (local spec,
-one rank) against HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` with the same weights:
+"""Llama, Qwen2 (dense), Mixtral and Qwen2-MoE (MoE) through megatron-core 0.16.1's plain ``GPTModel`` structures (local spec,
+one rank) against HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` with the same weights:
 the families the Megatron table lists beside Qwen3 / Qwen3-MoE. fp32 consistent with every point the exact op;
 bf16 with ``--reference`` blames no side; faults planted in Megatron's computation (where each family differs
-from Qwen3: no QK-norm, q/k/v bias, RoPE base, a renormalised softmax router) found at their point and layer."""
+from Qwen3: no QK-norm, q/k/v bias, RoPE base, a renormalised softmax router, a sigmoid-gated shared expert)
+found at their point and layer."""
 from __future__ import annotations
 
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
@@ -32,10 +33,13 @@ CONFIGS = {
     "llama": lambda: T.LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     "qwen2": lambda: T.Qwen2Config(**_COMMON),
     "mixtral": lambda: T.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=64),
 }
 ARCH = {"llama": "GPTModel/TransformerLayer/SelfAttention/MLP", "qwen2": "GPTModel/TransformerLayer/SelfAttention/MLP",
-        "mixtral": "GPTModel/TransformerLayer/SelfAttention/MoELayer"}
-FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral"}
+        "mixtral": "GPTModel/TransformerLayer/SelfAttention/MoELayer",
+        "qwen2_moe": "GPTModel/TransformerLayer/SelfAttention/MoELayer"}
+FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
 
 
 def _config(name: str):
@@ -50,11 +54,22 @@ def _megatron_view(cfg) -> dict:
             "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
             "rope_parameters")
     out = {k: getattr(cfg, k) for k in keys}
-    out["attention_bias"] = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+    out["attention_bias"] = cfg.model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False))
     if cfg.model_type == "mixtral":     # softmax over all, top-k, always renormalised
         out.update(num_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
+    if cfg.model_type == "qwen2_moe":   # softmax over all, top-k, not renormalised (norm_topk_prob False)
+        out.update({k: getattr(cfg, k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")})
     return out
+
+
+def _megatron_overrides(cfg) -> dict:
+    """TransformerConfig fields megatron_cpu does not derive: Qwen2-MoE's one sigmoid-gated shared expert."""
+    if cfg.model_type == "qwen2_moe":
+        return {"moe_shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+                "moe_shared_expert_gate": True}
+    return {}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +96,7 @@ def hf_side(tmp_path_factory, megatron_rank):
 def _megatron(out, name: str, sd, dtype, plant=None) -> str:
     cfg = _config(name)
     view = _megatron_view(cfg)
-    model = mc.build_gpt_model(view, dtype=dtype, qk_layernorm=False)
+    model = mc.build_gpt_model(view, dtype=dtype, qk_layernorm=False, **_megatron_overrides(cfg))
     load_into(model, hf_to_megatron_state_dict(sd, view))
     if plant is not None:
         with torch.no_grad():
@@ -134,8 +149,8 @@ def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, hf_side, name):
         rep = find_divergence(str(hf), mgt, reference=str(ck), accept_precision=("moe.topk_weights",))
     assert {f.cause for f in rep.findings if f.divergent} <= {"routing"}, [f.key for f in rep.findings]
     walk = intrinsic_walk(CanonicalView(str(hf)), CanonicalView(mgt), ExactReference(str(ck)))
-    blamed = [w for w in walk if w.side and not (name == "mixtral" and (w.point, w.kind) == ("moe.topk_weights",
-                                                                                           "precision"))]
+    blamed = [w for w in walk if w.side and not (name == "mixtral" and
+                                                 (w.point, w.kind) == ("moe.topk_weights", "precision"))]
     assert walk and not blamed, blamed
 
 
@@ -161,6 +176,11 @@ FAULTS = {
     "mixtral_router": ("mixtral", _scale("decoder.layers.1.mlp.router", "weight", 1.05), "moe.router_logits", 1),
     "mixtral_expert": ("mixtral", _scale("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2"),
                        "moe.experts_out", 0),
+    "qwen2_moe_shared_expert": ("qwen2_moe", _scale("decoder.layers.1.mlp.shared_experts.linear_fc2"),
+                                "moe.shared_out", 1),
+    # the gate acts after moe.shared_out, on the sum the MoE block returns
+    "qwen2_moe_shared_gate": ("qwen2_moe", _scale("decoder.layers.0.mlp.shared_experts", "gate_weight", 1.5),
+                              "mlp.out", 0),
 }
 
 

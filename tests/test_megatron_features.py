@@ -1,8 +1,9 @@
 """Megatron-core switches that its module structure does not show (Qwen3-Next's gated attention, NoPE layers,
-off-by-one sinks, a gated shared expert...): a real megatron-core 0.16.1 GPTModel built with one on is traced,
+off-by-one sinks, latent MoE...): a real megatron-core 0.16.1 GPTModel built with one on is traced,
 marked unverified at trace time, and its comparison refused (exit 3) with the switch named; the same model with
-every switch off stays verified. GPT-OSS's switches are mapped (tests/test_megatron_gptoss.py) on one rank only:
-with another layout they are refused."""
+every switch off stays verified. GPT-OSS's switches and Qwen2-MoE's gated shared expert are mapped
+(tests/test_megatron_gptoss.py, tests/test_megatron_families.py) on one rank only: with another layout they are
+refused."""
 from __future__ import annotations
 
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
@@ -80,7 +81,7 @@ def test_switches_not_built_on_cpu_are_refused_from_their_facts():
     assert ad.check_architecture(base).verified
     for field, value in (("experimental_attention_variant", "gated_delta_net"), ("moe_latent_size", 64),
                          ("position_embedding_type", "learned_absolute"), ("moe_apply_probs_on_input", True),
-                         ("moe_shared_expert_gate", True), ("mrope_section", "[16, 24, 24]")):
+                         ("softmax_type", "off-by-one"), ("mrope_section", "[16, 24, 24]")):
         c = ad.check_architecture({**base, f"megatron_{field}": value})
         assert not c.verified and field in c.why and FEATURES[field].wrong in c.why, (field, c.why)
     # a trace written before the switches were recorded says nothing of them
