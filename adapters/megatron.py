@@ -336,7 +336,7 @@ _SPEC = ("local spec run on CPU (TP, SP, EP, pipeline chunks, packed THD); Trans
 # Structures, not families: the HF or SGLang side of a pair names the family. The families listed are those
 # whose configs ran through each structure in the tests.
 ARCHITECTURES = {a.name: a for a in (
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3", "Llama", "Qwen2"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3", "Llama", "Qwen2", "Phi-3"),
                  f"dense (QK-norm or none, q/k/v bias or none); {_SPEC}", "every point the trace holds",
                  "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`, `tests/test_megatron_families.py`",
                  lacks=_MOE),

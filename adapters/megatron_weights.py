@@ -15,7 +15,8 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   interleaved per query group, ``[q heads of group 0; k_0; v_0; q heads of group 1; k_1; v_1; ...]``
   (group ``g`` owns query heads ``g*NH/NG ... (g+1)*NH/NG-1``), and TP rank ``r`` holds the contiguous
   ``r``-th 1/tp slice of those rows (whole groups when ``NG >= tp``). ``attention_bias`` models get
-  ``linear_qkv.bias`` in the same order.
+  ``linear_qkv.bias`` in the same order. Phi-3's fused ``qkv_proj`` (``[q | k | v]`` rows) and ``gate_up_proj``
+  (``[gate | up]``) are split first.
 * ``...self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hn]`` <- ``q_norm`` / ``k_norm``.
 * ``...self_attention.linear_proj.weight`` ``[H, NH*hn/tp]``: column slice ``r`` of ``o_proj``
   (``RowParallelLinear``; head order is preserved).
@@ -109,8 +110,13 @@ def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str
     """q/k/v/o (and q/k/v bias, QK-norm) -> ``linear_qkv`` (per-group interleaved), the norms, ``linear_proj``."""
     n_heads, n_groups, head_dim = shape
     out = {}
-    qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"),
-                          n_heads, n_groups, head_dim)
+    if attn + "qkv_proj.weight" in sd:      # Phi-3: [q | k | v] rows of one fused projection
+        q, k, v = get(attn + "qkv_proj.weight").split([n_heads * head_dim, n_groups * head_dim,
+                                                        n_groups * head_dim])
+        qkv = _interleave_qkv(q, k, v, n_heads, n_groups, head_dim)
+    else:
+        qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
+                              get(attn + "v_proj.weight"), n_heads, n_groups, head_dim)
     out[dst + "linear_qkv.weight"] = _shard(qkv, tp_rank, tp_size, 0, f"{what} qkv")
     if attn + "q_proj.bias" in sd:
         qkv_b = _interleave_qkv(get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"),
@@ -270,9 +276,10 @@ def hf_to_megatron_state_dict(
                                                             tp_rank, tp_size, f"layer {i} shared fc1")
                 out[shdst + "linear_fc2.weight"] = _shard(get(sh + "down_proj.weight"), tp_rank, tp_size, 1,
                                                           f"layer {i} shared fc2")
-        else:  # dense layer
-            out[dst + "mlp.linear_fc1.weight"] = _glu_fc1(
-                get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight"), tp_rank, tp_size, f"layer {i} fc1")
+        else:  # dense layer (Phi-3: gate and up as the two halves of one fused gate_up_proj)
+            gate, up = (get(mlp + "gate_up_proj.weight").chunk(2, dim=0) if mlp + "gate_up_proj.weight" in sd
+                        else (get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")))
+            out[dst + "mlp.linear_fc1.weight"] = _glu_fc1(gate, up, tp_rank, tp_size, f"layer {i} fc1")
             out[dst + "mlp.linear_fc2.weight"] = _shard(
                 get(mlp + "down_proj.weight"), tp_rank, tp_size, 1, f"layer {i} down_proj")
 

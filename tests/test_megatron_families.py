@@ -1,8 +1,10 @@
-"""Llama, Qwen2 (dense), Mixtral and Qwen2-MoE (MoE) through megatron-core 0.16.1's plain ``GPTModel`` structures (local spec,
-one rank) against HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` with the same weights:
+"""Llama, Qwen2, Phi-3 (dense), Mixtral and Qwen2-MoE (MoE) through megatron-core 0.16.1's plain ``GPTModel`` structures (local spec,
+one rank) against HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Phi3ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
+with the same weights:
 the families the Megatron table lists beside Qwen3 / Qwen3-MoE. fp32 consistent with every point the exact op;
 bf16 with ``--reference`` blames no side; faults planted in Megatron's computation (where each family differs
-from Qwen3: no QK-norm, q/k/v bias, RoPE base, a renormalised softmax router, a sigmoid-gated shared expert)
+from Qwen3: no QK-norm, q/k/v bias, RoPE base, partial RoPE, fused projections, a renormalised softmax router, a
+sigmoid-gated shared expert)
 found at their point and layer."""
 from __future__ import annotations
 
@@ -33,13 +35,17 @@ CONFIGS = {
     "llama": lambda: T.LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     "qwen2": lambda: T.Qwen2Config(**_COMMON),
     "mixtral": lambda: T.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "phi3": lambda: T.Phi3Config(**{k: v for k, v in _COMMON.items() if k != "head_dim"}, pad_token_id=0,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.5}),
     "qwen2_moe": lambda: T.Qwen2MoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                           shared_expert_intermediate_size=64),
 }
 ARCH = {"llama": "GPTModel/TransformerLayer/SelfAttention/MLP", "qwen2": "GPTModel/TransformerLayer/SelfAttention/MLP",
         "mixtral": "GPTModel/TransformerLayer/SelfAttention/MoELayer",
-        "qwen2_moe": "GPTModel/TransformerLayer/SelfAttention/MoELayer"}
-FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
+        "qwen2_moe": "GPTModel/TransformerLayer/SelfAttention/MoELayer",
+        "phi3": "GPTModel/TransformerLayer/SelfAttention/MLP"}
+FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "phi3": "Phi-3"}
 
 
 def _config(name: str):
@@ -53,7 +59,8 @@ def _megatron_view(cfg) -> dict:
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
             "rope_parameters")
-    out = {k: getattr(cfg, k) for k in keys}
+    out = {k: getattr(cfg, k, None) for k in keys}
+    out["head_dim"] = out["head_dim"] or cfg.hidden_size // cfg.num_attention_heads
     out["attention_bias"] = cfg.model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False))
     if cfg.model_type == "mixtral":     # softmax over all, top-k, always renormalised
         out.update(num_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
@@ -178,6 +185,10 @@ FAULTS = {
                        "moe.experts_out", 0),
     "qwen2_moe_shared_expert": ("qwen2_moe", _scale("decoder.layers.1.mlp.shared_experts.linear_fc2"),
                                 "moe.shared_out", 1),
+    # Phi-3 (partial RoPE: half of each head rotated): a wrong rotary share, and the fused up-projection's halves
+    "phi3_rotary_percent": ("phi3", lambda m: setattr(m.rotary_pos_emb, "inv_freq", m.rotary_pos_emb.inv_freq * 0.9),
+                            "attn.q_rope", 0),
+    "phi3_fc1": ("phi3", _scale("decoder.layers.1.mlp.linear_fc1"), "mlp.out", 1),
     # the gate acts after moe.shared_out, on the sum the MoE block returns
     "qwen2_moe_shared_gate": ("qwen2_moe", _scale("decoder.layers.0.mlp.shared_experts", "gate_weight", 1.5),
                               "mlp.out", 0),
