@@ -149,6 +149,7 @@ ARCH_OF_CLASS = {
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
 _ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
+_ARCH_MG_TESTS = _ARCH_TESTS + ", `tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed)"
 _SIGMOID_TESTS = "`tests/test_sglang_mla.py` (against HF and Megatron, fp32 and bf16 replayed)"
 _SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in the config
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
@@ -163,13 +164,14 @@ ARCHITECTURES = {a.name: a for a in (
                  "every point the trace holds", "`tests/test_sglang_adapter.py`, `test_replay_sglang.py`",
                  lacks=("moe.shared_out",)),
     Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows (TP=1)",
-                 "not run against a checkpoint in the tests", "`tests/test_supported_archs.py`",
+                 "every point the trace holds", "`tests/test_supported_archs.py` (against HF), "
+                 "`tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed)",
                  lacks=_QK + _MOE),
     Architecture("LlamaForCausalLM", ("Llama",), "dense, fused `qkv_proj` / `gate_up_proj`; prefill and decode "
-                 "rows (TP=1)", "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
+                 "rows (TP=1)", "every point the trace holds", _ARCH_MG_TESTS, lacks=_QK + _MOE),
     Architecture("Phi3ForCausalLM", ("Phi-3",), "SGLang's Llama model code (`llama.py`) on a checkpoint whose "
                  "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows (TP=1)",
-                 "every point the trace holds", _ARCH_TESTS, lacks=_QK + _MOE),
+                 "every point the trace holds", _ARCH_MG_TESTS, lacks=_QK + _MOE),
     Architecture("Gemma2ForCausalLM", ("Gemma 2",), "sandwich norms (`attn.post_norm`, `mlp.post_norm`), pre-MLP "
                  "norm `pre_feedforward_layernorm`, the scaled embedding as layer 0's norm input; prefill and decode "
                  "rows (TP=1)", "every point the trace holds: (1 + w) norms, soft-capped scores and logits, "
@@ -182,7 +184,7 @@ ARCHITECTURES = {a.name: a for a in (
                  "with sinks; prefill and decode rows (TP=1). SGLang keeps the sinks in bf16 (fp32 only with "
                  "`trtllm_mha`): an fp32 checkpoint's sinks are rounded", "every point the trace holds: router "
                  "bias, clamped SwiGLU experts with biases, sinks, sliding windows, YaRN RoPE",
-                 _ARCH_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
+                 _ARCH_MG_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
                  # TopK(renormalize=True) in gpt_oss.py: the top-k weights renormalised, whatever the config
                  defaults={"norm_topk_prob": True}),
     Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",), "MoE: sigmoid router (`mlp.gate`) with a "

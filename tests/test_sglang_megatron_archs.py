@@ -1,6 +1,6 @@
 """The pairs an RL run compares: SGLang 0.5.23's rollout against megatron-core 0.16.1's training forward, for the
 families both tables claim beyond Qwen3 / DeepSeek-V3 / GLM-4.5 (test_replay_finder_mgsg.py, test_sglang_mla.py):
-Llama, Phi-3 and GPT-OSS (sinks, sliding windows, clamped experts, YaRN), with the same weights, CPU, one rank.
+Llama, Qwen2, Phi-3 and GPT-OSS (sinks, sliding windows, clamped experts, YaRN), with the same weights, CPU, one rank.
 Per family: a clean fp32 pair is consistent; a clean bf16 pair replayed against the checkpoint both loaded blames
 no side; faults planted in SGLang's computation are found at exactly their point and layer against Megatron.
 
@@ -29,9 +29,17 @@ from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable
 from tic_trace.testing.sglang_cpu_kernels import shim_final_logit_softcap
 
 from test_megatron_families import _megatron_view
-from test_sglang_archs import PROMPTS, RESPONSES, SG_ROWS, _bf16_sinks, _config, _layer, _rows, _sg_trace
+from arch_configs_gemma_phi3_gptoss import COMMON
+from test_sglang_archs import CONFIGS, PROMPTS, RESPONSES, SG_ROWS, _bf16_sinks, _layer, _rows, _sg_trace
 
-NAMES = ("LlamaForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM")
+NAMES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM")
+_CONFIGS = {**CONFIGS, "Qwen2ForCausalLM": lambda: T.Qwen2Config(**COMMON)}
+
+
+def _config(name: str):
+    cfg = _CONFIGS[name]()
+    cfg._attn_implementation = "eager"
+    return cfg
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -132,6 +140,17 @@ def _phi3_k_and_v_swapped(model):
         w.copy_(torch.cat([w[:q], w[q + kv:], w[q:q + kv]], 0))
 
 
+def _qwen2_k_bias(model):
+    """Layer 0's k bias rows of the fused qkv_proj shifted: at attn.k, not q or v."""
+    attn = _layer(model, 0).self_attn
+    _rows(attn.qkv_proj.bias, attn.q_size, attn.q_size + attn.kv_size, lambda b: b + 0.05)
+
+
+def _qwen2_o_proj(model):
+    with torch.no_grad():
+        _layer(model, 1).self_attn.o_proj.weight.mul_(1.02)
+
+
 def _llama_gate_up_swapped(model):
     w = _layer(model, 0).mlp.gate_up_proj.weight
     with torch.no_grad():
@@ -146,6 +165,8 @@ def _llama_input_norm(model):
 FAULTS = {
     "llama_gate_up_swapped": ("LlamaForCausalLM", _llama_gate_up_swapped, ("mlp.out", 0)),
     "llama_input_norm": ("LlamaForCausalLM", _llama_input_norm, ("attn_norm", 1)),
+    "qwen2_k_bias": ("Qwen2ForCausalLM", _qwen2_k_bias, ("attn.k", 0)),
+    "qwen2_o_proj": ("Qwen2ForCausalLM", _qwen2_o_proj, ("attn.out", 1)),
     "phi3_q_rows": ("Phi3ForCausalLM", _phi3_q_rows, ("attn.q", 0)),
     "phi3_k_and_v_swapped": ("Phi3ForCausalLM", _phi3_k_and_v_swapped, ("attn.k", 1)),
     "gpt_oss_sinks_dropped": ("GptOssForCausalLM", _sinks_dropped, ("attn.core", 1)),
