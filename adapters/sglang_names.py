@@ -92,6 +92,17 @@ ARCH_POINTS = (
     PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
              note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
 )
+MIXTRAL = ("MixtralForCausalLM",)
+_B = _L + r"\.block_sparse_moe"
+#: Mixtral (mixtral.py): the MoE block is ``block_sparse_moe`` (gate, topk, experts as Qwen3-MoE's ``mlp``).
+ARCH_POINTS += (
+    PointMap("moe.router_logits", _B + r"\.gate:out(\[0\])?", opts={"archs": MIXTRAL}),
+    PointMap("moe.topk_ids", _B + r"\.topk:out\.topk_ids", "sorted_ids", opts={"archs": MIXTRAL}),
+    PointMap("moe.topk_weights", _B + r"\.topk:out\.topk_weights", "weights_by_sorted_ids", opts={"archs": MIXTRAL},
+             also={"ids": "model.layers.{layer}.block_sparse_moe.topk:out.topk_ids"}),
+    PointMap("moe.experts_out", _B + r"\.experts:out", opts={"archs": MIXTRAL}),
+    PointMap("mlp.out", _B + r":out(\[0\])?", opts={"archs": MIXTRAL}),
+)
 ARCH_POINTS += sgl_ds.ROWS
 #: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
 OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
@@ -119,6 +130,11 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                  "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm", "logits_processor"),
+    "mixtral": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+                "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
+                "model.layers.N.post_attention_layernorm", "model.layers.N.block_sparse_moe",
+                "model.layers.N.block_sparse_moe.gate", "model.layers.N.block_sparse_moe.topk",
+                "model.layers.N.block_sparse_moe.experts", "model.norm", "logits_processor"),
     "glm4_moe": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
@@ -141,7 +157,7 @@ ARCH_OF_CLASS = {
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GptOssForCausalLM": "gpt_oss",
-    "Glm4MoeForCausalLM": "glm4_moe",
+    "Glm4MoeForCausalLM": "glm4_moe", "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
 
@@ -180,6 +196,12 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", ("Gemma 3 (text)",), "as Gemma 2, QK-norm modules `q_norm` / `k_norm` on "
                  "[T, heads, d]; prefill and decode rows (TP=1)", "every point the trace holds: as Gemma 2, "
                  "one RoPE per layer type", _ARCH_TESTS, lacks=_MOE),
+    Architecture("MixtralForCausalLM", ("Mixtral",), "MoE block `block_sparse_moe` (router `gate`, `topk`, "
+                 "`experts`: the MoE points read there); prefill and decode rows (TP=1)",
+                 "every point the trace holds", "`tests/test_sglang_mixtral.py` (against HF and Megatron, fp32 "
+                 "and bf16 replayed)", lacks=_QK + ("moe.shared_out",),
+                 # TopK(renormalize=True) in mixtral.py: the top-k weights renormalised, whatever the config
+                 defaults={"norm_topk_prob": True}),
     Architecture("GptOssForCausalLM", ("GPT-OSS",), "router `mlp.router` (with bias), top-k, experts, attention "
                  "with sinks; prefill and decode rows (TP=1). SGLang keeps the sinks in bf16 (fp32 only with "
                  "`trtllm_mha`): an fp32 checkpoint's sinks are rounded", "every point the trace holds: router "
@@ -209,7 +231,6 @@ REFUSED = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
                              "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "
                              "never run against another framework (the DeepSeek-V3 class is)",
-    "MixtralForCausalLM": "the MoE block is `block_sparse_moe`, not `mlp`: no MoE point would be found",
     "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
                             "SGLang kernels are Triton only: the linear attention's gated norm "
                             "(`Qwen3GatedDeltaNet.norm` in `srt/models/qwen3_next.py`) is `FusedRMSNormGated` "

@@ -682,6 +682,8 @@ def _meta_models():
                                     num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
     oss.dtype = torch.float32           # gpt_oss.py builds its router in config.dtype (a checkpoint's holds one)
     out["GptOssForCausalLM"] = oss
+    out["MixtralForCausalLM"] = transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
+                                                           num_experts_per_tok=2, architectures=["MixtralForCausalLM"])
     return out
 
 
@@ -765,7 +767,7 @@ def test_forward_hooks_spec_every_n_traces_periodic_rollouts_as_statistics(tmp_p
 
 def test_mixtral_expert_count_is_read_under_its_own_config_name(sglang_env):
     """Mixtral's config names its routed experts `num_local_experts`: the adapter reads it as the expert count
-    (as the HF adapter does), never as 0 experts, and the class stays refused by name."""
+    (as the HF adapter does), never as 0 experts; its MoE points are promised (read under `block_sparse_moe`)."""
     import transformers
     from sglang.srt.models import mixtral
 
@@ -778,8 +780,9 @@ def test_mixtral_expert_count_is_read_under_its_own_config_name(sglang_env):
     ad = SGLangAdapter()
     config = ad.describe([model])
     assert config["num_experts"] == 4 and config["num_experts_per_tok"] == 2
-    check = ad.check_architecture({"architecture": "MixtralForCausalLM"})
-    assert not check.verified and "block_sparse_moe" in check.why
+    assert ad.check_architecture(config).verified and config["norm_topk_prob"] is True
+    assert {"moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out"} <= \
+        set(ad.promised_points(config))
 
 
 SUBSET_LIKE = {"2-0": "req-a", "2-1": "req-b"}
