@@ -1,4 +1,5 @@
-"""HF Qwen3 / Qwen3-MoE / DeepSeek-V3 / GPT-OSS weights -> megatron-core ``GPTModel`` (local spec) parameter names and shards.
+"""HF weights (Qwen3 / Qwen3-MoE, Llama, Qwen2, Phi-3, Mixtral, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS) ->
+megatron-core ``GPTModel`` (local spec) parameter names and shards.
 
 Pure torch; megatron is never imported. The result is the per-rank ``state_dict`` of a megatron-core
 ``GPTModel`` built with the local layer spec (``get_gpt_layer_local_spec`` /
@@ -266,8 +267,8 @@ def hf_to_megatron_state_dict(
                 out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
             if mlp + "gate.e_score_correction_bias" in sd:     # DeepSeek-V3 / GLM-4.5: choice-only bias
                 out[dst + "mlp.router.expert_bias"] = get(mlp + "gate.e_score_correction_bias").float()
-            shared = next((mlp + n for n in ("shared_experts.", "shared_expert.") if mlp + n + "gate_proj.weight" in sd),
-                          None)     # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
+            shared = next((mlp + n for n in ("shared_experts.", "shared_expert.")
+                           if mlp + n + "gate_proj.weight" in sd), None)     # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
             if shared is not None:
                 sh, shdst = shared, dst + "mlp.shared_experts."
                 if mlp + "shared_expert_gate.weight" in sd:     # [1, H]: megatron's gate_weight, replicated

@@ -170,7 +170,7 @@ _SIGMOID_TESTS = "`tests/test_sglang_mla.py` (against HF and Megatron, fp32 and 
 _SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in the config
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 #: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
-#: (a name table alone, checked on the meta device, is not a verification: those classes are in REFUSED).
+#: (a name table alone, checked on the meta device, is not a verification).
 ARCHITECTURES = {a.name: a for a in (
     Architecture("Qwen3ForCausalLM", ("Qwen3",), f"dense, QK-norm (tapped `apply_qk_norm`); {_RUN}",
                  "every point the trace holds",
@@ -196,10 +196,15 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", ("Gemma 3 (text)",), "as Gemma 2, QK-norm modules `q_norm` / `k_norm` on "
                  "[T, heads, d]; prefill and decode rows (TP=1)", "every point the trace holds: as Gemma 2, "
                  "one RoPE per layer type", _ARCH_TESTS, lacks=_MOE),
+    Architecture("Qwen2MoeForCausalLM", ("Qwen2-MoE",), "MoE with a sigmoid-gated shared expert "
+                 "(`moe.shared_out` is `shared_expert`'s output, before the gate that the block's fused kernel "
+                 "applies with the add), q/k/v bias; prefill and decode rows (TP=1)", "every point the trace holds",
+                 "`tests/test_sglang_moe_families.py` (against HF and Megatron, fp32 and bf16 replayed); the fused "
+                 "gate-and-add through a CPU stand-in of its Triton kernel", lacks=_QK),
     Architecture("MixtralForCausalLM", ("Mixtral",), "MoE block `block_sparse_moe` (router `gate`, `topk`, "
                  "`experts`: the MoE points read there); prefill and decode rows (TP=1)",
-                 "every point the trace holds", "`tests/test_sglang_mixtral.py` (against HF and Megatron, fp32 "
-                 "and bf16 replayed)", lacks=_QK + ("moe.shared_out",),
+                 "every point the trace holds", "`tests/test_sglang_moe_families.py` (against HF and Megatron, "
+                 "fp32 and bf16 replayed)", lacks=_QK + ("moe.shared_out",),
                  # TopK(renormalize=True) in mixtral.py: the top-k weights renormalised, whatever the config
                  defaults={"norm_topk_prob": True}),
     Architecture("GptOssForCausalLM", ("GPT-OSS",), "router `mlp.router` (with bias), top-k, experts, attention "
@@ -225,9 +230,7 @@ ARCHITECTURES = {a.name: a for a in (
                  "not replayed", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
                  lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
 )}
-_META = "name table checked on the meta device only (`ARCH_MODULES`), never run against another framework"
 REFUSED = {
-    "Qwen2MoeForCausalLM": _META + ": its fused shared-expert gate is a Triton kernel that does not run on CPU",
     "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
                              "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "
                              "never run against another framework (the DeepSeek-V3 class is)",

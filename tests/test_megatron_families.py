@@ -1,11 +1,9 @@
-"""Llama, Qwen2, Phi-3 (dense), Mixtral and Qwen2-MoE (MoE) through megatron-core 0.16.1's plain ``GPTModel`` structures (local spec,
-one rank) against HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Phi3ForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM``
-with the same weights:
-the families the Megatron table lists beside Qwen3 / Qwen3-MoE. fp32 consistent with every point the exact op;
-bf16 with ``--reference`` blames no side; faults planted in Megatron's computation (where each family differs
-from Qwen3: no QK-norm, q/k/v bias, RoPE base, partial RoPE, fused projections, a renormalised softmax router, a
-sigmoid-gated shared expert)
-found at their point and layer."""
+"""Llama, Qwen2, Phi-3 (dense), Mixtral and Qwen2-MoE (MoE) through megatron-core 0.16.1's plain ``GPTModel``
+structures (local spec, one rank) against HF's classes of those families with the same weights: the families the
+Megatron table lists beside Qwen3 / Qwen3-MoE. fp32 consistent with every point the exact op; bf16 with
+``--reference`` blames no side; faults planted in Megatron's computation (where each family differs from Qwen3:
+no QK-norm, q/k/v bias, RoPE base, partial RoPE, fused projections, a renormalised softmax router, a sigmoid-gated
+shared expert) found at their point and layer."""
 from __future__ import annotations
 
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing

@@ -72,8 +72,9 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     counted = computational or [f for f in findings if f.divergent]
     first = counted[0] if counted else None
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
-    notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points), _carried_notes(points),
-                                          _accumulated_noise(points, findings), _shared_nonfinite(points))
+    notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points),
+                                          _carried_notes(points), _accumulated_noise(points, findings),
+                                          _shared_nonfinite(points))
                               if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     blocks = {n.detail.get("blocks") for n in identity_notes}

@@ -2,6 +2,7 @@
 each computing what the GPU code computes. Test support only: product code never imports this module.
 
 * :func:`shim_final_logit_softcap` - Gemma 2's final logit soft-cap (see its docstring).
+* :func:`shim_fused_shared_expert_gate` - Qwen2-MoE's gated shared expert (see its docstring).
 * :class:`SoftcapSinkAttnBackend` - attention logit soft-capping and attention sinks:
 
 Works around ``sglang/srt/layers/attention/torch_native_backend.py`` ``TorchNativeAttnBackend``:
@@ -50,6 +51,33 @@ def shim_final_logit_softcap() -> None:
     the method's own CPU/NPU branch). Idempotent."""
     from sglang.srt.layers import logits_processor
     logits_processor.fused_softcap = _softcap_in_place
+
+
+def _gate_sigmoid_mul(hidden_states: torch.Tensor, gate_weight: torch.Tensor, shared_output: torch.Tensor,
+                      addend: torch.Tensor | None) -> torch.Tensor:
+    """What ``_fused_gate_sigmoid_mul_add_kernel`` computes per row, in fp32: ``sigmoid(h . w) * shared (+ f)``,
+    rounded once onto the output's dtype."""
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1))[:, None]
+    out = gate * shared_output.float()
+    return out if addend is None else out + addend.float()
+
+
+def shim_fused_shared_expert_gate() -> None:
+    """Bypasses: ``sglang/srt/models/qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock.forward_normal``, which on every
+    platform but the AMX / NPU ones (``use_fused_gate``) gates the shared expert and adds it to the routed
+    output with ``fused_gate_sigmoid_mul_add`` (``sglang/kernels/ops/elementwise/elementwise.py``,
+    ``_fused_gate_sigmoid_mul_add_kernel``, a Triton kernel: no driver on a plain CPU). The stand-ins compute
+    the kernel's formula in fp32 and round once, as it stores. Idempotent."""
+    from sglang.srt.models import qwen2_moe
+
+    def fused_gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden_states):
+        final_hidden_states.copy_(_gate_sigmoid_mul(hidden_states, gate_weight, shared_output, final_hidden_states))
+
+    def fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output):
+        return _gate_sigmoid_mul(hidden_states, gate_weight, shared_output, None).to(shared_output.dtype)
+
+    qwen2_moe.fused_gate_sigmoid_mul_add = fused_gate_sigmoid_mul_add
+    qwen2_moe.fused_gate_sigmoid_mul = fused_gate_sigmoid_mul
 
 
 def capped_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
