@@ -92,6 +92,12 @@ ARCH_POINTS = (
     PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
              note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
 )
+OLMOE = ("OlmoeForCausalLM",)
+#: OLMoE (olmoe.py): QK-norm modules over the whole q / k projection, ``[T, heads * d]``.
+ARCH_POINTS += (
+    PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", "sgl_heads_q", opts={"heads": "q", "archs": OLMOE}),
+    PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", "sgl_heads_kv", opts={"heads": "kv", "archs": OLMOE}),
+)
 MIXTRAL = ("MixtralForCausalLM",)
 _B = _L + r"\.block_sparse_moe"
 #: Mixtral (mixtral.py): the MoE block is ``block_sparse_moe`` (gate, topk, experts as Qwen3-MoE's ``mlp``).
@@ -130,6 +136,11 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                  "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm", "logits_processor"),
+    "olmoe": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
+              "model.layers.N.self_attn.q_norm", "model.layers.N.self_attn.k_norm", "model.layers.N.self_attn.attn",
+              "model.layers.N.self_attn.o_proj", "model.layers.N.post_attention_layernorm", "model.layers.N.mlp",
+              "model.layers.N.mlp.gate", "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm",
+              "logits_processor"),
     "mixtral": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
                 "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
                 "model.layers.N.post_attention_layernorm", "model.layers.N.block_sparse_moe",
@@ -157,7 +168,7 @@ ARCH_OF_CLASS = {
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GptOssForCausalLM": "gpt_oss",
-    "Glm4MoeForCausalLM": "glm4_moe", "MixtralForCausalLM": "mixtral",
+    "Glm4MoeForCausalLM": "glm4_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
 }
 
@@ -201,6 +212,12 @@ ARCHITECTURES = {a.name: a for a in (
                  "applies with the add), q/k/v bias; prefill and decode rows (TP=1)", "every point the trace holds",
                  "`tests/test_sglang_moe_families.py` (against HF and Megatron, fp32 and bf16 replayed); the fused "
                  "gate-and-add through a CPU stand-in of its Triton kernel", lacks=_QK),
+    Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE (softmax router, top-k never renormalised: olmoe.py fixes "
+                 "`renormalize=False`), QK-norm modules over the whole q/k projection (olmoe.py fixes their eps at "
+                 "1e-5 and their width at hidden_size: no GQA); prefill and decode rows (TP=1)",
+                 "every point the trace holds", "`tests/test_sglang_moe_families.py` (against HF, fp32 and bf16 "
+                 "replayed; megatron-core has no whole-projection QK-norm)", lacks=("moe.shared_out",),
+                 defaults={"norm_topk_prob": False}),
     Architecture("MixtralForCausalLM", ("Mixtral",), "MoE block `block_sparse_moe` (router `gate`, `topk`, "
                  "`experts`: the MoE points read there); prefill and decode rows (TP=1)",
                  "every point the trace holds", "`tests/test_sglang_moe_families.py` (against HF and Megatron, "

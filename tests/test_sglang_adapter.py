@@ -682,6 +682,8 @@ def _meta_models():
                                     num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
     oss.dtype = torch.float32           # gpt_oss.py builds its router in config.dtype (a checkpoint's holds one)
     out["GptOssForCausalLM"] = oss
+    out["OlmoeForCausalLM"] = transformers.OlmoeConfig(**common, num_key_value_heads=4, num_experts=4,
+                                                       num_experts_per_tok=2, architectures=["OlmoeForCausalLM"])
     out["MixtralForCausalLM"] = transformers.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4,
                                                            num_experts_per_tok=2, architectures=["MixtralForCausalLM"])
     return out

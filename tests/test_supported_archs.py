@@ -395,7 +395,8 @@ def test_sglang_table_only_holds_classes_run_against_another_framework():
     assert set(ad.architectures) == {"Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                     "LlamaForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                                     "Gemma3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
-                                    "DeepseekV3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"}
+                                    "DeepseekV3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                    "OlmoeForCausalLM"}
     c = ad.check_architecture({"architecture": "DeepseekV2ForCausalLM"})     # V3's code, V2's routing: not run
     assert not c.verified and "V2's routing" in c.why, c
     assert set(sglang_names.ARCH_OF_CLASS) >= set(ad.architectures)   # every verified class has a name table

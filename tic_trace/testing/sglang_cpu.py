@@ -315,7 +315,7 @@ _SGLANG_MODULE_OF_CLASS = {
     "Qwen2MoeForCausalLM": "qwen2_moe", "LlamaForCausalLM": "llama", "Phi3ForCausalLM": "llama",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_causal", "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v2",
-    "MixtralForCausalLM": "mixtral",
+    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
 }
 
 
@@ -338,6 +338,7 @@ def sglang_model_class(hf_config) -> type:
             "glm4_moe": "Glm4MoeForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM",
             "mixtral": "MixtralForCausalLM",
+            "olmoe": "OlmoeForCausalLM",
         }.get(model_type)
     module = _SGLANG_MODULE_OF_CLASS.get(arch)
     if module is None:
