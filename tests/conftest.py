@@ -65,6 +65,72 @@ def trace_hf(model, out_dir, ids, **kw):
     return logits, t
 
 
+@pytest.fixture(scope="module")
+def megatron_rank():
+    """One megatron rank (world size 1) in this process for the module."""
+    from tic_trace.testing import megatron_cpu as mc
+    with mc.single_rank():
+        yield
+
+
+def checkpointed_sides(tmp_path_factory, build, ids, **trace_kw):
+    """get(name, dtype) -> (checkpoint dir, HF trace dir, HF state dict) of `build(name, dtype)`, saved and
+    traced once per (name, dtype) for the module that holds it."""
+    cache: dict = {}
+
+    def get(name: str, dtype: torch.dtype):
+        if (name, dtype) not in cache:
+            d = tmp_path_factory.mktemp(f"{name}_{str(dtype).removeprefix('torch.')}")
+            hf = build(name, dtype)
+            hf.save_pretrained(d / "ck")
+            trace_hf(hf, d / "hf", ids, **trace_kw)
+            cache[name, dtype] = (d / "ck", d / "hf", hf.state_dict())
+        return cache[name, dtype]
+    return get
+
+
+def assert_every_point_is_its_exact_op(view, checkpoint) -> list:
+    """The float64 replay of every point of `view` on its own inputs, from `checkpoint`, agrees to fp32 accuracy
+    (ids exactly) and leaves no point unreplayed but logprobs: each canonical point is the op its name says.
+    Returns the replay's results."""
+    from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+    from tic_trace.replay.reference import ExactReference
+    results = replay_side(view, ExactReference(str(checkpoint)))
+    skipped = [(r.key, r.reason) for r in results if not isinstance(r, IntrinsicError) and r.point != "logprobs"]
+    assert skipped == [], skipped
+    off = [(r.key, r.rel_l2) for r in results
+           if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
+    assert not off, off
+    return results
+
+
+def over_envelope(rep) -> list:
+    """(key, side, excess, limit) of every replayed point where a side is over its clean envelope."""
+    return [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
+            if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+
+
+def trace_megatron(model, out, vocab_size: int, ids=None, *, sequences: dict | None = None) -> str:
+    """Trace a megatron GPTModel into `out` (canonical points in full): one forward over `ids` [b, s], or one per
+    entry of `sequences` ({sample key: token ids}), each its own sample (as HF's and Megatron's side of an SGLang
+    pair). Returns the trace directory."""
+    import tic_trace
+    from tic_trace.adapters.megatron import MegatronAdapter
+
+    def run(tokens):
+        model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens), attention_mask=None)
+    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=vocab_size), points_mode="full") as t, \
+            torch.no_grad():
+        if sequences is None:
+            run(ids)
+        for key, seq in (sequences or {}).items():
+            t.sample_keys = [key]
+            run(torch.tensor([seq]))
+            t.step()
+    assert t.failed is None, t.failed
+    return str(out)
+
+
 def first_divergence_of_plant(model, plant, tmp_path, ids):
     """(point, layer) of the first divergence between `model` traced clean (A) and after `plant(model)` (B)."""
     from tic_trace import find_divergence

@@ -11,19 +11,16 @@ import pytest
 import torch
 import transformers as T
 
-import tic_trace
 from tic_trace import find_divergence
 from tic_trace.adapters import megatron as mg_adapter
-from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-from tic_trace.replay.intrinsic import IntrinsicError, replay_side
 from tic_trace.replay.intrinsic_verdict import intrinsic_walk
 from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens
 from tic_trace.view.align import CanonicalView
 
-from conftest import assert_planted_fault_found, trace_hf
+from conftest import assert_every_point_is_its_exact_op, assert_planted_fault_found, checkpointed_sides, trace_megatron
 
 IDS = sample_tokens(2, 10)
 _COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -78,24 +75,10 @@ def _megatron_overrides(cfg) -> dict:
 
 
 @pytest.fixture(scope="module")
-def megatron_rank():
-    with mc.single_rank():
-        yield
-
-
-@pytest.fixture(scope="module")
 def hf_side(tmp_path_factory, megatron_rank):
-    cache: dict = {}
-
-    def get(name: str, dtype: torch.dtype):
-        if (name, dtype) not in cache:
-            d = tmp_path_factory.mktemp(f"{name}_{str(dtype).removeprefix('torch.')}")
-            hf = build_hf_model_stable(_config(name), dtype=dtype)
-            hf.save_pretrained(d / "ck")
-            trace_hf(hf, d / "hf", IDS)
-            cache[name, dtype] = (d / "ck", d / "hf", hf.state_dict())
-        return cache[name, dtype]
-    return get
+    """hf_side(name, dtype) -> (checkpoint dir, HF trace dir, HF state dict), built once per module."""
+    return checkpointed_sides(tmp_path_factory, lambda name, dtype: build_hf_model_stable(_config(name), dtype=dtype),
+                              IDS)
 
 
 def _megatron(out, name: str, sd, dtype, plant=None) -> str:
@@ -106,12 +89,7 @@ def _megatron(out, name: str, sd, dtype, plant=None) -> str:
     if plant is not None:
         with torch.no_grad():
             plant(model)
-    pos = torch.arange(IDS.shape[1]).unsqueeze(0).expand_as(IDS)
-    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size), points_mode="full") as t, \
-            torch.no_grad():
-        model(IDS, pos, attention_mask=None)
-    assert t.failed is None, t.failed
-    return str(out)
+    return trace_megatron(model, out, cfg.vocab_size, IDS)
 
 
 def test_the_table_lists_these_families_under_the_structures_they_ran_through():
@@ -131,12 +109,7 @@ def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path,
     points = {p for p, _ in v.points()}
     assert points == set(v.adapter.promised_points(v.config)) | {"logprobs"}
     assert not {"attn.q_norm", "attn.k_norm"} & points
-    results = replay_side(v, ExactReference(str(ck)))
-    skipped = [(r.key, r.reason) for r in results if not isinstance(r, IntrinsicError) and r.point != "logprobs"]
-    assert skipped == [], skipped
-    off = [(r.key, r.rel_l2) for r in results
-           if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
-    assert not off, off
+    results = assert_every_point_is_its_exact_op(v, ck)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -27,12 +27,6 @@ SWITCHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def megatron_rank():
-    with mc.single_rank():
-        yield
-
-
 def _trace(out, **switches) -> str:
     model = mc.build_gpt_model(tiny_qwen3_config(moe=True), **switches)
     with torch.no_grad():

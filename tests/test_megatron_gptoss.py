@@ -14,20 +14,17 @@ import megatron.core  # noqa: F401 - a required test dependency: fail loudly if 
 import pytest
 import torch
 
-import tic_trace
 from tic_trace import find_divergence
-from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-from tic_trace.replay.intrinsic import IntrinsicError, replay_side
 from tic_trace.replay.intrinsic_verdict import intrinsic_walk
 from tic_trace.replay.reference import ExactReference
-from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing import megatron_gptoss as mg
 from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens
 from tic_trace.view.align import CanonicalView
 
 from arch_configs_gemma_phi3_gptoss import GEMMA_PHI3_GPTOSS
-from conftest import assert_planted_fault_found, trace_hf
+from conftest import (assert_every_point_is_its_exact_op, assert_planted_fault_found, checkpointed_sides,
+                      over_envelope, trace_hf, trace_megatron)
 
 IDS = sample_tokens(2, 10)
 ARCH = "GPTModel/TransformerLayer/SelfAttention/MoELayer"
@@ -53,25 +50,10 @@ def _hf_model(dtype: torch.dtype):
 
 
 @pytest.fixture(scope="module")
-def megatron_rank():
-    with mc.single_rank():
-        yield
-
-
-@pytest.fixture(scope="module")
 def hf_side(tmp_path_factory, megatron_rank):
     """hf_side(dtype) -> (checkpoint dir, HF trace dir, HF state dict), built once per module."""
-    cache: dict = {}
-
-    def get(dtype: torch.dtype):
-        if dtype not in cache:
-            d = tmp_path_factory.mktemp(f"gptoss_{str(dtype).removeprefix('torch.')}")
-            hf = _hf_model(dtype)
-            hf.save_pretrained(d / "ck")
-            trace_hf(hf, d / "hf", IDS)
-            cache[dtype] = (d / "ck", d / "hf", hf.state_dict())
-        return cache[dtype]
-    return get
+    get = checkpointed_sides(tmp_path_factory, lambda _, dtype: _hf_model(dtype), IDS)
+    return lambda dtype: get("gptoss", dtype)
 
 
 def _megatron(out, sd, dtype, plant=None) -> str:
@@ -81,12 +63,7 @@ def _megatron(out, sd, dtype, plant=None) -> str:
     if plant is not None:
         with torch.no_grad():
             plant(model)
-    pos = torch.arange(IDS.shape[1]).unsqueeze(0).expand_as(IDS)
-    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size), points_mode="full") as t, \
-            torch.no_grad():
-        model(IDS, pos, attention_mask=None)
-    assert t.failed is None, t.failed
-    return str(out)
+    return trace_megatron(model, out, cfg.vocab_size, IDS)
 
 
 def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path, hf_side):
@@ -104,12 +81,7 @@ def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path,
     assert v.config["linear_bias"] is True
     points = {p for p, _ in v.points()}
     assert points == set(v.adapter.promised_points(v.config)) | {"logprobs"}
-    results = replay_side(v, ExactReference(str(ck)))
-    skipped = [(r.key, r.reason) for r in results if not isinstance(r, IntrinsicError) and r.point != "logprobs"]
-    assert skipped == [], skipped
-    off = [(r.key, r.rel_l2) for r in results
-           if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
-    assert not off, off
+    results = assert_every_point_is_its_exact_op(v, ck)
     assert {r.point for r in results} >= {"attn.q_rope", "attn.k_rope", "attn.core", "attn.out",
                                           "moe.router_logits", "moe.topk_weights", "moe.experts_out"}
 
@@ -120,8 +92,7 @@ def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, hf_side):
     rep = find_divergence(str(hf), mgt, reference=str(ck))
     assert [d for d in rep.contract if d["section"] == "config"] == []
     assert not [n for n in rep.notes if n.kind == "not_replayed"]
-    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
-           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    far = over_envelope(rep)
     assert not far, far
     judged = {p.key for p in rep.points if p.intrinsic}
     assert {"L0.attn.core", "L1.attn.core", "L1.attn.out", "L1.moe.router_logits", "L1.moe.experts_out"} <= judged
@@ -218,11 +189,7 @@ def _trained_like_pair(tmp_path, seed: int, plant=None):
     if plant is not None:
         with torch.no_grad():
             plant(model)
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    with tic_trace.trace(model, tmp_path / "mg", adapter=MegatronAdapter(vocab_size=cfg.vocab_size),
-                         points_mode="full") as t, torch.no_grad():
-        model(ids, pos, attention_mask=None)
-    assert t.failed is None, t.failed
+    trace_megatron(model, tmp_path / "mg", cfg.vocab_size, ids)
     return find_divergence(str(tmp_path / "hf"), str(tmp_path / "mg"), reference=str(tmp_path / "ck"))
 
 

@@ -23,7 +23,6 @@ from tic_trace import find_divergence
 from tic_trace.adapters import megatron as mg_adapter
 from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
-from tic_trace.replay.intrinsic import IntrinsicError, replay_side
 from tic_trace.replay.intrinsic_verdict import first_intrinsic_divergence, intrinsic_walk
 from tic_trace.replay.reference import ExactReference
 from tic_trace.testing import megatron_cpu as mc
@@ -33,7 +32,8 @@ from tic_trace.testing.precision_faults import _rmsnorm_bf16_torch
 from tic_trace.view.align import CanonicalView
 
 from arch_configs_mla import mla_config, mla_hf_model
-from conftest import assert_planted_fault_found, trace_hf
+from conftest import (assert_every_point_is_its_exact_op, assert_planted_fault_found, checkpointed_sides,
+                      over_envelope, trace_hf)
 
 IDS = sample_tokens(2, 12)
 KEYS = ["s0", "s1"]
@@ -52,26 +52,9 @@ def _hf_model(name: str, dtype: torch.dtype):
 
 
 @pytest.fixture(scope="module")
-def megatron_rank():
-    """One megatron rank (world size 1) in this process for the module."""
-    with mc.single_rank():
-        yield
-
-
-@pytest.fixture(scope="module")
 def hf_side(tmp_path_factory, megatron_rank):
     """hf_side(name, dtype) -> (checkpoint dir, HF trace dir, HF state dict), built once per module."""
-    cache: dict = {}
-
-    def get(name: str, dtype: torch.dtype):
-        if (name, dtype) not in cache:
-            d = tmp_path_factory.mktemp(f"{name}_{str(dtype).removeprefix('torch.')}")
-            hf = _hf_model(name, dtype)
-            hf.save_pretrained(d / "ck")
-            trace_hf(hf, d / "hf", IDS, sample_keys=KEYS)
-            cache[name, dtype] = (d / "ck", d / "hf", hf.state_dict())
-        return cache[name, dtype]
-    return get
+    return checkpointed_sides(tmp_path_factory, _hf_model, IDS, sample_keys=KEYS)
 
 
 def _megatron(out, name: str, sd, dtype, plant=None) -> str:
@@ -116,12 +99,7 @@ def test_clean_fp32_pair_is_consistent_and_every_point_is_its_exact_op(tmp_path,
         assert not LATENT & points and {"attn.k", "attn.v", "attn.q_norm", "attn.k_norm"} <= points
     assert not [p for p, layer in have if layer == 0 and p.startswith("moe.")]
     assert {p for p, layer in have if layer == 1} >= {"moe.router_logits", "moe.topk_ids", "moe.shared_out"}
-    results = replay_side(v, ExactReference(str(ck)))
-    skipped = [(r.key, r.reason) for r in results if not isinstance(r, IntrinsicError) and r.point != "logprobs"]
-    assert skipped == [], skipped
-    off = [(r.key, r.rel_l2) for r in results
-           if isinstance(r, IntrinsicError) and r.rel_l2 > (0 if r.kind == "ids" else 1e-5)]
-    assert not off, off
+    results = assert_every_point_is_its_exact_op(v, ck)
     want = {"attn.q", "attn.q_rope", "attn.k_rope", "attn.core", "moe.topk_ids", "moe.topk_weights", "moe.shared_out"}
     assert {r.point for r in results} >= want | (LATENT if name == "deepseek" else set())
 
@@ -138,8 +116,7 @@ def test_clean_bf16_pair_with_reference_blames_no_side(tmp_path, hf_side, name):
     rep = find_divergence(str(hf), mg, reference=str(ck))
     assert [d for d in rep.contract if d["section"] == "config"] == []
     assert not [n for n in rep.notes if n.kind == "not_replayed"]
-    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
-           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    far = over_envelope(rep)
     assert not far, far
     judged = {p.key for p in rep.points if p.intrinsic}
     assert {"L1.attn.q_rope", "L1.attn.k_rope", "L1.attn.core", "L1.moe.topk_ids", "L1.moe.topk_weights",

@@ -16,10 +16,8 @@ import sglang  # noqa: F401 - a required test dependency: fail loudly if missing
 import torch
 import transformers as T
 
-import tic_trace
 from tic_trace import find_divergence
 from tic_trace.adapters import sglang as sga
-from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
 from tic_trace.graph.canonical import parse_key
 from tic_trace.testing import megatron_cpu as mc
@@ -28,6 +26,7 @@ from tic_trace.testing import sglang_cpu as sc
 from tic_trace.testing.hf_models import build_hf_model, build_hf_model_stable
 from tic_trace.testing.sglang_cpu_kernels import shim_final_logit_softcap
 
+from conftest import trace_megatron
 from test_megatron_families import _megatron_view
 from arch_configs_gemma_phi3_gptoss import COMMON
 from test_sglang_archs import CONFIGS, PROMPTS, RESPONSES, SG_ROWS, _bf16_sinks, _layer, _rows, _sg_trace
@@ -56,15 +55,7 @@ def _mg_trace(out, name: str, hf, dtype) -> str:
     cfg = _config(name)
     model, view = _megatron_model(name, cfg, dtype)
     load_into(model, hf_to_megatron_state_dict(hf.state_dict(), view))
-    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size), points_mode="full") as t, \
-            torch.no_grad():
-        for rid in PROMPTS:
-            t.sample_keys = [rid]
-            ids = torch.tensor([PROMPTS[rid] + RESPONSES[rid]])
-            model(ids, torch.arange(ids.shape[1]).unsqueeze(0), attention_mask=None)
-            t.step()
-    assert t.failed is None, t.failed
-    return str(out)
+    return trace_megatron(model, out, cfg.vocab_size, sequences={rid: PROMPTS[rid] + RESPONSES[rid] for rid in PROMPTS})
 
 
 @pytest.fixture(scope="module")

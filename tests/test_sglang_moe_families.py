@@ -17,10 +17,8 @@ import sglang  # noqa: F401 - a required test dependency: fail loudly if missing
 import torch
 import transformers as T
 
-import tic_trace
 from tic_trace import find_divergence
 from tic_trace.adapters import sglang as sga
-from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
 from tic_trace.graph.canonical import parse_key
 from tic_trace.testing import megatron_cpu as mc
@@ -30,6 +28,7 @@ from tic_trace.testing.sglang_cpu_kernels import shim_fused_shared_expert_gate
 from tic_trace.view.align import CanonicalView
 
 from arch_configs_gemma_phi3_gptoss import COMMON
+from conftest import trace_megatron
 from test_megatron_families import _megatron_overrides, _megatron_view
 from test_sglang_archs import PROMPTS, RESPONSES, SG_ROWS, _hf_trace, _layer, _sg_trace
 
@@ -58,15 +57,7 @@ def _mg_trace(out, name: str, hf, dtype) -> str:
     view = _megatron_view(cfg)
     model = mc.build_gpt_model(view, dtype=dtype, qk_layernorm=False, **_megatron_overrides(cfg))
     load_into(model, hf_to_megatron_state_dict(hf.state_dict(), view))
-    with tic_trace.trace(model, out, adapter=MegatronAdapter(vocab_size=cfg.vocab_size), points_mode="full") as t, \
-            torch.no_grad():
-        for rid in PROMPTS:
-            t.sample_keys = [rid]
-            ids = torch.tensor([PROMPTS[rid] + RESPONSES[rid]])
-            model(ids, torch.arange(ids.shape[1]).unsqueeze(0), attention_mask=None)
-            t.step()
-    assert t.failed is None, t.failed
-    return str(out)
+    return trace_megatron(model, out, cfg.vocab_size, sequences={rid: PROMPTS[rid] + RESPONSES[rid] for rid in PROMPTS})
 
 
 @pytest.fixture(scope="module")
