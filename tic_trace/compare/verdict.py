@@ -127,16 +127,14 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
 
 
 def _carried(p: Point, margins=None) -> bool:
-    """Whether an A-B jump at `p` is its inputs' difference carried through the op, not a fault of the op: the
-    inputs already differ, and the replay found each side's op as exact as clean implementations are on that
-    side's own inputs. Then |A - B| <= (A's rounding) + |op(A's inputs) - op(B's inputs)| + (B's rounding): all of
-    the jump is the exact op's response to its inputs' difference, which an ill-conditioned op (attention over
-    large scores and sinks, a norm over a massive row) amplifies past any fixed growth factor. The divergence, if
-    any, starts upstream, where the inputs began to differ."""
+    """Whether an A-B jump at `p` is no fault of the op: the replay found each side's op as exact as clean
+    implementations are on that side's own inputs. Then |A - B| <= (A's rounding) + |op(A's inputs) - op(B's
+    inputs)| + (B's rounding): the jump is the exact op's response to its inputs' difference, which an
+    ill-conditioned op (attention over large scores and sinks, a norm over a massive row) amplifies past any
+    fixed growth factor, plus the two sides' clean roundings, which on such an op can differ by more than the
+    fixed tolerance even on identical inputs (eager vs SDPA attention). The divergence, if any, starts upstream."""
     from ..replay.intrinsic import IntrinsicError
     from ..replay.intrinsic_verdict import DEFAULT_MARGINS, abnormal
-    if not (p.input_error or 0) > 0:
-        return False
     sides = [decode_intrinsic((p.intrinsic or {}).get(s)) for s in ("a", "b")]
     m = margins or DEFAULT_MARGINS
     return all(isinstance(x, IntrinsicError) and x.kind == "float" and x.numel >= m.min_numel
@@ -472,16 +470,17 @@ def _both_over_envelope(points: list[Point], min_numel: int = 32) -> Note | None
 
 
 def _carried_notes(points: list[Point]) -> Note | None:
-    """Points whose A-B jump the replay found carried from their inputs (`_carried`): said, never hidden."""
+    """Points whose A-B jump the replay found to be no fault of the op (`_carried`): said, never hidden."""
     out = [p for p in points if (p.replay or {}).get("carried")]
     if not out:
         return None
-    shown = ", ".join(f"{p.key} ({_f(p.error)}, {_x(p.growth, 1)}x its inputs')" for p in out[:4])
-    return Note("carried", f"{len(out)} point(s) where A and B differ by more than a fixed growth over their inputs "
-                f"allows, yet each side computes the op as exactly as clean implementations do on its own inputs: "
-                f"{shown}" + (" …" if len(out) > 4 else "") + ". The op carries its inputs' difference (an "
-                "ill-conditioned op: attention over large scores, a norm over a massive row); not a divergence here",
-                {"points": [p.key for p in out]})
+    shown = ", ".join(f"{p.key} ({_f(p.error)}" + (f", {_x(p.growth, 1)}x its inputs')" if p.input_error else
+                                                   ", inputs identical)") for p in out[:4])
+    return Note("carried", f"{len(out)} point(s) where A and B differ by more than the A-B rule allows, yet each "
+                f"side computes the op as exactly as clean implementations do on its own inputs: {shown}"
+                + (" …" if len(out) > 4 else "") + ". An ill-conditioned op (attention over large scores, a norm "
+                "over a massive row) carries its inputs' difference and the two sides' clean roundings (eager vs "
+                "fused attention); not a divergence here", {"points": [p.key for p in out]})
 
 
 def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | None:

@@ -38,8 +38,9 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
               "different_tokens": "rows both sides have hold different tokens: left out of the judgement",
               "unmatched_rows": "rows of one side that match no row of the other: counted, never compared",
               "implementations": "points where the sides are reproduced by different clean implementations",
-              "carried": "points whose A-B jump over their inputs' difference is the exact op's own response to it "
-                         "(each side as exact as clean implementations on its own inputs): not a divergence",
+              "carried": "points whose A-B difference the replay explains (each side as exact as clean "
+                         "implementations on its own inputs: the op carries its inputs' difference and two clean "
+                         "roundings): not a divergence",
               "both_over_envelope": "points where both sides are over the clean envelope alike: a shared less "
                                     "exact op, or a checkpoint config that does not describe what they compute",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
