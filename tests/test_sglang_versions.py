@@ -41,6 +41,8 @@ DESCRIBE_PATHS = {
     "gemma2": ("model.layers.N.mlp.down_proj",),
     "gemma3": ("model.layers.N.mlp.down_proj",),
     "gpt_oss": ("model.layers.N.mlp.experts",),
+    "olmoe": ("model.layers.N.mlp.experts",),
+    "mixtral": (),          # describe() reads `mlp`; Mixtral's block is block_sparse_moe (its rows read it)
 }
 
 
