@@ -83,6 +83,7 @@ from tic_trace.replay.grid import round_to
 from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
                                             PARTIAL_POINTS, POINTS, REFUSED, arch_row_applies, tp_copies_equal)
 from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa: F401 - part of this adapter's API
+from tic_trace.adapters.sglang_names import tp_refusal
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows
 from tic_trace.adapters.sglang_rows import parse_sample_rid, row_rids  # noqa: F401 - part of this adapter's API
 
@@ -232,9 +233,9 @@ class SGLangAdapter(Adapter):
 
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, and a DeepSeek-V3 / GLM-4.5 trace only in the setup its rows were verified in
-        (sglang_deepseek.setup_refusal)."""
+        (sglang_deepseek.setup_refusal), a class verified at TP=1 only at that degree (sglang_names.tp_refusal)."""
         c = super().check_architecture(config)
-        why = sgl_ds.setup_refusal(config) if c.verified else None
+        why = "; ".join(w for w in (sgl_ds.setup_refusal(config), tp_refusal(config)) if w) if c.verified else None
         return ArchitectureCheck(c.adapter, c.name, False, why) if why else c
 
     def rank_coords(self) -> dict:

@@ -247,6 +247,23 @@ ARCHITECTURES = {a.name: a for a in (
                  "not replayed", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
                  lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
 )}
+#: Classes whose rows ran at TP=1 only (the table rows say "(TP=1)"): a trace at TP > 1 is refused by name. The
+#: Qwen3 / Qwen3-MoE rows ran at TP=2 (tests/test_sglang_adapter.py), DeepSeek-V3's at TP 1 and 2
+#: (sglang_deepseek.mla_refusal says above).
+ONE_RANK = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                      "Gemma3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "MixtralForCausalLM",
+                      "Qwen2MoeForCausalLM", "OlmoeForCausalLM"})
+
+
+def tp_refusal(config: dict) -> str | None:
+    """Why a trace of a class verified at TP=1 only, traced at TP > 1, is not the verified setup (None: it is)."""
+    tp = int(config.get("tensor_model_parallel_size") or 1)
+    if config.get("architecture") in ONE_RANK and tp > 1:
+        return (f"tensor parallelism {tp}: `{config['architecture']}` ran at TP=1 only in the tests (its head "
+                "shards, partial sums and MoE reduction at TP > 1 are not verified)")
+    return None
+
+
 REFUSED = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
                              "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "

@@ -402,6 +402,18 @@ def test_sglang_table_only_holds_classes_run_against_another_framework():
     assert set(sglang_names.ARCH_OF_CLASS) >= set(ad.architectures)   # every verified class has a name table
 
 
+def test_sglang_classes_run_at_one_rank_only_are_refused_above_it():
+    """The table's "(TP=1)" rows: a trace of such a class at TP > 1 is refused by name; Qwen3's rows (run at
+    TP=2) are not, and neither is TP=1."""
+    ad = get_adapter("sglang")
+    for name in sglang_names.ONE_RANK:
+        assert "(TP=1)" in ad.architectures[name].mapped, name
+        assert ad.check_architecture({"architecture": name, "tensor_model_parallel_size": 1}).verified
+        c = ad.check_architecture({"architecture": name, "tensor_model_parallel_size": 2})
+        assert not c.verified and "TP=1 only" in c.why and name in c.why, c
+    assert ad.check_architecture({"architecture": "Qwen3ForCausalLM", "tensor_model_parallel_size": 2}).verified
+
+
 def test_sglang_qwen2_against_hf_qwen2(tmp_path):
     """The SGLang Qwen2 row: SGLang's own Qwen2 model code (prefill + decode rollout) against HF's Qwen2 with
     the same weights: consistent, both verified, every promised point recorded, none listed missing."""
