@@ -293,7 +293,8 @@ def test_routed_scale_facts_follow_the_block_flags(sides):
 def test_setups_not_run_in_the_tests_are_refused_by_name():
     """An MLA trace is verified only at TP 1 on a backend that passes the RoPE dims inside q and k (the rows
     read them there): TP 2, a backend taking them apart (fa3, flashinfer, trtllm_mla) or a trace that does not
-    say which backend ran are refused, naming why; GLM-4.5 (no MLA) is not concerned by those. Either, with its
+    say which backend ran are refused, naming why; GLM-4.5 (no MLA) is not concerned by those (it ran at TP=1 only:
+    refused above by the one-rank rule). Either, with its
     shared expert fused into the routed ones, is refused naming the flag that keeps them apart."""
     ad = sga.SGLangAdapter()
     base = {"architecture": "DeepseekV3ForCausalLM", "attention": "mla", "tensor_model_parallel_size": 1,
@@ -304,8 +305,11 @@ def test_setups_not_run_in_the_tests_are_refused_by_name():
                          ({"mla_decode_backend": None, "mla_rope_apart": None}, "does not say which attention")):
         c = ad.check_architecture({**base, **change})
         assert not c.verified and word in c.why, (change, c.why)
-    assert ad.check_architecture({"architecture": "Glm4MoeForCausalLM", "attention": "mha",
-                                  "tensor_model_parallel_size": 2}).verified
+    glm = {"architecture": "Glm4MoeForCausalLM", "attention": "mha", "tensor_model_parallel_size": 1}
+    assert ad.check_architecture(glm).verified
+    # GLM-4.5 ran at TP=1 only: above it, refused by that rule (sglang_names.tp_refusal), not by MLA's
+    c = ad.check_architecture({**glm, "tensor_model_parallel_size": 2})
+    assert not c.verified and "TP=1 only" in c.why and "MLA" not in c.why, c.why
     # SGLang's GPU default for both: the shared expert fused into the routed ones (experts_out holds it)
     for arch in ({**base, "fused_shared_experts": 1}, {"architecture": "Glm4MoeForCausalLM", "fused_shared_experts": 1}):
         c = ad.check_architecture(arch)
