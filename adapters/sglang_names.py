@@ -177,6 +177,7 @@ _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
 _ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
 _ARCH_MG_TESTS = _ARCH_TESTS + ", `tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed)"
+_TP2_TESTS = _ARCH_MG_TESTS + ", `tests/test_sglang_tp2_archs.py` (TP=2)"
 _SIGMOID_TESTS = "`tests/test_sglang_mla.py` (against HF and Megatron, fp32 and bf16 replayed)"
 _SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in the config
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
@@ -190,15 +191,16 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("Qwen3MoeForCausalLM", ("Qwen3-MoE",), f"MoE: router, top-k, experts; {_RUN}",
                  "every point the trace holds", "`tests/test_sglang_adapter.py`, `test_replay_sglang.py`",
                  lacks=("moe.shared_out",)),
-    Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows (TP=1)",
+    Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias; prefill and decode rows, TP=1 and 2",
                  "every point the trace holds", "`tests/test_supported_archs.py` (against HF), "
-                 "`tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed)",
+                 "`tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed), "
+                 "`tests/test_sglang_tp2_archs.py` (TP=2)",
                  lacks=_QK + _MOE),
     Architecture("LlamaForCausalLM", ("Llama",), "dense, fused `qkv_proj` / `gate_up_proj`; prefill and decode "
-                 "rows (TP=1)", "every point the trace holds", _ARCH_MG_TESTS, lacks=_QK + _MOE),
+                 "rows, TP=1 and 2", "every point the trace holds", _TP2_TESTS, lacks=_QK + _MOE),
     Architecture("Phi3ForCausalLM", ("Phi-3",), "SGLang's Llama model code (`llama.py`) on a checkpoint whose "
-                 "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows (TP=1)",
-                 "every point the trace holds", _ARCH_MG_TESTS, lacks=_QK + _MOE),
+                 "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows, TP=1 and 2",
+                 "every point the trace holds", _TP2_TESTS, lacks=_QK + _MOE),
     Architecture("Gemma2ForCausalLM", ("Gemma 2",), "sandwich norms (`attn.post_norm`, `mlp.post_norm`), pre-MLP "
                  "norm `pre_feedforward_layernorm`, the scaled embedding as layer 0's norm input; prefill and decode "
                  "rows (TP=1)", "every point the trace holds: (1 + w) norms, soft-capped scores and logits, "
@@ -248,11 +250,10 @@ ARCHITECTURES = {a.name: a for a in (
                  lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
 )}
 #: Classes whose rows ran at TP=1 only (the table rows say "(TP=1)"): a trace at TP > 1 is refused by name. The
-#: Qwen3 / Qwen3-MoE rows ran at TP=2 (tests/test_sglang_adapter.py), DeepSeek-V3's at TP 1 and 2
-#: (sglang_deepseek.mla_refusal says above).
-ONE_RANK = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                      "Gemma3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM", "MixtralForCausalLM",
-                      "Qwen2MoeForCausalLM", "OlmoeForCausalLM"})
+#: Qwen3 / Qwen3-MoE rows ran at TP=2 (tests/test_sglang_adapter.py), Llama / Qwen2 / Phi-3's too
+#: (tests/test_sglang_tp2_archs.py), DeepSeek-V3's at TP 1 and 2 (sglang_deepseek.mla_refusal says above).
+ONE_RANK = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
+                      "MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"})
 
 
 def tp_refusal(config: dict) -> str | None:
