@@ -118,7 +118,7 @@ POINTS = (
     PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
     PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
              note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
-    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", "megatron_biased", "seq", opts={"linear_bias": True},
+    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", "megatron_biased", "seq", opts={"when": True},
              also={"bias": "{prefix}decoder.layers.{layer}.self_attention.linear_proj:out[1]"},
              note="add_bias_linear: linear_proj returns its bias apart (out[1]); bias-dropout-add adds it"),
     PointMap("mid", _L + r"\.pre_mlp_layernorm:in\[0\]", merge="seq", note="pre-MLP norm input = residual"),
@@ -131,7 +131,7 @@ POINTS = (
     PointMap("moe.experts_out", _M + r"/fn:combine_postprocess:out", merge="seq",
              note="tapped token_dispatcher.combine_postprocess: routed experts combined, token order"),
     PointMap("moe.shared_out", _M + r"\.shared_experts:out", merge="seq"),
-    PointMap("moe.shared_out", _M + r"\.shared_experts\.linear_fc2:out\[0\]", merge="seq", opts={"shared_gate": True},
+    PointMap("moe.shared_out", _M + r"\.shared_experts\.linear_fc2:out\[0\]", merge="seq", opts={"when": True},
              note="moe_shared_expert_gate: the shared expert's output before its sigmoid gate (the module's output is "
                   "after it; HF's shared_expert, the canonical point, before)"),
     PointMap("mlp.out", _M + r":out\[0\]", merge="seq"),
@@ -139,6 +139,11 @@ POINTS = (
     PointMap("final_norm", _P + r"decoder\.final_(?:layernorm|norm):out", merge="seq"),
     PointMap("logits", _P + r"output_layer:out\[0\]", "vocab", "cat:-1", note="vocab shards; padding cut"),
 )
+
+# Points read from another record when a trace fact is on: the row with opts {"when": True} applies then, the plain
+# row otherwise (add_bias_linear: linear_proj's bias comes apart; moe_shared_expert_gate: the module's output is
+# after the gate).
+_ROW_FACTS = {"attn.out": "linear_bias", "moe.shared_out": "megatron_moe_shared_expert_gate"}
 
 
 # ---------------------------------------------------------------- transforms and merges
@@ -589,10 +594,8 @@ class MegatronAdapter(Adapter):
             return False
         if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_layernorm", True):
             return False
-        if pm.point == "attn.out" and bool(pm.opts.get("linear_bias")) != bool(config.get("linear_bias")):
-            return False
-        if pm.point == "moe.shared_out" and \
-                bool(pm.opts.get("shared_gate")) != bool(config.get("megatron_moe_shared_expert_gate")):
+        fact = _ROW_FACTS.get(pm.point)
+        if fact and bool(pm.opts.get("when")) != bool(config.get(fact)):
             return False
         if pm.point in ("moe.experts_out", "moe.shared_out") and config.get("moe_shared_expert_overlap"):
             return False

@@ -134,6 +134,14 @@ def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str
     return out
 
 
+def _local_experts(n_experts: int, ep_rank: int, ep_size: int) -> list[tuple[int, int]]:
+    """(local index, global expert) of the experts expert-parallel rank ``ep_rank`` owns (a contiguous block)."""
+    if n_experts % ep_size:
+        raise ValueError(f"{n_experts} experts are not divisible by ep_size={ep_size}")
+    n_local = n_experts // ep_size
+    return [(k, ep_rank * n_local + k) for k in range(n_local)]
+
+
 def _gpt_oss_experts(get, mlp: str, dst: str, experts: list[tuple[int, int]], etp: tuple[int, int],
                      what: str) -> dict[str, torch.Tensor]:
     """GPT-OSS's router (weight and bias) and experts: ``gate_up_proj [E, H, 2F]`` with gate and up in alternate
@@ -240,21 +248,12 @@ def hf_to_megatron_state_dict(
 
         mlp = src + "mlp."
         if mlp + "router.weight" in sd:     # GPT-OSS
-            n_experts = int(get(mlp + "router.weight").shape[0])
-            if n_experts % ep_size:
-                raise ValueError(f"{n_experts} experts are not divisible by ep_size={ep_size}")
-            n_local = n_experts // ep_size
-            out.update(_gpt_oss_experts(get, mlp, dst, [(k, ep_rank * n_local + k) for k in range(n_local)],
-                                        (etp_rank, etp_size), f"layer {i}"))
+            experts = _local_experts(int(get(mlp + "router.weight").shape[0]), ep_rank, ep_size)
+            out.update(_gpt_oss_experts(get, mlp, dst, experts, (etp_rank, etp_size), f"layer {i}"))
         elif mlp + "gate.weight" in sd:  # MoE layer
             out[dst + "mlp.router.weight"] = get(mlp + "gate.weight")
-            n_experts = int(get(mlp + "gate.weight").shape[0])
-            if n_experts % ep_size:
-                raise ValueError(f"{n_experts} experts are not divisible by ep_size={ep_size}")
-            n_local = n_experts // ep_size
             fused = mlp + "experts.gate_up_proj" in sd
-            for k in range(n_local):
-                e = ep_rank * n_local + k
+            for k, e in _local_experts(int(get(mlp + "gate.weight").shape[0]), ep_rank, ep_size):
                 if fused:
                     gate, up = get(mlp + "experts.gate_up_proj")[e].chunk(2, dim=0)
                     down = get(mlp + "experts.down_proj")[e]
@@ -267,8 +266,9 @@ def hf_to_megatron_state_dict(
                 out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
             if mlp + "gate.e_score_correction_bias" in sd:     # DeepSeek-V3 / GLM-4.5: choice-only bias
                 out[dst + "mlp.router.expert_bias"] = get(mlp + "gate.e_score_correction_bias").float()
+            # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
             shared = next((mlp + n for n in ("shared_experts.", "shared_expert.")
-                           if mlp + n + "gate_proj.weight" in sd), None)     # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
+                           if mlp + n + "gate_proj.weight" in sd), None)
             if shared is not None:
                 sh, shdst = shared, dst + "mlp.shared_experts."
                 if mlp + "shared_expert_gate.weight" in sd:     # [1, H]: megatron's gate_weight, replicated

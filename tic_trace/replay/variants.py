@@ -19,7 +19,6 @@ judged against the constant table `intrinsic_verdict.ENVELOPE` (docs/replay.md).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 

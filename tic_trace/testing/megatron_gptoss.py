@@ -16,8 +16,9 @@ What megatron computes, and the HF field it matches (a mismatch raises NotImplem
   ``activation_func_clamp_value=swiglu_limit``: HF's ``(clamp(up) + 1) * glu(clamp(gate))``; HF's alpha must be
   1.702 (quick_gelu's constant). fc2's bias is weighted by the top-k weight in both.
 * Router: top-k over the biased logits, softmax over the k (``moe_router_pre_softmax=False``).
-* RoPE: plain rotate-half only; YaRN (the released checkpoints' scaling) raises (megatron's ``yarn``
-  position embedding is refused by the adapter until it is run against HF here).
+* RoPE: plain rotate-half, or YaRN (the released checkpoints' scaling) through GPTModel's ``yarn`` position
+  embedding, its ``yarn_*`` settings from HF's ``rope_parameters`` (``truncate`` -> rounding the correction range
+  to integers); any other scaling raises.
 """
 from __future__ import annotations
 
