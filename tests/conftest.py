@@ -104,10 +104,14 @@ def assert_every_point_is_its_exact_op(view, checkpoint) -> list:
     return results
 
 
-def over_envelope(rep) -> list:
-    """(key, side, excess, limit) of every replayed point where a side is over its clean envelope."""
-    return [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
-            if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+def assert_replayed_within_envelopes(rep) -> None:
+    """A pair replayed against its checkpoint: no model-config contract difference, every point replayed, and
+    no side over its clean envelope at any point."""
+    assert [d for d in rep.contract if d["section"] == "config"] == []
+    assert not [n for n in rep.notes if n.kind == "not_replayed"]
+    far = [(p.key, s, e["excess"], e["limit"]) for p in rep.points for s, e in (p.intrinsic or {}).items()
+           if isinstance(e, dict) and isinstance(e.get("limit"), float) and e["excess"] > e["limit"]]
+    assert not far, far
 
 
 def trace_megatron(model, out, vocab_size: int, ids=None, *, sequences: dict | None = None) -> str:
