@@ -18,4 +18,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 ./scripts/setup.sh
-exec "${TIC_TRACE_VENV:-.venv}/bin/python" -m pytest -q ${args[@]+"${args[@]}"}
+# A test that ends pytest's own process (not a failure: the process is gone) is named here (tests/conftest.py).
+export TIC_TRACE_TEST_RUNNING_FILE="${TMPDIR:-/tmp}/tic-trace-test-running.$$"
+rc=0
+"${TIC_TRACE_VENV:-.venv}/bin/python" -m pytest -q ${args[@]+"${args[@]}"} || rc=$?
+if [ -s "$TIC_TRACE_TEST_RUNNING_FILE" ]; then
+  echo "test.sh: pytest's process ended (exit $rc) inside $(cat "$TIC_TRACE_TEST_RUNNING_FILE"), before its summary" >&2
+  rm -f "$TIC_TRACE_TEST_RUNNING_FILE"
+  [ "$rc" -ne 0 ] || rc=1
+fi
+exit "$rc"

@@ -32,6 +32,23 @@ def pytest_report_header(config):
             f"vendored sources (slime tests): {slime_vendor.describe()}"]
 
 
+# scripts/test.sh names a file here: the test running now is written to it, so that a process that ends
+# pytest from inside a test (Ray's driver exits with 1 when its GCS dies; a native crash) is named in CI's
+# output instead of leaving a line of dots that stops.
+_RUNNING_FILE = os.environ.get("TIC_TRACE_TEST_RUNNING_FILE")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _RUNNING_FILE:
+        with open(_RUNNING_FILE, "w") as f:
+            f.write(nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _RUNNING_FILE and os.path.exists(_RUNNING_FILE):
+        os.remove(_RUNNING_FILE)
+
+
 def require_vendored_sources() -> None:
     """Skip (outside CI) or fail (with CI=true) a test that runs slime's own code when its sources are absent."""
     from tic_trace.testing import slime_vendor

@@ -4,6 +4,7 @@ Faults are planted in one side's computation (tic_trace/testing/faults.py); each
 its point and layer. Clean pairs that differ only in legitimate ways must report no divergence.
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -398,29 +399,86 @@ def test_cli_workers_error_names_the_point(tmp_path, clean_moe, capsys, monkeypa
         assert "argument --workers" in capsys.readouterr().err
 
 
+_RAY_FINDER = """
+import json, sys
+import ray
+from tic_trace import find_divergence
+from pathlib import Path
+from tic_trace.compare.parallel import ItemFailed
+from tic_trace.view.align import CanonicalView
+a, b, cut, ray_dir = sys.argv[1:5]
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir)
+out = {}
+for w in (1, 2):
+    keys = []
+    rep = find_divergence(a, b, progress=keys.append, **({"workers": 2, "backend": "ray"} if w == 2 else {}))
+    out[w] = [rep.to_json(), keys]
+va, vb = CanonicalView(a), CanonicalView(cut)       # indexed whole; the blob is cut only afterwards
+blob = Path(cut) / "rank00000" / "pass00000.bin"
+blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+try:
+    find_divergence(va, vb, workers=2, backend="ray")
+    out["failed"] = None
+except ItemFailed as e:
+    out["failed"] = str(e)
+ray.shutdown()
+print(json.dumps(out))
+"""
+
+# What Ray prints when its own processes (not the tasks) died under the driver: Ray then ends the driver
+# with exit code 1 (after 60 s without its GCS), which is why the test runs Ray in a child, never in pytest.
+_RAY_DIED = ("Failed to connect to GCS", "GCS may have been killed", "LocalRayletDiedError",
+             "Raylet is terminated", "raylet died")
+
+
+def _ray_logs_tail(ray_dir: Path, lines: int = 6) -> str:
+    """The last lines Ray's GCS and raylet logged (their periodic state dumps left out)."""
+    tails = []
+    for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err"):
+        for f in sorted(ray_dir.glob(f"session_*/logs/{name}")):
+            said = [ln for ln in f.read_text(errors="replace").splitlines()
+                    if ln.strip() and not ln.startswith("[state-dump]")]
+            if said:
+                tails.append(f"--- {name}:\n" + "\n".join(said[-lines:]))
+    return "\n".join(tails) or "(Ray wrote no GCS or raylet log)"
+
+
 def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
     """The same split as Ray tasks on a local Ray of two CPUs: the same report; a point that fails in a task
-    is named in one line."""
+    is named in one line. Ray runs in a child process: a Ray whose own GCS or raylet dies ends its driver's
+    process, which must fail this test (or, when Ray's own processes keep dying, skip it with Ray's logs),
+    never end pytest."""
     import shutil
+    import subprocess
+    import sys
+    import tempfile
 
-    import ray
-
-    from tic_trace.compare.parallel import ItemFailed
     model = build_hf_model(tiny_qwen3_config(moe=True))
     plant(model, "hf", "qk_norm_weight", 1)
     trace_hf(model, tmp_path / "b", IDS)
-    shutil.copytree(clean_moe, tmp_path / "cut")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        (one, keys1), (two, keys2) = _reports_by_workers(clean_moe, tmp_path / "b", backend="ray")
-        assert one["first_divergence"]["key"] == "L1.attn.k_norm"
-        assert two == one and keys2 == keys1
-        va, vb = CanonicalView(str(clean_moe)), CanonicalView(str(tmp_path / "cut"))
-        blob = tmp_path / "cut" / "rank00000" / "pass00000.bin"
-        blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
-        with pytest.raises(ItemFailed) as err:
-            find_divergence(va, vb, workers=2, backend="ray")
-        assert str(err.value).startswith("work item 0 (point embed) failed: TraceFormatError: ")
-        assert "truncated" in str(err.value) and "\n" not in str(err.value)
-    finally:
-        ray.shutdown()
+    deaths = []
+    for _ in range(3):
+        shutil.rmtree(tmp_path / "cut", ignore_errors=True)
+        shutil.copytree(clean_moe, tmp_path / "cut")
+        ray_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))    # short: Ray's socket paths are limited
+        try:
+            r = subprocess.run([sys.executable, "-c", _RAY_FINDER, str(clean_moe), str(tmp_path / "b"),
+                                str(tmp_path / "cut"), str(ray_dir)],
+                               capture_output=True, text=True, timeout=400, check=False)
+            output = r.stdout + r.stderr
+            if r.returncode == 0 or not any(m in output for m in _RAY_DIED):
+                break
+            deaths.append(f"exit {r.returncode}: {r.stderr.strip()[-800:]}\n{_ray_logs_tail(ray_dir)}")
+        finally:
+            shutil.rmtree(ray_dir, ignore_errors=True)
+    else:
+        pytest.skip("Ray's own GCS or raylet died under its driver three times on this machine (not a task "
+                    "of tic-trace's): the Ray split is unchecked here. The last time:\n" + deaths[-1])
+    assert r.returncode == 0, output[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    (one, keys1), (two, keys2) = got["1"], got["2"]
+    assert one["first_divergence"]["key"] == "L1.attn.k_norm"
+    assert two == one and keys2 == keys1
+    failed = got["failed"]
+    assert failed is not None and failed.startswith("work item 0 (point embed) failed: TraceFormatError: ")
+    assert "truncated" in failed and "\n" not in failed

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pytest(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("CI", slime_vendor.SLIME_ENV, slime_vendor.MEGATRON_ENV)}
+    dropped = ("CI", "TIC_TRACE_TEST_RUNNING_FILE", slime_vendor.SLIME_ENV, slime_vendor.MEGATRON_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                            "tests/test_slime_real.py"], cwd=ROOT, env=env, capture_output=True, text=True,
