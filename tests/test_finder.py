@@ -401,18 +401,16 @@ def test_cli_workers_error_names_the_point(tmp_path, clean_moe, capsys, monkeypa
 
 _RAY_FINDER = """
 import json, sys
-import ray
-from tic_trace import find_divergence
 from pathlib import Path
+import ray
+a, b, cut, ray_dir = sys.argv[1:5]
+sys.path.insert(0, str(Path(sys.argv[5])))
+from test_finder import _reports_by_workers
+from tic_trace import find_divergence
 from tic_trace.compare.parallel import ItemFailed
 from tic_trace.view.align import CanonicalView
-a, b, cut, ray_dir = sys.argv[1:5]
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir)
-out = {}
-for w in (1, 2):
-    keys = []
-    rep = find_divergence(a, b, progress=keys.append, **({"workers": 2, "backend": "ray"} if w == 2 else {}))
-    out[w] = [rep.to_json(), keys]
+out = {"reports": _reports_by_workers(a, b, backend="ray")}
 va, vb = CanonicalView(a), CanonicalView(cut)       # indexed whole; the blob is cut only afterwards
 blob = Path(cut) / "rank00000" / "pass00000.bin"
 blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
@@ -472,7 +470,7 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
         ray_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))    # short: Ray's socket paths are limited
         try:
             r = subprocess.run([sys.executable, "-c", _RAY_FINDER, str(clean_moe), str(tmp_path / "b"),
-                                str(tmp_path / "cut"), str(ray_dir)],
+                                str(tmp_path / "cut"), str(ray_dir), str(Path(__file__).parent)],
                                capture_output=True, text=True, timeout=400, check=False)
             output = r.stdout + r.stderr
             if not _ray_ended_the_driver(r):
@@ -485,7 +483,7 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
                     "of tic-trace's): the Ray split is unchecked here. The last time:\n" + deaths[-1])
     assert r.returncode == 0, output[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    (one, keys1), (two, keys2) = got["1"], got["2"]
+    (one, keys1), (two, keys2) = got["reports"]
     assert one["first_divergence"]["key"] == "L1.attn.k_norm"
     assert two == one and keys2 == keys1
     failed = got["failed"]
