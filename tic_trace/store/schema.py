@@ -285,6 +285,62 @@ class ReportNotComparable(TypedDict):
     reason: str | None
 
 
+Share = Annotated[float, Check("a finite number", lambda v: v == v and abs(v) != float("inf"))]
+Gap = Annotated[float, Check("a finite number > 0 (the sum of |Δ logprob|)", lambda v: 0 < v < float("inf"))]
+
+
+class ReportShare(TypedDict, total=False):
+    """One contributor of a saved attribution (`replay.attribution.Share` as JSON)."""
+    key: Required[str]
+    point: Required[str]
+    layer: Required[Annotated[int, Check("a layer from 0 to 65536", lambda v: 0 <= v <= 1 << 16)] | None]
+    share: Required[Share]
+    share_a: Share
+    share_b: Share
+    share_op: Share
+    share_rounding: Share
+    share_downstream: Share
+    share_total: Share
+    rows: Count
+    finding: bool
+
+
+class ReportShareKind(TypedDict, total=False):
+    kind: Required[str]
+    share: Required[Share]
+    share_a: Share
+    share_b: Share
+    points: Count
+
+
+class ReportNotAttributed(TypedDict):
+    key: str
+    reason: str
+
+
+class ReportAttribution(TypedDict, total=False):
+    """A saved `attribution` (docs/attribution.md): `{unavailable}`, or the measured shares. Its numbers are
+    summed and credited again on reading (`attribution.recredit`): each one is checked here, so that a null,
+    a text or a negative gap is refused by name instead of failing (or counting letters) later."""
+    unavailable: ShortText
+    gap: Gap
+    tokens: Count
+    tokens_total: Count
+    explained: Number
+    residual: Number
+    noise: Number
+    threshold: Annotated[float, Check("a number in (0, 1]", lambda v: 0 < v <= 1)]
+    first: str | None
+    top: list[str]
+    by_point: list[ReportShare]
+    by_kind: list[ReportShareKind]
+    routing: list[ReportShare]
+    not_attributed: list[ReportNotAttributed]
+    notes: list[str]
+    withheld: ShortText | None
+    clean_noise: dict[str, Any] | None
+
+
 class ReportDoc(TypedDict, total=False):
     """A saved JSON report (`report.schema.Report.to_json()`), as `report --from-json` reads it back."""
     schema: Literal["tic-trace.report/1", "tic-trace.report/2"]
@@ -302,7 +358,7 @@ class ReportDoc(TypedDict, total=False):
     settings: dict[str, Any]
     sides: dict[str, dict[str, Any]]
     token_errors: dict[str, dict[str, Number]]
-    attribution: dict[str, Any]
+    attribution: ReportAttribution
 
 
 # ---------------------------------------------------------------- validation

@@ -1,0 +1,87 @@
+"""Headlines that say no more than the evidence (issue 34, item 5) and saved attributions checked by their
+schema (item 4). Real transformers Qwen3 models, faults planted in one side's computation, never in a trace.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tic_trace import find_divergence
+from tic_trace.testing.faults import plant
+from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.tools.cli import main as cli
+
+from conftest import trace_hf
+
+IDS = sample_tokens(2, 16)
+
+
+def _model(dtype, moe):
+    return build_hf_model_stable(tiny_qwen3_config(moe=moe), seed=0, dtype=dtype)
+
+
+def _pair(tmp, dtype, moe, change):
+    """(A trace, B trace, checkpoint): A the model as saved, B the same weights with `change` applied."""
+    a = _model(dtype, moe)
+    a.save_pretrained(tmp / "ck")
+    trace_hf(a, tmp / "a", IDS)
+    b = _model(dtype, moe)
+    change(b)
+    trace_hf(b, tmp / "b", IDS)
+    return str(tmp / "a"), str(tmp / "b"), str(tmp / "ck")
+
+
+@pytest.fixture(scope="module")
+def attributed(tmp_path_factory) -> dict:
+    """An fp32 pair with a planted softmax-scale fault, attributed: its saved JSON report."""
+    a, b, ck = _pair(tmp_path_factory.mktemp("att"), torch.float32, True,
+                     lambda m: plant(m, "hf", "softmax_scale", 1))
+    doc = find_divergence(a, b, reference=ck, attribution=True).to_json()
+    assert "unavailable" not in doc["attribution"], doc["attribution"]
+    return json.loads(json.dumps(doc))
+
+
+# ------------------------------------------------------------------------------------------ saved attribution
+
+def _edit_share_null(att):
+    att["by_point"][0]["share"] = None
+
+
+def _edit_share_text(att):
+    att["by_point"][0]["share"] = "a lot"
+
+
+def _edit_gap_negative(att):
+    att["gap"] = -1
+
+
+def _edit_not_attributed_text(att):
+    att["not_attributed"] = "abc"
+
+
+@pytest.mark.parametrize("edit,field", [(_edit_share_null, "attribution.by_point[0].share"),
+                                        (_edit_share_text, "attribution.by_point[0].share"),
+                                        (_edit_gap_negative, "attribution.gap"),
+                                        (_edit_not_attributed_text, "attribution.not_attributed")])
+def test_a_malformed_saved_attribution_is_refused_naming_the_file_and_field(attributed, tmp_path, capsys, edit,
+                                                                             field):
+    doc = copy.deepcopy(attributed)
+    edit(doc["attribution"])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    code = cli(["report", "x", "--from-json", str(path)])
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert code == 2, out
+    assert str(path) in out and repr(field) in out, out
+    assert "Traceback" not in out and "TypeError" not in out and "AttributeError" not in out, out
+
+
+def test_a_well_formed_saved_attribution_is_read_back(attributed, tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(attributed))
+    assert cli(["report", "x", "--from-json", str(path)]) == 1
+    assert "L1.attn.core" in capsys.readouterr().out
