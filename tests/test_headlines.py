@@ -85,3 +85,25 @@ def test_a_well_formed_saved_attribution_is_read_back(attributed, tmp_path, caps
     path.write_text(json.dumps(attributed))
     assert cli(["report", "x", "--from-json", str(path)]) == 1
     assert "L1.attn.core" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ bf16 without a reference
+
+def test_bf16_consistent_without_a_reference_says_what_the_rule_cannot_see(tmp_path):
+    """RMSNorm without its fp32 upcast planted in bf16: the A-B rule alone calls the pair consistent (its error
+    is within clean op-order noise). The headline, the JSON and the page say that is all it can say; with the
+    checkpoint the same pair names the fault, and the caveat is gone."""
+    from tic_trace.report.html import render_html
+    from tic_trace.report.terminal import headline
+    from tic_trace.testing.precision_faults import PRECISION_FAULTS
+    a, b, ck = _pair(tmp_path, torch.bfloat16, True, lambda m: PRECISION_FAULTS["rmsnorm_no_upcast"].plant(m, 1))
+    doc = find_divergence(a, b).to_json()
+    said = "within bf16 noise by the A−B rule; precision faults need `--reference CKPT`"
+    assert doc["verdict"] == "consistent", headline(doc)
+    assert headline(doc).startswith("CONSISTENT") and said in headline(doc), headline(doc)
+    note = next(n for n in doc["notes"] if n["kind"] == "precision_unchecked")
+    assert note["summary"] == said and note["detail"]["dtypes"] == ["bfloat16"]
+    assert said.replace("`", "") in render_html(doc).replace("<strong>", "").replace("`", "")
+    with_ref = find_divergence(a, b, reference=ck).to_json()
+    assert with_ref["verdict"] == "divergent" and said not in headline(with_ref)
+    assert not [n for n in with_ref["notes"] if n["kind"] == "precision_unchecked"]

@@ -24,7 +24,7 @@ from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, O
                     FlipFacts, Tolerance, accepted_point, coarser, growth_of, judge, judge_point, judge_replay,
                     point_kind, decode_intrinsic)
 from ..report.schema import Finding, Note, Point, WorstToken, num
-from ..store.dtypes import known_dtype
+from ..store.dtypes import dtype_info, known_dtype
 from .identity_notes import (ALWAYS, UNLESS_DIVERGENT, identity_notes as _identity_notes,  # noqa: F401 - public here too
                              incomplete_run_notes, layers_text, with_incomplete_runs)
 
@@ -74,7 +74,7 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
     notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points),
                                           _carried_notes(points), _accumulated_noise(points, findings),
-                                          _shared_nonfinite(points))
+                                          _shared_nonfinite(points), _precision_unchecked(points))
                               if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     blocks = {n.detail.get("blocks") for n in identity_notes}
@@ -427,6 +427,24 @@ def _shared_nonfinite(points: list[Point]) -> Note | None:
     return Note("nonfinite_shared", f"{len(hit)} point(s) hold NaN/Inf on both sides at the same elements (first "
                                     f"{hit[0][0]}: {hit[0][1]} element(s)): the sides agree there, but both "
                                     "compute non-finite values", {"points": dict(hit)})
+
+
+LOW_PRECISION_BITS = 10        # float16 and coarser: the A-B rule's tolerance there hides precision faults
+
+
+def _precision_unchecked(points: list[Point]) -> Note | None:
+    """Low-precision points judged by the A-B rule alone (no replay facts anywhere: no `--reference`). In bf16
+    a precision fault (RMSNorm without its fp32 upcast, ...) differs from a clean pair by no more than clean
+    op-order noise, so "none diverges" there means "within that noise", said as such (docs/report.md)."""
+    if any(p.intrinsic is not None for p in points):
+        return None
+    low = sorted({p.dtype for p in points if p.status != NOT_COMPARABLE and isinstance(p.dtype, str)
+                  and known_dtype(p.dtype) and 0 < dtype_info(p.dtype).mantissa_bits <= LOW_PRECISION_BITS})
+    if not low:
+        return None
+    names = "/".join(d.replace("bfloat16", "bf16").replace("float16", "fp16") for d in low)
+    return Note("precision_unchecked", f"within {names} noise by the A−B rule; precision faults need "
+                                       "`--reference CKPT`", {"dtypes": low})
 
 
 def _not_replayed(points: list[Point]) -> Note | None:

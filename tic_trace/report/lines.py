@@ -53,3 +53,13 @@ def blocking_line(report: dict) -> str | None:
     if isinstance(fd, dict) and fd.get("key"):
         line += f"; among what could be compared, the first divergence is at {fd['key']} [{fd.get('cause') or 'operator'}]"
     return line + "".join("; " + note_short(n) for n in notes if n not in blocking)
+
+
+def precision_caveat(report: dict) -> str | None:
+    """The `precision_unchecked` note's sentence ("within bf16 noise by the A−B rule; precision faults need
+    `--reference CKPT`"), which a consistent headline carries: None when the report has no such note."""
+    notes = report.get("notes") if isinstance(report, dict) else None
+    for n in notes if isinstance(notes, list) else []:
+        if isinstance(n, dict) and n.get("kind") == "precision_unchecked" and isinstance(n.get("summary"), str):
+            return n["summary"]
+    return None

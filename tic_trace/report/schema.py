@@ -45,6 +45,8 @@ NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tol
                                     "exact op, or a checkpoint config that does not describe what they compute",
               "unverified_mapping": "a side's architecture is not in its adapter's table: refused, or (allowed) "
                                     "compared with every point possibly mis-mapped"}
+NOTE_KINDS["precision_unchecked"] = ("low-precision points judged by the A-B rule alone (no --reference): a "
+                                     "precision fault hides inside that dtype's clean noise")
 NOTE_KINDS["incomplete_run"] = ("a side's tracer stopped recording before its run ended (a failed write, or its own "
                                 "error): the trace is not the whole run, and the pair is never consistent")
 # Notes about the rows and the models' structure (compare/identity_notes.py): they lead the report. `detail.blocks`

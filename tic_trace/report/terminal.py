@@ -15,7 +15,7 @@ from rich.text import Text
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
-from .lines import blocking_line, contract_line, identity_sentence
+from .lines import blocking_line, contract_line, identity_sentence, precision_caveat
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
@@ -105,8 +105,9 @@ def _answer_line(report: dict) -> str:
             extra.append("accumulated noise noted below")
         if "carried" in kinds:
             extra.append("differences carried through ill-conditioned ops noted below")
+        caveat = precision_caveat(report)
         return (f"CONSISTENT: {n} canonical points compared on {(report.get('rows') or {}).get('matched')} rows, "
-                "none diverges" + ("; " + "; ".join(extra) if extra else ""))
+                "none diverges" + (f" — {caveat}" if caveat else "") + ("; " + "; ".join(extra) if extra else ""))
     if n:
         return (f"NOT COMPARABLE: {len(pts) - n} of {len(pts)} canonical points both sides record could not be "
                 "compared (reasons below); no divergence among the others")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ..lines import blocking_line, contract_line, identity_sentence
+from ..lines import blocking_line, contract_line, identity_sentence, precision_caveat
 from ..schema import architecture_refusal, unverified_sides
 from .cells import _anchor, _d, _e, _gen, _growth, _is_ids, _l, _layer_of, _meaning, _num, _pill, _point_of, _sci
 from .context import Ctx, _only_ops
@@ -42,6 +42,8 @@ def answer_section(c: Ctx) -> str:
                + (f"; {counts['over']} over it only carry error they inherited" if counts.get("over") else "")
                + (f"; {counts['not_comparable']} could not be compared" if counts.get("not_comparable") else "")
                + ".")
+        if precision_caveat(r):
+            msg += f" <strong>{_e(precision_caveat(r))}</strong>."
     elif verdict == "divergent":
         msg = "The report says the sides diverge, but names no first point."
     elif architecture_refusal(r):
