@@ -96,8 +96,10 @@ def test_missing_and_corrupt_rollouts_are_named_and_skipped(runs, tmp_path):
     assert by[2]["status"] == "skipped" and "pruned by the disk budget" in by[2]["reason"]
     assert by[4]["status"] == "skipped" and str(idx.parent) in by[4]["reason"], by[4]["reason"]
     # 0, 3 and 5 remain: rollout 3 has one earlier rollout (no baseline for it), and 5's range includes 3's
-    # error: with the rollouts that would have shown it skipped, the rule names no onset (and says so)
-    assert (rc, doc["onset"]) == (0, None) and doc["onset_note"].startswith("no onset")
+    # error: with the rollouts that would have shown it skipped, the rule names no onset (and says so); the run
+    # is still divergent from rollout 3 on, and exits 1 saying so
+    assert doc["onset"] is None and doc["onset_note"].startswith("no onset")
+    assert rc == 1 and doc["divergent_since"]["rollout_id"] == 3
     assert [r["rollout_id"] for r in doc["rollouts"] if r["status"] == "compared"] == [0, 3, 5]
 
 
@@ -117,7 +119,51 @@ def test_fewer_than_two_earlier_rollouts_is_no_baseline(runs, tmp_path):
     for r in (2, 3):
         shutil.copytree(runs["precision"] / f"rollout_{r:05d}", run / f"rollout_{r:05d}")
     rc, doc = _drift(run, tmp_path)
-    assert doc["onset"] is None and doc["onset_note"].startswith("no baseline") and rc == 0
+    assert doc["onset"] is None and doc["onset_note"].startswith("no baseline")
+    assert rc == 1 and doc["divergent_since"]["rollout_id"] == 3      # no baseline, but 3 is divergent
+
+
+def test_every_entry_is_compared_or_named(runs, tmp_path, capsys):
+    """Another name before the number, a symlink to a rollout inside the run: compared (the onset stays at the
+    rollout the fault began). A symlink out of the run or to nothing: a skipped rollout naming it. Any other
+    entry: named as no rollout."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    shutil.copytree(runs["precision"], run)
+    (run / "rollout_00003").rename(run / "rollout_v2_00003")
+    (run / "store").mkdir()
+    (run / "rollout_00004").rename(run / "store" / "r4")
+    (run / "rollout_00004").symlink_to(run / "store" / "r4")
+    outside.mkdir()
+    (run / "rollout_00005").rename(outside / "r5")
+    (run / "rollout_00005").symlink_to(outside / "r5")
+    (run / "rollout_00006").symlink_to(run / "gone")
+    (run / "notes.txt").write_text("a note")
+    rc, doc = _drift(run, tmp_path)
+    by = {r["rollout_id"]: r for r in doc["rollouts"]}
+    assert sorted(by) == list(range(7))
+    assert [i for i in by if by[i]["status"] == "compared"] == [0, 1, 2, 3, 4]
+    assert by[3]["dir"].endswith("rollout_v2_00003") and by[4]["dir"].endswith("rollout_00004")
+    assert "leading out of the run directory" in by[5]["reason"] and "r5" in by[5]["reason"]
+    assert "broken symlink" in by[6]["reason"]
+    assert rc == 1 and (doc["onset"]["rollout_id"], doc["onset"]["key"]) == (START, f"L{LAYER}.mid")
+    named = {o["name"]: o["reason"] for o in doc["others"]}
+    assert set(named) == {"notes.txt", "store"} and "does not end in a number" in named["store"]
+    out = capsys.readouterr().out
+    assert "notes.txt" in out and "broken symlink" in out
+
+
+def test_a_run_divergent_from_its_first_rollout_exits_1(runs, tmp_path, capsys):
+    """Every rollout divergent, none growing over its earlier range: no onset, but exit 1, "divergent since
+    rollout 0" (a CI gate on `drift` must not pass a run broken from the start)."""
+    run = tmp_path / "broken"
+    for i, r in enumerate((3, 4, 5, 4)):
+        shutil.copytree(runs["precision"] / f"rollout_{r:05d}", run / f"rollout_{i:05d}")
+    rc, doc = _drift(run, tmp_path)
+    assert all(r["verdict"] == "divergent" for r in doc["rollouts"])
+    assert doc["onset"] is None and rc == 1
+    assert doc["divergent_since"]["rollout_id"] == 0 and doc["divergent_since"]["rollouts"] == 4
+    assert "divergent since rollout 0" in capsys.readouterr().out
+    assert "divergent since rollout 0" in (tmp_path / "broken.html").read_text()
 
 
 def test_html_page_plots_each_point_kind_and_marks_the_onset(runs, tmp_path):

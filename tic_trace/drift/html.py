@@ -9,7 +9,7 @@ from typing import Any
 
 from ..report.html.style import EXTRA_COLORS, HEAD_COLORS, SERIES_COLORS
 from ..report.schema import num
-from .terminal import rollout_line
+from .terminal import others_lines, rollout_line
 
 MAX_ROLLOUTS = 2000
 MAX_KINDS = 16
@@ -82,16 +82,20 @@ def _svg(rollouts: list[dict], onset: dict | None) -> str:
 def render_drift_html(doc: dict) -> str:
     rollouts = (doc.get("rollouts") or [])[:MAX_ROLLOUTS]
     more = len(doc.get("rollouts") or []) - len(rollouts)
-    sync, onset = doc.get("weight_sync"), doc.get("onset")
+    sync, onset, since = doc.get("weight_sync"), doc.get("onset"), doc.get("divergent_since")
+    onset_class = "bad" if onset else "" if since else "ok"      # "no onset" is no good news on a divergent run
     head = [f"<h1>Drift over {_e(doc['dir'])}</h1>",
             f"<p>A = {_e(doc['sides'][0])} (reference), B = {_e(doc['sides'][1])}</p>",
             f'<p class="{"bad" if sync else "ok"}">' + _e("WEIGHT SYNC: " + sync["summary"] if sync else
                                                           "weight sync: no rollout shows engine weights other than "
                                                           "the trainer's") + "</p>",
-            f'<p class="{"bad" if onset else "ok"}">' + _e("ONSET: " + onset["summary"] if onset else
-                                                           doc.get("onset_note") or "no onset") + "</p>"]
+            f'<p class="{onset_class}">' + _e("ONSET: " + onset["summary"] if onset else
+                                              doc.get("onset_note") or "no onset") + "</p>"]
+    if since:
+        head.append('<p class="bad">' + _e("DIVERGENT: " + since["summary"]) + "</p>")
     rows = "".join(f"<tr><td><pre>{_e(rollout_line(r))}</pre></td></tr>" for r in rollouts)
     tail = f"<p>… {more} more rollouts not shown (see the JSON)</p>" if more > 0 else ""
+    tail += "".join(f"<p><code>{_e(line)}</code></p>" for line in others_lines(doc.get("others") or []))
     style = ("body{font-family:sans-serif;margin:2em} .bad{color:#cf222e;font-weight:bold} .ok{color:#1a7f37} "
              "pre{margin:0} .legend span{margin-right:1em}")
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>tic-trace drift</title>"

@@ -86,3 +86,27 @@ def what_changed(rid: int, entries: list[RolloutEntry], weight_sync: WeightSync 
         out.append({"kind": "first_divergence", "summary": f"first divergence {fd.get('key')} "
                                                            f"(cause {fd.get('cause')}), verdict {at.verdict}"})
     return out
+
+
+def divergent_since(entries: list[RolloutEntry]) -> dict | None:
+    """{rollout_id, rollouts, summary} when the last compared rollout is judged divergent: the first rollout of
+    the stretch of divergent compared rollouts it ends (skipped ones neither break nor extend it). Why apart
+    from the onset: the rule compares a point with its own history, so a run divergent from its first traced
+    rollout has no onset (nothing grew), yet it is divergent and must not pass a gate on `drift`."""
+    compared = [e for e in entries if e.status == "compared"]
+    stretch = []
+    for e in reversed(compared):
+        if e.verdict != "divergent":
+            break
+        stretch.append(e)
+    if not stretch:
+        return None
+    first = stretch[-1]
+    fd = first.first_divergence or {}
+    where = f"; first divergence there {fd.get('key')} (cause {fd.get('cause')})" if fd.get("key") else ""
+    since_start = first is compared[0]
+    summary = (f"divergent since rollout {first.rollout_id}: {len(stretch)} of {len(compared)} compared rollouts, "
+               f"every one from {first.rollout_id} on, judged divergent"
+               + (" (divergent from the first compared rollout: no earlier range to grow from, so no onset)"
+                  if since_start else "") + where)
+    return {"rollout_id": first.rollout_id, "rollouts": len(stretch), "summary": summary}

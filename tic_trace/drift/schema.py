@@ -11,8 +11,9 @@ from typing import Any
 from ..report.schema import encode, num
 
 SCHEMA = "tic-trace.drift/1"
-#: exit codes of `tic-trace drift`: nothing departs and the weights agree / an onset or a weight-sync finding /
-#: no answer (bad input) / nothing compared (fewer than one rollout compared).
+#: exit codes of `tic-trace drift`: nothing departs, the weights agree and the last compared rollout is not
+#: divergent / an onset, a weight-sync finding or a run divergent since some rollout / no answer (bad input) /
+#: nothing compared (every rollout skipped).
 EXIT_STEADY, EXIT_DRIFT, EXIT_ERROR, EXIT_NOTHING = 0, 1, 2, 3
 
 
@@ -94,6 +95,8 @@ class Drift:
     onset_note: str
     exit_code: int = EXIT_STEADY
     schema: str = SCHEMA
+    divergent_since: dict | None = None           # {rollout_id, rollouts, summary}: onset.divergent_since
+    others: list[dict] = field(default_factory=list)  # the run directory's entries that are no rollout: {name, reason}
 
     def to_json(self) -> dict:
         return _encode(asdict(self))
@@ -155,6 +158,12 @@ def validate(doc: Any) -> dict:
         _need(doc["onset"], _ONSET, "drift.onset")
         for name in ("error", "baseline", "threshold"):
             _number(doc["onset"].get(name), f"drift.onset.{name}")
+    if doc.get("divergent_since") is not None:
+        _need(doc["divergent_since"], {"rollout_id": int, "rollouts": int, "summary": str}, "drift.divergent_since")
+    if not isinstance(doc.get("others", []), list):
+        raise DriftSchemaError("drift.others: expected list")
+    for i, o in enumerate(doc.get("others") or []):
+        _need(o, {"name": str, "reason": str}, f"drift.others[{i}]")
     if doc.get("weight_sync") is not None:
         _need(doc["weight_sync"], {"from_rollout": int, "points": list, "parameters": list, "summary": str},
               "drift.weight_sync")

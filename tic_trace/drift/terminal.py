@@ -10,6 +10,7 @@ from ..report.schema import num
 from ..report.text import text
 
 MAX_ROLLOUTS = 200        # rollout lines shown; a 10k-rollout run's JSON holds every one
+MAX_OTHERS = 20           # other entries of the run directory named; the JSON holds every one
 
 
 def _fmt(v: Any) -> str:
@@ -52,6 +53,9 @@ def render_drift(doc: dict, console: Console) -> None:
                           soft_wrap=True)
     else:
         console.print(text(doc.get("onset_note") or "no onset"), soft_wrap=True)
+    since = doc.get("divergent_since")
+    if since:
+        console.print(text("DIVERGENT: " + since["summary"], style="bold red"), soft_wrap=True)
     rollouts = doc.get("rollouts") or []
     for r in rollouts[:MAX_ROLLOUTS]:
         console.print(text(rollout_line(r), style="red" if r["status"] != "compared" else ""), soft_wrap=True)
@@ -61,3 +65,16 @@ def render_drift(doc: dict, console: Console) -> None:
     if skipped:
         console.print(text(f"{len(skipped)} rollouts skipped: " + ", ".join(str(r["rollout_id"]) for r in skipped[:20])
                            + (" ..." if len(skipped) > 20 else ""), style="yellow"), soft_wrap=True)
+    for line in others_lines(doc.get("others") or []):
+        console.print(text(line, style="yellow"), soft_wrap=True)
+
+
+def others_lines(others: list[dict]) -> list[str]:
+    """The run directory's entries that are no rollout, named (at most `MAX_OTHERS`, the rest counted)."""
+    if not others:
+        return []
+    lines = [f"{len(others)} other entries of the run directory are no rollout, not compared:"]
+    lines += [f"  {o.get('name')}: {o.get('reason')}" for o in others[:MAX_OTHERS]]
+    if len(others) > MAX_OTHERS:
+        lines.append(f"  … {len(others) - MAX_OTHERS} more not shown (see the JSON)")
+    return lines

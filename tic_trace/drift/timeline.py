@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,58 +18,15 @@ from ..graph.canonical import is_ids, key_name, order_key
 from ..report.schema import num
 from ..view.align import CanonicalView
 from ..view.weight_map import weight_hashes_by_point
+from .listing import PRUNED_MARK, RolloutDirs, RunDirError, list_run, missing  # noqa: F401 - the run's listing
 from .schema import RolloutEntry, WeightCheck
 
 SLIME_SIDES = ("megatron", "sglang")
-#: The file a disk-budget prune leaves in a rollout directory it emptied (integrations.slime.budget).
-PRUNED_MARK = "PRUNED"
-_NUMBERED = re.compile(r"^\D*?(\d+)$")
-
-
-@dataclass(frozen=True)
-class RolloutDirs:
-    rollout_id: int
-    dir: Path
-    a: Path
-    b: Path
-
-
-class RunDirError(ValueError):
-    """The run directory itself is unusable (missing, not a directory, no numbered entry at all)."""
 
 
 def discover(run_dir: str | os.PathLike, sides: tuple[str, str] = SLIME_SIDES) -> list[RolloutDirs]:
-    """Every numbered entry of `run_dir`, by rollout id. An entry whose sides are missing is still listed
-    (compare_rollout names what is missing); a name used twice for one id (`step_3`, `step_03`) is refused."""
-    base = Path(run_dir)
-    if not base.is_dir():
-        raise RunDirError(f"{base}: not a directory (give the --tic-trace-dir of the run)")
-    out: dict[int, RolloutDirs] = {}
-    for p in sorted(base.iterdir()):
-        m = _NUMBERED.match(p.name)
-        if m is None or not p.is_dir() or p.is_symlink():
-            continue
-        rid = int(m.group(1))
-        if rid in out:
-            raise RunDirError(f"{base}: rollout {rid} is named twice ({out[rid].dir.name}, {p.name})")
-        out[rid] = RolloutDirs(rid, p, p / sides[0], p / sides[1])
-    if not out:
-        raise RunDirError(f"{base}: no numbered rollout directory (expected e.g. rollout_00000/"
-                          f"{{{sides[0]},{sides[1]}}}/)")
-    return [out[k] for k in sorted(out)]
-
-
-def _missing(rd: RolloutDirs, sides: tuple[str, str]) -> str | None:
-    mark = rd.dir / PRUNED_MARK
-    if mark.is_file() and not mark.is_symlink():        # a regular file: no FIFO can hang the read
-        with open(mark, "rb") as f:                     # bounded: the note is one line
-            note = f.read(200).decode("utf-8", errors="replace").strip()
-        return f"pruned by the disk budget ({note})"
-    for name, p in zip(sides, (rd.a, rd.b)):
-        if not (p / "manifest.msgpack").is_file():
-            state = "does not exist" if not p.exists() else "holds no trace (no manifest.msgpack)"
-            return f"{name} side missing: {p} {state}"
-    return None
+    """Every rollout of `run_dir`, by id (listing.list_run; the other entries are left out here)."""
+    return list_run(run_dir, sides)[0]
 
 
 def point_digests(view: CanonicalView) -> dict[str, tuple[str, list[str]]]:
@@ -84,10 +39,11 @@ def point_digests(view: CanonicalView) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def compare_rollout(rd: RolloutDirs, sides: tuple[str, str], compare: Callable[..., dict]
-                    ) -> tuple[RolloutEntry, tuple[dict, dict] | None]:
-    """One rollout's entry and both sides' parameter digests (None when it was skipped)."""
-    why = _missing(rd, sides)
+def compare_rollout(rd: RolloutDirs, sides: tuple[str, str], compare: Callable[..., dict],
+                    root: Path | None = None) -> tuple[RolloutEntry, tuple[dict, dict] | None]:
+    """One rollout's entry and both sides' parameter digests (None when it was skipped). `root`: the resolved
+    run directory no side may lead out of (default: the rollout's parent)."""
+    why = missing(rd, sides, root or rd.dir.parent.resolve())
     if why is not None:
         return RolloutEntry(rd.rollout_id, str(rd.dir), "skipped", reason=why), None
     try:
@@ -161,26 +117,31 @@ def build_drift(run_dir: str | os.PathLike, sides: tuple[str, str] = SLIME_SIDES
                 compare: Callable[[CanonicalView, CanonicalView], dict] | None = None,
                 factor: float | None = None, floor: float | None = None,
                 progress: Callable[[str], None] | None = None) -> "Drift":
-    """The `drift` object of a run: every rollout compared (or named and skipped), the weight sync judged
-    first, then the onset."""
-    from .onset import DEFAULT_FACTOR, DEFAULT_FLOOR, find_onset
+    """The `drift` object of a run: every rollout compared (or named and skipped), every other entry of the
+    run directory named, the weight sync judged first, then the onset, then how long the run has been
+    divergent."""
+    from .onset import DEFAULT_FACTOR, DEFAULT_FLOOR, divergent_since, find_onset
     from .schema import EXIT_DRIFT, EXIT_NOTHING, EXIT_STEADY, Drift
     from .weights import mark_changes, weight_sync
     factor = DEFAULT_FACTOR if factor is None else float(factor)
     floor = DEFAULT_FLOOR if floor is None else float(floor)
     compare = compare or finder()
+    rollouts, others = list_run(run_dir, sides)
+    root = Path(run_dir).resolve()
     entries, digests = [], {}
-    for rd in discover(run_dir, sides):
+    for rd in rollouts:
         if progress is not None:
             progress(f"rollout {rd.rollout_id}")
-        entry, dg = compare_rollout(rd, sides, compare)
+        entry, dg = compare_rollout(rd, sides, compare, root)
         entries.append(entry)
         if dg is not None:
             digests[rd.rollout_id] = dg
     mark_changes(entries, digests)
     sync = weight_sync(entries, list(sides))
     onset, note = find_onset(series(entries), entries, sync, factor, floor)
+    since = divergent_since(entries)
     compared = sum(e.status == "compared" for e in entries)
-    code = EXIT_NOTHING if not compared else EXIT_DRIFT if (onset or sync) else EXIT_STEADY
+    code = EXIT_NOTHING if not compared else EXIT_DRIFT if (onset or sync or since) else EXIT_STEADY
     return Drift(str(run_dir), list(sides), {"factor": factor, "floor": floor, "min_baseline": 2}, entries, sync,
-                 onset, note, exit_code=code)
+                 onset, note, exit_code=code, divergent_since=since,
+                 others=[{"name": o.name, "reason": o.reason} for o in others])
