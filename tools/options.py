@@ -168,9 +168,32 @@ def layer_list(s: str) -> list[int]:
 
 
 def torch_device(s: str) -> str:
-    """cpu, cuda, cuda:N, mps, xpu:N, ... (a torch device string)."""
+    """cpu, cuda, cuda:N, mps, xpu:N, ... (a torch device string) that this machine has, checked when the
+    arguments are read, before any work: `meta` holds no values (nothing could be replayed), and a device
+    this machine lacks would fail only after the whole comparison."""
     if not re.fullmatch(r"[a-z][a-z0-9_]*(:\d+)?", s):
         raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda:0, got {s!r}")
+    if s == "cpu":
+        return s
+    import torch
+    try:
+        dev = torch.device(s)
+    except (RuntimeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a torch device ({e}); use cpu or cuda:0") from None
+    if dev.type == "meta":
+        raise argparse.ArgumentTypeError("meta holds shapes, not values: the float64 replay needs a device that "
+                                         "computes; use cpu or cuda:0")
+    if dev.type == "cpu":
+        return s
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if not callable(available) or not available():
+        raise argparse.ArgumentTypeError(f"{s}: this machine has no {dev.type} device that torch can use; "
+                                         "use cpu (the default), or run where the device is")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and callable(count) and dev.index >= count():
+        raise argparse.ArgumentTypeError(f"{s}: this machine has {count()} {dev.type} device(s) "
+                                         f"(0 to {count() - 1}); pick one of those")
     return s
 
 

@@ -80,7 +80,8 @@ def checkpoint_config(ckpt: HFCheckpoint) -> dict:
             "shared_experts": bool(s.shared_expert_intermediate_size or s.n_shared_experts),
             "rms_norm_eps": s.rms_norm_eps, "rope_theta": s.rope.theta, "rope_scaling": rope,
             "norm_topk_prob": s.norm_topk_prob, "router_scoring": s.scoring_func,
-            "tie_word_embeddings": s.tie_word_embeddings}
+            # as transformers loads it (HFCheckpoint._head_tie), not only as config.json states it
+            "tie_word_embeddings": getattr(ckpt, "tie_word_embeddings", s.tie_word_embeddings)}
 
 
 def point_dtypes(view: CanonicalView) -> dict[tuple[str, int | None], str]:
@@ -226,8 +227,9 @@ def check_reference(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) -> None
             continue
         stated = {s: v.config.get(k) for s, v in views.items() if v.config.get(k) is not None}
         if stated and not any(_same(x, ref[k]) for x in stated.values()):
+            why = getattr(ckpt, "tie_note", None) if k == "tie_word_embeddings" else None
             problems.append(f"{k}: " + ", ".join(f"{_label(s)} {_shown(x)}" for s, x in stated.items())
-                            + f", checkpoint {_shown(ref[k])}")
+                            + f", checkpoint {_shown(ref[k])}" + (f" ({why})" if why else ""))
     from ..replay.checkpoint import expected_shape
     for name, info in ckpt.info.items():
         if info.dtype not in FLOAT_DTYPES and expected_shape(name, ckpt.spec) is not None:

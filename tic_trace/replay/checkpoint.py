@@ -120,10 +120,10 @@ def _not_regular(path: Path, mode: int) -> CheckpointError:
                            "pass the directory the model was saved to")
 
 
-def read_config(path: Path) -> Any:
-    """config.json's JSON value. Symlinks are followed (a hub snapshot links into its blob store), but what they
-    reach must be a regular file of at most CONFIG_MAX_BYTES: opened non-blocking and checked with fstat before
-    a byte is read, so a FIFO cannot hang the reader and /dev/zero cannot fill memory."""
+def read_config(path: Path, limit: int = CONFIG_MAX_BYTES, what: str = "config.json") -> Any:
+    """config.json's (or another small JSON file's) value. Symlinks are followed (a hub snapshot links into its
+    blob store), but what they reach must be a regular file of at most `limit` bytes: opened non-blocking and
+    checked with fstat before a byte is read, so a FIFO cannot hang the reader and /dev/zero cannot fill memory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -135,20 +135,20 @@ def read_config(path: Path) -> Any:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode)
-        if st.st_size > CONFIG_MAX_BYTES:
-            raise CheckpointError(f"{path}: {st.st_size} bytes, over the {CONFIG_MAX_BYTES}-byte limit for a "
-                                  "config.json (real ones are a few KB): pass the checkpoint's own config.json")
-        data = read_upto(fd, CONFIG_MAX_BYTES + 1, 1 << 20)   # a file that grows past the limit is refused
+        if st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, over the {limit}-byte limit for a "
+                                  f"{what}: pass the checkpoint's own {what}")
+        data = read_upto(fd, limit + 1, 1 << 20)   # a file that grows past the limit is refused
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    if len(data) > CONFIG_MAX_BYTES:
-        raise CheckpointError(f"{path}: grew past the {CONFIG_MAX_BYTES}-byte limit while being read")
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: grew past the {limit}-byte limit while being read")
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}): a config.json is UTF-8 JSON") from None
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}): a {what} is UTF-8 JSON") from None
     except RecursionError:
         raise CheckpointError(f"{path}: nested too deeply to be a model config") from None
     except json.JSONDecodeError as e:
@@ -169,14 +169,34 @@ class HFCheckpoint:
         self.info = self._index()
         self._where = {k: v.file for k, v in self.info.items()}
         self._hashes: dict[tuple[str, str], int] = {}
+        self.tie_word_embeddings, self.tie_note = self._head_tie()
+
+    def _head_tie(self) -> tuple[bool, str | None]:
+        """Whether the model this checkpoint loads has tied embeddings, as transformers (5.x) decides it: tied
+        when config.json says so, unless the checkpoint also holds an `lm_head.weight` with other values than
+        `model.embed_tokens.weight` (transformers then loads both, untied, with a warning). The note says why
+        the checkpoint's tie differs from its config.json (None: it does not)."""
+        if not self.spec.tie_word_embeddings:
+            return False, None
+        head, embed = self.info.get("lm_head.weight"), self.info.get("model.embed_tokens.weight")
+        if head is None or embed is None:
+            return True, None
+        if head.shape == embed.shape and head.dtype == embed.dtype:
+            import torch
+            if torch.equal(self._get("lm_head.weight"), self._get("model.embed_tokens.weight")):
+                return True, None
+        return False, ("config.json ties the embeddings, but the checkpoint also holds an lm_head.weight that "
+                       "differs from model.embed_tokens.weight, so transformers loads them untied (lm_head from "
+                       "its own tensor)")
 
     def _index(self) -> dict[str, TensorInfo]:
         """Every tensor's file, dtype and shape, from the headers; each tensor the reference reads checked
         against the shape config.json gives it (nothing of a tensor is read here)."""
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.path}: no *.safetensors file (pickled .bin checkpoints are not read; "
-                                  "convert with save_pretrained(safe_serialization=True))")
+        from .checkpoint_index import check_tensors, shard_plan
+        plan = shard_plan(self.path, read_config)
+        self.notes = list(plan.notes)
+        files = plan.files
+        held: dict[Path, list[str]] = {}
         try:
             from safetensors import safe_open
         except ImportError:
@@ -192,12 +212,14 @@ class HFCheckpoint:
                 raise _not_regular(f, st.st_mode)
             try:
                 with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
+                    held[f] = list(h.keys())
+                    for k in held[f]:
                         sl = h.get_slice(k)
                         dt = str(sl.get_dtype())
                         out[k] = TensorInfo(f, _ST_DTYPES.get(dt, dt), tuple(int(d) for d in sl.get_shape()))
             except Exception as e:   # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        check_tensors(held, plan, self.path)
         for k, t in out.items():
             want = expected_shape(k, self.spec)
             if want is not None and not _fits(list(t.shape), want):
