@@ -25,7 +25,8 @@ from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
-from .variants import DTYPES, VARIANTS, VariantInput, fingerprint, run_variants, tp_degrees, variant_rows
+from .variants import (DTYPES, VARIANTS, VariantInput, declared_tp, fingerprint, run_variants, tp_degrees,
+                       undeclared_layouts, variant_rows)
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
 _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
@@ -68,6 +69,8 @@ class IntrinsicError:
     clean_dist: float = 0.0    # this side's distance from the nearest clean variant, same units
     row_excess: float = 0.0    # the excess measured per row against its own floor, RMS over rows
                                # (grid.row_relative_excess; 0: not measured, old reports)
+    match_layout: str = ""     # the match is a clean variant at a TP layout the trace does not declare:
+                               # the layout the trace declares ("TP 1"); the side is named, not blamed
 
     @property
     def excess(self) -> float:
@@ -285,7 +288,11 @@ class SideReplayer:
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
-        fp = fingerprint(run_variants(err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants))
+        args = (err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants)
+        results = run_variants(*args)
+        fp = fingerprint(results)
+        if fp.match_kind != "clean":    # not the trace's own layout: is it a split the trace does not declare?
+            fp = fingerprint(results + undeclared_layouts(*args), declared_tp(self.tp))
         return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
 
     def _check_not_rank_partials(self, point: str, layer: int | None) -> None:

@@ -126,7 +126,16 @@ def abnormal(e: IntrinsicError, margins: Margins = DEFAULT_MARGINS) -> bool:
         return True
     if e.kind == "ids":
         return 1.0 - e.share_rounded > margins.ids_share
+    if undeclared_layout(e):    # a clean implementation at a TP degree the trace does not say: named instead
+        return False
     return e.numel >= margins.min_numel and e.excess > margins.limit_of(e)
+
+
+def undeclared_layout(e: IntrinsicError) -> bool:
+    """The side is reproduced by a clean row-parallel split at a degree its trace does not declare (a model
+    sharded by hand, an engine that does not record its TP degree): an implementation difference to name,
+    not a fault, while its envelope stays the declared degree's (variants.undeclared_layouts)."""
+    return getattr(e, "match_layout", "") != "" and e.match_kind == "clean"
 
 
 def clearly_worse(x: float, y: float, ratio: float) -> bool:
@@ -193,7 +202,7 @@ def intrinsic_verdict(a: IntrinsicError | NotReplayed, b: IntrinsicError | NotRe
             return out(side, "intrinsic", f"{side}'s error is {x.excess:.2f}x the rounding floor (limit "
                                           f"{margins.limit_of(x):.2f}), {x.excess / max(y.excess, 1e-12):.2f}x "
                                           f"the other side's" + (f"; {fingerprint_text(x, side)}" if x.match_kind else ""))
-    if implementation_difference(a, b):
+    if implementation_difference(a, b) or undeclared_layout(a) or undeclared_layout(b):
         return out(None, None, f"implementation difference, not a fault: {fingerprint_text(a, 'A')}; "
                                f"{fingerprint_text(b, 'B')}")
     return out(None, None, "both sides alike: within the clean envelope, or equally far from exact")
@@ -218,8 +227,9 @@ def fingerprint_text(e: IntrinsicError, side: str) -> str:
     if e.match_kind == "none":
         return (f"{side}'s {where} matches no known implementation (nearest: *{e.match_what}*, "
                 f"{e.match_dist:.2f} rounding floors away)")
+    layout = f"; the trace says {e.match_layout}" if undeclared_layout(e) else ""
     return (f"{side}'s {where} matches *{e.match_what}*" + (" (a known precision fault)" if e.match_kind == "fault"
-                                                          else "") + f" (bit-equal {e.match_equal:.0%})")
+                                                          else "") + f" (bit-equal {e.match_equal:.0%}){layout}")
 
 
 def implementation_difference(a: IntrinsicError, b: IntrinsicError) -> bool:

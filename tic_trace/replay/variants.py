@@ -19,6 +19,7 @@ judged against the constant table `intrinsic_verdict.ENVELOPE` (docs/replay.md).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,7 @@ from .reference import NotReplayable
 F64 = torch.float64
 VARIANT_ROWS = 256          # rows a variant is computed on: bounds its cost whatever the trace's length
 TP_UNKNOWN = (2, 4, 8)      # row-parallel shard counts tried where the trace does not record its TP degree
+TP_TRIED = (2, 4, 8)        # shard counts every fingerprint may try: an undeclared split is named, not blamed
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,7 +48,7 @@ class VariantInput:
     feeds: dict
     rows: list
     dtype: torch.dtype
-    tp: tuple[int, ...]
+    tp: tuple[int, ...]         # the row-parallel shard counts the trace allows (its declared TP degree)
     point: str = ""             # the canonical point (an op shared by several points reads its own weight)
 
     def w(self, *names: str, optional: bool = False):
@@ -80,6 +82,7 @@ class Variant:
     what: str                   # in words, for the report: "no fp32 upcast"
     clean: bool                 # a clean implementation (True) or a known precision fault (False)
     fn: Callable[[VariantInput], torch.Tensor]
+    layouts: bool = False       # its output depends on the TP degree (`_tp_worst`): rerun at undeclared degrees
 
 
 # ---------------------------------------------------------------- GEMMs
@@ -122,7 +125,7 @@ def _proj_variants(which: str, feed: str, row_parallel: bool) -> list[Variant]:
             b = v.w(f"self_attn.{which}_proj.bias", optional=True)      # GPT-OSS: added after the reduction
             return y if b is None else (y.float() + b.float()).to(v.dtype)
         out.append(Variant("row_parallel", "row-parallel, bf16 partials summed", True,
-                           lambda v: _tp_worst(v, lambda k: parallel(v, k))))
+                           lambda v: _tp_worst(v, lambda k: parallel(v, k)), layouts=True))
     return out
 
 
@@ -295,33 +298,58 @@ def _gated_mlp(act, tp: bool = False) -> Callable[[VariantInput], object]:
     return run
 
 
-def _experts(act, fp32_combine: bool, probs_first: bool = False) -> Callable[[VariantInput], torch.Tensor]:
+def _experts(act, fp32_combine: bool, probs_first: bool = False,
+             tp: bool = False) -> Callable[[VariantInput], object]:
     """Each routed expert on its rows, x its top-k weight (after the expert, or — megatron-core's experts —
     on the activation before down_proj); the outputs summed in dt one expert after another (HF's index_add,
-    megatron's scatter_add) or in fp32 and rounded once (fused MoE kernels)."""
-    def run(v: VariantInput) -> torch.Tensor:
+    megatron's scatter_add) or in fp32 and rounded once (fused MoE kernels). With `tp`, the experts split as
+    a TP engine runs them (gate/up column-parallel, down_proj row-parallel over the intermediate dimension):
+    each rank's whole experts output over its slice, rounded on the rank, then the ranks' partials summed in
+    dt (the all-reduce), at each degree `_tp_worst` tries."""
+    def one(v: VariantInput, k: int, i: int) -> torch.Tensor:
         x, ids, wts, dt = v.feeds["mlp_norm"], v.feeds["moe.topk_ids"].long(), v.feeds["moe.topk_weights"], v.dtype
         lw = v.ref.weights(v.layer)
         out = torch.zeros(x.shape, dtype=torch.float32 if fp32_combine else dt, device=x.device)
         for e in torch.unique(ids).tolist():
             r, slot = torch.nonzero(ids == e, as_tuple=True)
             w = wts[r, slot, None]
+            wg, wu, wd = _rank_slice(lw.expert(e), k, i)
             if probs_first:
-                wg, wu, wd = lw.expert(e)
                 h = act(_gemm(x[r], wg, dt), _gemm(x[r], wu, dt), dt)
                 hw = (h.float() * w.float()).to(dt)     # bf16 x bf16 or x fp32 weights: one rounding
                 out.index_add_(0, r, _gemm(hw, wd, dt).to(out.dtype))
                 continue
-            y = _gated(x[r], *lw.expert(e), dt, act)
+            y = _gated(x[r], wg, wu, wd, dt, act)
             out.index_add_(0, r, (y.float() * w.float()) if fp32_combine else y * w.to(dt))
         return out.to(dt)
-    return run
+
+    def sharded(v: VariantInput, k: int) -> torch.Tensor:
+        out = None
+        for i in range(k):
+            p = one(v, k, i)
+            out = p if out is None else out + p
+        return out
+    if tp:
+        return lambda v: _tp_worst(v, lambda k: sharded(v, k))
+    return lambda v: one(v, 1, 0)
+
+
+def _rank_slice(w: tuple, k: int, i: int) -> tuple:
+    """Rank i of k's gate, up and down_proj of one expert: rows of gate/up, columns of down_proj."""
+    wg, wu, wd = w
+    if k == 1:
+        return w
+    n = wg.shape[0]
+    if n % k:
+        raise ValueError(f"intermediate size {n} does not split into {k} shards")
+    s = slice(i * (n // k), (i + 1) * (n // k))
+    return wg[s], wu[s], wd[:, s]
 
 
 _UNFUSED, _FUSED, _BF16_SILU = _act(False, False), _act(True, False), _act(False, True)
 _GATED = [Variant("unfused", "unfused silu x up", True, _gated_mlp(_UNFUSED)),
           Variant("fused_silu_up", "fused silu x up", True, _gated_mlp(_FUSED)),
-          Variant("row_parallel", "row-parallel down_proj", True, _gated_mlp(_UNFUSED, tp=True)),
+          Variant("row_parallel", "row-parallel down_proj", True, _gated_mlp(_UNFUSED, tp=True), layouts=True),
           Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
                   _gated_mlp(_BF16_SILU))]
 _EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
@@ -332,6 +360,15 @@ _EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
             Variant("fused_fp32_combine", "fused silu x up, fp32 combine", True, _experts(_FUSED, True)),
             Variant("probs_before_down", "top-k weight applied before down_proj (megatron-core)", True,
                     _experts(_UNFUSED, False, probs_first=True)),
+            # TP (or expert-TP) over the intermediate dimension: each rank's experts output, all-reduced
+            Variant("row_parallel", "row-parallel down_proj, ranks' partials summed", True,
+                    _experts(_UNFUSED, False, tp=True), layouts=True),
+            Variant("row_parallel_fp32_combine", "row-parallel down_proj, fp32 combine on each rank", True,
+                    _experts(_UNFUSED, True, tp=True), layouts=True),
+            Variant("row_parallel_fused_fp32_combine", "row-parallel down_proj, fused silu x up, fp32 combine "
+                    "on each rank", True, _experts(_FUSED, True, tp=True), layouts=True),
+            Variant("row_parallel_probs_before_down", "row-parallel down_proj, top-k weight applied before "
+                    "down_proj", True, _experts(_UNFUSED, False, probs_first=True, tp=True), layouts=True),
             Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
                     _experts(_BF16_SILU, False)),
             # the same fault inside the other engines' experts: SGLang's CPU path combines in fp32,
@@ -397,6 +434,7 @@ class VariantResult:
     excess: float               # the variant's error against exact, in units of the rounding floor
     dist: float                 # the side's output's distance from the variant, same units
     equal: float                # share of the side's elements bit-equal to the variant's
+    envelope: bool = True       # counts for the envelope (False: a TP degree the trace does not declare)
 
 
 def tp_degrees(manifest: dict) -> tuple[int, ...]:
@@ -418,10 +456,11 @@ def variant_rows(n: int) -> list[int]:
 
 
 def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, dtype: str,
-                 variants: list[Variant] | None = None) -> list[VariantResult]:
+                 variants: list[Variant] | None = None, envelope: bool = True) -> list[VariantResult]:
     """Every variant of `key` (a point, or the op replayed: `reference.op_of`) on these inputs, measured
     against the exact value and against the side's output `y` (both [rows, ...] of the same rows).
-    `variants`: these instead of VARIANTS' (the architecture-specific ops': arch_variants.py)."""
+    `variants`: these instead of VARIANTS' (the architecture-specific ops': arch_variants.py); `envelope`:
+    False for results that may name the side but not set its envelope (`undeclared_layouts`)."""
     out = []
     n = exact.shape[0]
     r = exact.reshape(n, -1)
@@ -448,8 +487,28 @@ def run_variants(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, 
             out.append(VariantResult(var.name + (f"_{suffix}" if suffix else ""), var.clean,
                                      var.what + (f" ({suffix.upper()})" if suffix else ""),
                                      excess(v),
-                                     float(np.sqrt(((yy - v) ** 2).sum())) / floor, float((yy == v).mean())))
+                                     float(np.sqrt(((yy - v) ** 2).sum())) / floor, float((yy == v).mean()),
+                                     envelope))
     return out
+
+
+def undeclared_layouts(key: str, vin: VariantInput, y: np.ndarray, exact: np.ndarray, dtype: str,
+                       variants: list[Variant] | None = None) -> list[VariantResult]:
+    """The TP-dependent variants at the shard counts of TP_TRIED the trace does not declare: they may name a
+    side ("matches row-parallel (TP2); the trace says TP 1") but never widen its envelope, which stays the
+    declared degree's. Empty where the trace declares no degree (every one of TP_UNKNOWN is then allowed)."""
+    if vin.tp == TP_UNKNOWN:
+        return []
+    others = tuple(k for k in TP_TRIED if k not in vin.tp)
+    chosen = [v for v in (variants if variants is not None else VARIANTS.get(key, ())) if v.layouts]
+    if not others or not chosen:
+        return []
+    return run_variants(key, dataclasses.replace(vin, tp=others), y, exact, dtype, chosen, envelope=False)
+
+
+def declared_tp(tp: tuple[int, ...]) -> str:
+    """The degree a trace declares, in words, from `tp_degrees`'s answer."""
+    return "TP 1" if not tp else ("no TP degree" if tp == TP_UNKNOWN else f"TP {tp[0]}")
 
 
 # ---------------------------------------------------------------- the fingerprint
@@ -468,18 +527,23 @@ class Fingerprint:
     match_equal: float = 0.0    # share of the side's elements bit-equal to it
     match_dist: float = 0.0     # the side's distance from it (rounding-floor units)
     clean_dist: float = 0.0     # the side's distance from the nearest clean variant
+    match_layout: str = ""      # the match is a TP layout the trace does not declare: what it declares ("TP 1")
 
 
-def fingerprint(results: list[VariantResult]) -> Fingerprint:
-    """The envelope and the best match of one side's output among the variants run on its inputs."""
+def fingerprint(results: list[VariantResult], declared: str = "") -> Fingerprint:
+    """The envelope and the best match of one side's output among the variants run on its inputs; the
+    envelope from the variants at the trace's own layout only (`VariantResult.envelope`), `declared` that
+    layout in words, said where the match is another."""
     clean = [r for r in results if r.clean]
-    if not clean:
+    if not [r for r in clean if r.envelope]:
         return Fingerprint()
-    worst = max(clean, key=lambda r: r.excess)
+    worst = max((r for r in clean if r.envelope), key=lambda r: r.excess)
     best = min(results, key=lambda r: (r.dist, -r.equal))
     near = min(clean, key=lambda r: (r.dist, -r.equal))
     kind = "none" if best.dist > MATCH_DIST else ("clean" if best.clean else "fault")
     if kind == "fault" and not near.dist > FAULT_SEPARATION * best.dist:
         # the fault and a clean variant are alike on these inputs: no signature, the nearest clean one is named
         best, kind = near, ("clean" if near.dist <= MATCH_DIST else "none")
-    return Fingerprint(worst.excess, worst.name, best.name, best.what, kind, best.equal, best.dist, near.dist)
+    layout = declared if kind == "clean" and not best.envelope else ""
+    return Fingerprint(worst.excess, worst.name, best.name, best.what, kind, best.equal, best.dist, near.dist,
+                       layout)

@@ -37,12 +37,39 @@ def _row_parallel_forward(k: int):
     return forward
 
 
-def tp_row_parallel(k: int, down: bool = True) -> Callable:
-    """Every o_proj (and every dense or shared-expert down_proj) as a TP=k row-parallel layer. The model
-    says its degree as transformers' own tensor parallelism does (`_tp_size`, read by `model.tp_size`), so
-    its trace records TP = k as a sharded HF model's would."""
+def _row_parallel_experts(k: int):
+    """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as a TP=k engine runs them:
+    rank i holds rows i of every expert's gate and up and columns i of its down_proj, computes HF's own
+    experts loop over that slice (its bf16 index_add combine), and the ranks' outputs are summed in the
+    activations' dtype (the all-reduce)."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        inter = self.down_proj.shape[-1] // k
+        out = None
+        for i in range(k):
+            part = torch.zeros_like(hidden_states)
+            for e in torch.unique(top_k_index).tolist():
+                if e >= self.gate_up_proj.shape[0]:
+                    continue
+                tok, slot = torch.where(top_k_index == e)
+                gate, up = self.gate_up_proj[e].chunk(2, dim=0)
+                sl = slice(i * inter, (i + 1) * inter)
+                x = hidden_states[tok]
+                h = self.act_fn(F.linear(x, gate[sl])) * F.linear(x, up[sl])
+                y = F.linear(h, self.down_proj[e][:, sl]) * top_k_weights[tok, slot, None]
+                part.index_add_(0, tok, y.to(part.dtype))
+            out = part if out is None else out + part
+        return out
+    return forward
+
+
+def tp_row_parallel(k: int, down: bool = True, declare: bool = True) -> Callable:
+    """Every o_proj (and every dense or shared-expert down_proj, and the routed experts' down_proj over the
+    intermediate dimension) as a TP=k row-parallel layer. With `declare`, the model says its degree as
+    transformers' own tensor parallelism does (`_tp_size`, read by `model.tp_size`), so its trace records
+    TP = k as a sharded HF model's would; without, the trace says TP 1 (a model sharded by hand)."""
     def plant(model) -> None:
-        model._tp_size = k
+        if declare:
+            model._tp_size = k
         fwd = _row_parallel_forward(k)
         for lay in model.model.layers:
             _wrap(lay.self_attn.o_proj, fwd)
@@ -50,6 +77,9 @@ def tp_row_parallel(k: int, down: bool = True) -> Callable:
             for m in (getattr(mlp, "down_proj", None), getattr(getattr(mlp, "shared_expert", None), "down_proj", None)):
                 if down and isinstance(m, torch.nn.Linear):
                     _wrap(m, fwd)
+            experts = getattr(mlp, "experts", None)
+            if down and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
+                _wrap(experts, _row_parallel_experts(k))
     return plant
 
 
@@ -135,6 +165,7 @@ def rope_fp32_tables(model) -> Iterator[None]:
 CLEAN_VARIANTS: dict[str, Callable] = {
     "tp2_row_parallel": tp_row_parallel(2),
     "tp4_row_parallel": tp_row_parallel(4),
+    "tp2_undeclared": tp_row_parallel(2, declare=False),
     "flash_attention": attention("flash"),
     "sdpa_math": attention("sdpa_math"),
     "sdpa": attention("sdpa"),
