@@ -131,9 +131,10 @@ def test_cli_attribution_prints_the_answer_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 1 and "L1.attn.core explains" in text
     doc = json.loads(out.read_text())
-    # a budget of 20 tokens holds one whole 16-token sample (the worst): its 15 scored tokens, of 30
+    # a budget of 20 tokens holds the worst 16-token sample whole (its 15 scored tokens) and the causal prefix
+    # of 5 rows of the other: 20 of 30
     assert doc["attribution"]["first"] == "L1.attn.core"
-    assert (doc["attribution"]["tokens"], doc["attribution"]["tokens_total"]) == (15, 30)
+    assert (doc["attribution"]["tokens"], doc["attribution"]["tokens_total"]) == (20, 30)
     assert 'id="attribution"' in (tmp_path / "r.html").read_text()
     assert headline(doc).startswith("FIRST DIVERGENCE at L1.attn.core")
     html = render_html(doc)

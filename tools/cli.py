@@ -23,6 +23,7 @@ from tic_trace.report.text import visible
 from tic_trace.tools.options import Parser as _Parser
 from tic_trace.tools.options import accept_point as _accept_point
 from tic_trace.tools.options import checkpoint_dir as _checkpoint_dir
+from tic_trace.tools.options import at_least_one as _at_least_one
 from tic_trace.tools.options import count as _count
 from tic_trace.tools.options import input_file as _input_file
 from tic_trace.tools.options import output_file as _output_file
@@ -188,9 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--attribution", action="store_true",
                         help="with --reference: which difference explains how much of the log-prob gap (first-order "
                              "propagation through the exact model, on --reference-device; docs/attribution.md)")
-        sp.add_argument("--attribution-tokens", type=_count, default=None, metavar="N",
-                        help="at most N tokens through the exact model's forward and backward, worst samples first "
-                             "(default 1024)")
+        sp.add_argument("--attribution-tokens", type=_at_least_one, default=None, metavar="N",
+                        help="at most N tokens (1 or more) through the exact model's forward and backward: the "
+                             "worst samples first, the last one cut to the causal prefix that fits (default 1024)")
         sp.add_argument("--allow-unverified", action="store_true",
                         help="compare a side whose architecture is not in its adapter's table (refused by "
                              "default, exit 3), every report marked UNVERIFIED MAPPING (README: supported "

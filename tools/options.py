@@ -36,6 +36,11 @@ def count(s: str) -> int:
     return _whole(s, 0)
 
 
+def at_least_one(s: str) -> int:
+    """A budget that 0 would empty (--attribution-tokens): refused, never read as the default."""
+    return _whole(s, 1)
+
+
 def positive(s: str) -> float:
     try:
         v = float(s)

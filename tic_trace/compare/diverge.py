@@ -27,7 +27,7 @@ from .judge import DEFAULT_TOL, SettingsError, Tolerance, check_accept_precision
 from .measure import PointMeasurement, measure_point, subset_error
 from .measure_workers import measure_all
 from .row_errors import RowErrors, row_label as _label
-from .shares import attribution_of, recredited
+from .shares import attribution_of, check_attribution_tokens, recredited
 from .identity_notes import incomplete_run_notes, layers_text, with_incomplete_runs
 from .verdict import Assessment, assess
 
@@ -63,6 +63,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     vb = b if isinstance(b, CanonicalView) else CanonicalView(b)
     tol = tolerance or Tolerance()
     accept = check_accept_precision(accept_precision)
+    check_attribution_tokens(attribution_tokens)       # a bad budget is refused before any work
     checks = {"a": va.adapter.check_architecture(va.config), "b": vb.adapter.check_architecture(vb.config)}
     arch_notes = architecture_notes(checks, allow_unverified)
     if arch_notes and not allow_unverified:

@@ -11,14 +11,26 @@ def attribution_of(va: CanonicalView, vb: CanonicalView, ref, findings: list, to
     """The report's `attribution` (each finding's `share` set from it), or the reason it could not be made."""
     from ..replay.attribution import DEFAULT_TOKENS, attribute
     from ..replay.reference import NotReplayable
+    check_attribution_tokens(tokens)
     if progress:
         progress("attribution: exact model forward and backward")
     try:
-        att = attribute(va, vb, ref, findings=[f.key for f in findings], max_tokens=tokens or DEFAULT_TOKENS)
+        att = attribute(va, vb, ref, findings=[f.key for f in findings],
+                        max_tokens=DEFAULT_TOKENS if tokens is None else tokens)
     except NotReplayable as e:
         return {"unavailable": str(e)}
     set_shares(findings, att.to_json())
     return att.to_json()
+
+
+def check_attribution_tokens(tokens: int | None) -> None:
+    """SettingsError unless the token budget is None (the default) or a whole number of 1 or more: 0 would
+    attribute nothing, and is never taken to mean the default."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        from ..replay.attribution import DEFAULT_TOKENS
+        from .judge import SettingsError
+        raise SettingsError(f"attribution_tokens (--attribution-tokens) must be a whole number, 1 or more "
+                            f"(default {DEFAULT_TOKENS}), got {tokens!r}")
 
 
 def set_shares(findings: list, attribution: dict | None) -> None:

@@ -149,11 +149,13 @@ def _measured_delta(va: CanonicalView, vb: CanonicalView) -> dict[RowId, float]:
 
 def _budget(va: CanonicalView, vb: CanonicalView, delta: dict[RowId, float],
             max_tokens: int) -> tuple[list[RowId], dict[RowId, int], list[RowId]]:
-    """The samples run through the exact model, worst first (largest |Δ logprob| of any of its tokens),
-    while their positions fit in `max_tokens`; each sample whole from position 0 (a causal model's row needs
-    every earlier one) up to its last scored row. The tokens are side A's, every one of them recorded, and
-    equal to B's wherever B recorded one. Returns (the rows, their tokens and the next ones, the log-prob
-    rows attributed)."""
+    """The samples run through the exact model, worst first (largest |Δ logprob| of any of its tokens), at
+    most `max_tokens` rows in all: each sample from position 0 (a causal model's row needs every earlier one)
+    up to its last scored row, or the causal prefix of it that still fits. The tokens are side A's, every one
+    of them recorded, and equal to B's wherever B recorded one. Returns (the rows, their tokens and the next
+    ones, the log-prob rows attributed)."""
+    if max_tokens < 1:
+        raise NotReplayable(f"a token budget of {max_tokens} attributes nothing (--attribution-tokens is 1 or more)")
     worst: dict[str, float] = {}
     last: dict[str, int] = {}
     for (s, p), d in delta.items():
@@ -161,15 +163,23 @@ def _budget(va: CanonicalView, vb: CanonicalView, delta: dict[RowId, float],
         last[s] = max(last.get(s, 0), p)
     rows: list[RowId] = []
     tokens: dict[RowId, int] = {}
+    end: dict[str, int] = {}                 # each sample's last row run
     for s in sorted(worst, key=lambda s: -worst[s]):
-        mine = {(s, p): va.tokens.get((s, p)) for p in range(last[s] + 2)}     # + the last row's next token
+        n = min(last[s] + 1, max_tokens - len(rows))
+        if n <= 0:
+            break
+        mine = {(s, p): va.tokens.get((s, p)) for p in range(n + 1)}     # + the last row's next token
         if any(t is None or vb.tokens.get(r, t) != t for r, t in mine.items()):
             continue             # a position missing on A, or another token on B: not attributable
-        if rows and len(rows) + last[s] + 1 > max_tokens:
-            break
-        rows += [(s, p) for p in range(last[s] + 1)]
+        rows += [(s, p) for p in range(n)]
         tokens.update(mine)
-    lp_rows = [r for r in delta if r in tokens and r[1] <= last[r[0]] and (r[0], r[1] + 1) in tokens]
+        end[s] = n - 1
+    lp_rows = [r for r in delta if r[0] in end and r[1] <= end[r[0]] and (r[0], r[1] + 1) in tokens]
+    if not lp_rows and end:
+        first = min(p for (_s, p) in delta)
+        raise NotReplayable(f"no scored token within the first {max_tokens} positions of a sample (the token "
+                            f"budget, --attribution-tokens {max_tokens}); the first scored one is at position "
+                            f"{first}: a budget of {first + 1} or more reaches it")
     if not lp_rows:
         raise NotReplayable("no sample has every position 0..n with the same token on both sides "
                             "(the exact model runs whole samples from their first token)")
