@@ -107,3 +107,36 @@ def test_bf16_consistent_without_a_reference_says_what_the_rule_cannot_see(tmp_p
     with_ref = find_divergence(a, b, reference=ck).to_json()
     assert with_ref["verdict"] == "divergent" and said not in headline(with_ref)
     assert not [n for n in with_ref["notes"] if n["kind"] == "precision_unchecked"]
+
+
+# ------------------------------------------------------------------------------------------ ULP at exact zeros
+
+def test_ulp_is_not_applicable_at_exact_zeros(attributed):
+    """ReLU-like outputs: where A is exactly 0 and B is not, there is no ULP "at |a|" (dividing by the ULP
+    of zero read 1e36-1e38). Those elements are counted, left out of max/mean ULP, and shown as n/a."""
+    import numpy as np
+    from tic_trace.compare.metrics import compare_values
+    from tic_trace.report.html import render_html
+    from tic_trace.report.terminal import render_terminal
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    a = np.maximum(x, 0)
+    b = a + np.float32(1e-3) * rng.standard_normal(x.shape).astype(np.float32)     # B's activation leaks
+    m = compare_values(a, b, "float32")
+    assert m.ulp_na == int(((a == 0) & (b != 0)).sum()) > 0
+    assert m.max_ulp < 1e20, m.max_ulp               # the nonzero elements' ULPs, no division by zero's ULP
+    only_zeros = compare_values(np.zeros((2, 4), np.float32), np.full((2, 4), 1e-7, np.float32), "float32")
+    assert (only_zeros.max_ulp, only_zeros.mean_ulp, only_zeros.ulp_na) == (0.0, 0.0, 8)
+    doc = copy.deepcopy(attributed)
+    doc["points"][0]["metrics"] = only_zeros.to_json()
+    doc["first_divergence"]["metrics"] = only_zeros.to_json()
+    import io
+    from rich.console import Console
+    buf = io.StringIO()
+    render_terminal(doc, Console(file=buf, width=250), all_points=True)
+    text = buf.getvalue()
+    assert "max_ulp n/a (8 element(s) at an exact zero of A: ULP n/a)" in text, text
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith(doc["points"][0]["key"] + " ") and "│" in ln)
+    assert " n/a " in row, row                         # the points table's max ulp column
+    page = render_html(doc)
+    assert ">n/a<" in page

@@ -401,11 +401,13 @@ def _reference_metrics(a, b, mant):
         d = np.where(both, a2 - b2, 0.0)
     ra, rb = np.where(both, a2, 0.0), np.where(both, b2, 0.0)
     ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ra), 2.0 ** -126))) - mant)
+    defined = ~((ra == 0) & (d != 0))          # no ULP at an exact zero of A (Metrics.ulp_na)
     one_sided = (fa != fb) | ((~fa & ~fb) & ~(np.isnan(a2) & np.isnan(b2)) & (a2 != b2))
     return {"max_abs": np.abs(d).max(), "mean_abs": np.abs(d).mean(),
             "rel_l2": np.sqrt((d * d).sum() / (ra * ra).sum()),
             "cosine": (ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()),
-            "max_ulp": (np.abs(d) / ulp).max(), "mean_ulp": (np.abs(d) / ulp).mean(),
+            "max_ulp": (np.abs(d) / ulp)[defined].max(), "mean_ulp": (np.abs(d) / ulp)[defined].mean(),
+            "ulp_na": int((~defined).sum()),
             "bitwise_equal": ((a2 == b2) | (np.isnan(a2) & np.isnan(b2))).mean(),
             "nonfinite": int((fa != fb).sum() + ((~fa & ~fb) & ~(np.isnan(a2) & np.isnan(b2)) & (a2 != b2)).sum()),
             "nonfinite_shared": int(((~fa & ~fb) & ~one_sided).sum()),
@@ -422,13 +424,15 @@ def _row_quantile(e: np.ndarray, q: float) -> float:
 
 
 @pytest.mark.parametrize("block", [1 << 20, 37, 5])
-@pytest.mark.parametrize("case", ["close", "equal-rows", "nonfinite", "rows-longer-than-a-block"])
+@pytest.mark.parametrize("case", ["close", "equal-rows", "nonfinite", "rows-longer-than-a-block", "zeros"])
 def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, case):
     from tic_trace.compare import metrics as compare
     monkeypatch.setattr(compare, "BLOCK_ELEMS", block)
     rng = np.random.default_rng(1)
     shape = (40, 3, 16) if case != "rows-longer-than-a-block" else (3, 200)
     a = rng.standard_normal(shape).astype(np.float32)
+    if case == "zeros":
+        a[5] = 0.0                                     # exact zeros of A where B is not zero
     b = (a + rng.standard_normal(shape).astype(np.float32) * 1e-3).astype(np.float32)
     if case == "equal-rows":
         b[::2] = a[::2]
@@ -442,7 +446,7 @@ def test_streamed_metrics_equal_the_whole_array_definitions(monkeypatch, block, 
     assert got.rows == shape[0] and got.numel == a.size
     assert got.to_json().keys() == {"rows", "numel", "max_abs", "mean_abs", "rel_l2", "cosine", "max_ulp",
                                     "mean_ulp", "bitwise_equal", "ref_rms", "nonfinite", "nonfinite_shared",
-                                    "rel_rows"}
+                                    "rel_rows", "ulp_na"}
 
 
 def test_routing_comparison_matches_per_row_sets():

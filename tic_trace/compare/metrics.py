@@ -51,8 +51,8 @@ class Metrics:
     mean_abs: float
     rel_l2: float                # ||a-b|| / ||a|| over all rows  (a = reference side)
     cosine: float
-    max_ulp: float               # largest |a-b| in units of the last place of `dtype` at |a|
-    mean_ulp: float
+    max_ulp: float               # largest |a-b| in units of the last place of `dtype` at |a| (a != 0)
+    mean_ulp: float              # over the elements whose ULP is defined (all but `ulp_na`)
     bitwise_equal: float         # fraction of elements exactly equal
     ref_rms: float
     nonfinite: int = 0           # elements NaN/Inf on exactly one side
@@ -64,6 +64,10 @@ class Metrics:
     per_row_judged: list[float] | None = None
     # the ROW_QUANTILE quantile of the judged per-row errors: the all-rows error the finder judges
     rel_rows: float = 0.0
+    # elements where A is exactly 0 and B is not: a ULP "at |a|" is none there (the ULP of zero is the smallest
+    # subnormal, which made one such element read 1e36-1e38 ULP), so they are left out of max_ulp / mean_ulp and
+    # counted; renderers say "n/a" where every differing element is one of them (report.lines.ulp_text)
+    ulp_na: int = 0
 
     @property
     def error(self) -> float:
@@ -115,6 +119,7 @@ class _Acc:
         self.na2, self.nd2, self.rmax = np.zeros(n), np.zeros(n), np.zeros(n)
         self.nb2 = self.dot = self.abs_sum = self.ulp_sum = 0.0
         self.ulp_max = 0.0
+        self.ulp_na = 0
         self.equal = self.nonfinite = self.shared = 0
         self.row_nonfinite = np.zeros(n, dtype=bool)     # rows with NaN/Inf on one side only
         self.buf = [np.empty(block) for _ in range(3)]
@@ -159,6 +164,11 @@ class _Acc:
         np.abs(D, out=D)
         np.maximum(self.rmax[rows], D.max(axis=1), out=self.rmax[rows])
         self.abs_sum += float(D.sum())
+        at_zero = (A == 0) & (D > 0)            # no ULP at |a| = 0: counted, left out (Metrics.ulp_na)
+        n_zero = int(np.count_nonzero(at_zero))
+        if n_zero:
+            self.ulp_na += n_zero
+            D[at_zero] = 0.0
         np.bitwise_and(A.view(np.int64), _EXP_MASK, out=A.view(np.int64))    # A := 2**floor(log2|a|) (no sign)
         np.maximum(A, _MIN_NORMAL, out=A)       # zero and subnormals: the ULP of fp32's smallest normal
         np.divide(D, A, out=D)
@@ -228,7 +238,8 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
         rel_l2=norm_d / norm_a if norm_a > _TINY else (0.0 if norm_d == 0 else math.inf),
         cosine=acc.dot / (norm_a * nb) if norm_a > _TINY and nb > _TINY else (1.0 if norm_d == 0 else 0.0),
         max_ulp=acc.ulp_max if numel else 0.0,
-        mean_ulp=acc.ulp_sum / numel if numel else 0.0,
+        mean_ulp=acc.ulp_sum / (numel - acc.ulp_na) if numel > acc.ulp_na else 0.0,
+        ulp_na=acc.ulp_na,
         bitwise_equal=acc.equal / numel if numel else 1.0,
         ref_rms=norm_a / math.sqrt(max(numel, 1)),
         nonfinite=acc.nonfinite, nonfinite_shared=acc.shared,

@@ -63,3 +63,19 @@ def precision_caveat(report: dict) -> str | None:
         if isinstance(n, dict) and n.get("kind") == "precision_unchecked" and isinstance(n.get("summary"), str):
             return n["summary"]
     return None
+
+
+def ulp_na(metrics: dict) -> int:
+    """Elements where A is exactly 0 and B is not (`metrics.ulp_na`): their ULP distance is not defined."""
+    v = metrics.get("ulp_na") if isinstance(metrics, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def ulp_text(metrics: dict, fmt) -> str:
+    """A point's max ULP for a table cell, `fmt` formatting the number: "n/a" where every differing element
+    sits at an exact zero of A (no ULP at |a| = 0), the number with "+n/a" where some do."""
+    n = ulp_na(metrics)
+    v = metrics.get("max_ulp") if isinstance(metrics, dict) else None
+    if n and not v:
+        return "n/a"
+    return fmt(v) + ("+n/a" if n else "")

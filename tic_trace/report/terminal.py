@@ -15,7 +15,7 @@ from rich.text import Text
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
-from .lines import blocking_line, contract_line, identity_sentence, precision_caveat
+from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, ulp_na, ulp_text
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
@@ -187,7 +187,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
         if m:
             cos = num(m.get("cosine"))
             c.print(f"  max_abs {_f(m.get('max_abs'))}  rel_l2 {_f(m.get('rel_l2'))}  "
-                    f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {_f(m.get('max_ulp'), 1)}  "
+                    f"cos {'-' if cos is None else f'{cos:.6f}'}  max_ulp {ulp_text(m, lambda v: _f(v, 1))}"
+                    + (f" ({ulp_na(m)} element(s) at an exact zero of A: ULP n/a)" if ulp_na(m) else "") + "  "
                     f"bit-equal {100 * (num(m.get('bitwise_equal')) or 0):.1f}%  rows {fd.get('rows')}")
     rows = report.get("rows", {})
     c.print(text(f"rows: A {rows.get('a')}  B {rows.get('b')}  matched {rows.get('matched')}"
@@ -297,7 +298,7 @@ def _points_table(c: Console, report: dict) -> None:
         cos, beq = num(m.get("cosine")), num(m.get("bitwise_equal"))
         t.add_row(text(p["key"]), text(p["status"], style=_STATUS_STYLE.get(p["status"], "")), _f(p.get("error")),
                   _f(p.get("tol")), _f(p.get("input_error")), _f(p.get("growth"), 1), _f(m.get("max_abs")),
-                  "-" if cos is None else f"{cos:.6f}", _f(m.get("max_ulp"), 1),
+                  "-" if cos is None else f"{cos:.6f}", ulp_text(m, lambda v: _f(v, 1)),
                   "-" if beq is None else f"{100 * beq:.0f}%", str(p.get("rows", "")))
     c.print(t)
     _more(c, report, "points")

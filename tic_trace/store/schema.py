@@ -191,6 +191,7 @@ class ReportMetrics(TypedDict, total=False):
     bitwise_equal: Number
     ref_rms: Number
     nonfinite: int
+    ulp_na: Count
 
 
 class ReportPoint(TypedDict, total=False):
@@ -260,6 +261,7 @@ class ReportToken(TypedDict, total=False):
     divergence_starts: str | None
     routing_flip: bool
     flips: dict[str, str]
+    inherited: dict[str, Number]
 
 
 class ReportRoutingLayer(TypedDict, total=False):

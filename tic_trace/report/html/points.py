@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from ..lines import ulp_text
 from .cells import (_anchor, _cos, _d, _e, _gen, _growth, _int, _l, _layer_of, _log10, _meaning, _num, _pct,
                     _pill, _point_of, _sci, _str_or_none)
 from .context import Ctx
@@ -64,7 +65,7 @@ def points_section(c: Ctx) -> str:
         bar = (f'<span class="bar"><i style="width:{w:.0f}%;background:{STATUS_COLOR.get(st, "#6e7781")}"></i>'
                '</span>')
         if m:
-            beq, cos, ulp = _pct(m.get("bitwise_equal")), _cos(m.get("cosine")), _gen(m.get("max_ulp"))
+            beq, cos, ulp = _pct(m.get("bitwise_equal")), _cos(m.get("cosine")), ulp_text(m, _gen)
         elif stt:
             beq = "100%" if stt.get("bitwise_equal") is True else ("0%" if stt.get("bitwise_equal") is False else "—")
             cos = ulp = "—"
