@@ -140,3 +140,21 @@ def test_ulp_is_not_applicable_at_exact_zeros(attributed):
     assert " n/a " in row, row                         # the points table's max ulp column
     page = render_html(doc)
     assert ">n/a<" in page
+
+
+# ------------------------------------------------------------------------------------------ fp32: which side
+
+@pytest.mark.parametrize("fault,side", [("router_bf16", "side B: its aten.mm computes in bfloat16, the other "
+                                                        "side's in float32"),
+                                        ("softmax_scale", "which side: not known without --reference CKPT")])
+def test_the_fp32_headline_names_the_side_when_it_is_known(tmp_path, fault, side):
+    """fp32, no reference: the A-B rule finds the point; the side is named where the report knows it (the
+    first differing op runs in a coarser dtype on one side), and said to be unknown where it does not."""
+    from tic_trace.report.html import render_html
+    from tic_trace.report.terminal import headline
+    a, b, _ck = _pair(tmp_path, torch.float32, True, lambda m: plant(m, "hf", fault, 1))
+    doc = find_divergence(a, b).to_json()
+    line = headline(doc)
+    assert line.startswith("FIRST DIVERGENCE") and "[operator]" in line and line.endswith(side), line
+    import html
+    assert html.escape(side.split(": ", 1)[1]) in render_html(doc)

@@ -79,3 +79,40 @@ def ulp_text(metrics: dict, fmt) -> str:
     if n and not v:
         return "n/a"
     return fmt(v) + ("+n/a" if n else "")
+
+
+def side_hint(fd: dict) -> str | None:
+    """Which side an operator divergence points at, where the report knows it without a replay's blame: the
+    first op both sides run with a different output runs in a coarser dtype on one side, or only one side runs
+    extra ops in the region (casts, another kernel). A phrase naming the side, or None: nothing in the report
+    tells the sides apart (then only `--reference` does, by measuring each against the exact op)."""
+    from ..store.dtypes import dtype_info, known_dtype
+    ops = fd.get("ops") if isinstance(fd, dict) else None
+    if not isinstance(ops, dict):
+        return None
+    a, b, pairs = ops.get("a"), ops.get("b"), ops.get("pairs")
+    if not (isinstance(a, list) and isinstance(b, list) and isinstance(pairs, list)):
+        return None
+    k = ops.get("first_differing")
+
+    def op(side: list, i) -> dict:
+        return side[i] if isinstance(i, int) and 0 <= i < len(side) and isinstance(side[i], dict) else {}
+    if isinstance(k, int) and 0 <= k < len(pairs) and isinstance(pairs[k], list) and len(pairs[k]) == 2:
+        oa, ob = op(a, pairs[k][0]), op(b, pairs[k][1])
+        da, db = oa.get("dtype"), ob.get("dtype")
+        if (isinstance(da, str) and isinstance(db, str) and da != db and known_dtype(da) and known_dtype(db)
+                and dtype_info(da).is_float and dtype_info(db).is_float):
+            x, dx, dy = ("A", da, db) if dtype_info(da).mantissa_bits < dtype_info(db).mantissa_bits else ("B", db, da)
+            return f"side {x}: its {oa.get('op')} computes in {dx}, the other side's in {dy}"
+    only = {"A": [], "B": []}
+    for pr in pairs:
+        if isinstance(pr, list) and len(pr) == 2:
+            if pr[1] is None and pr[0] is not None:
+                only["A"].append(str(op(a, pr[0]).get("op")))
+            elif pr[0] is None and pr[1] is not None:
+                only["B"].append(str(op(b, pr[1]).get("op")))
+    if bool(only["A"]) != bool(only["B"]):
+        x = "A" if only["A"] else "B"
+        names = sorted(set(only[x]))
+        return f"side {x}: only it runs {', '.join(names[:3])}" + (" …" if len(names) > 3 else "") + " here"
+    return None

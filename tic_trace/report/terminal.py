@@ -15,7 +15,7 @@ from rich.text import Text
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
-from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, ulp_na, ulp_text
+from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint, ulp_na, ulp_text
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
 
@@ -90,6 +90,8 @@ def _answer_line(report: dict) -> str:
         else:
             detail = (fd.get("summary") or "").split("; ")
             detail = "; ".join(detail[:2]) if len(detail) > 1 else detail[0]
+        if cause == "operator":
+            detail += "; " + _which_side(report, fd)
         return f"FIRST DIVERGENCE at {fd['key']} [{cause}]: {detail}"
     pts = report.get("points") or []
     n = sum(1 for p in pts if p.get("status") != "not_comparable")
@@ -112,6 +114,15 @@ def _answer_line(report: dict) -> str:
         return (f"NOT COMPARABLE: {len(pts) - n} of {len(pts)} canonical points both sides record could not be "
                 "compared (reasons below); no divergence among the others")
     return "NOT COMPARABLE: no canonical point could be compared (see the reasons below)"
+
+
+def _which_side(report: dict, fd: dict) -> str:
+    """The side an operator divergence points at where the report knows it, else that it does not."""
+    hint = side_hint(fd)
+    if hint:
+        return hint
+    return ("which side: neither is blamed by the replay" if (report.get("settings") or {}).get("reference")
+            else "which side: not known without --reference CKPT")
 
 
 _ROW_COUNTS = (("unmatched_a", "A-only"), ("unmatched_b", "B-only"), ("excluded", "left out"),

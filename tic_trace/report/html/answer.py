@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ..lines import blocking_line, contract_line, identity_sentence, precision_caveat
+from ..lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint
 from ..schema import architecture_refusal, unverified_sides
 from .cells import _anchor, _d, _e, _gen, _growth, _is_ids, _l, _layer_of, _meaning, _num, _pill, _point_of, _sci
 from .context import Ctx, _only_ops
@@ -170,6 +170,10 @@ def _first_facts(c: Ctx, f: dict) -> str:
             for r in worst) + "</div>" + by))
     cause = f.get("cause") or "—"
     rows.append(("Cause", f'<span class="cause">{_e(cause)}</span> {_e(f.get("summary") or "")}'))
+    if cause == "operator":
+        hint = side_hint(f) or ("neither is blamed by the replay" if _d(c.r.get("settings")).get("reference")
+                                else "not known without --reference CKPT (it measures each side against the exact op)")
+        rows.append(("Which side", _e(hint)))
     if f.get("reason") and f.get("cause") and f.get("reason") != f.get("cause"):
         rows.append(("Note", _e(f.get("reason"))))
     chips = []
