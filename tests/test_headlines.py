@@ -107,6 +107,22 @@ def test_bf16_consistent_without_a_reference_says_what_the_rule_cannot_see(tmp_p
     with_ref = find_divergence(a, b, reference=ck).to_json()
     assert with_ref["verdict"] == "divergent" and said not in headline(with_ref)
     assert not [n for n in with_ref["notes"] if n["kind"] == "precision_unchecked"]
+    _colours_and_words_agree_with_the_verdict(with_ref)
+
+
+def _colours_and_words_agree_with_the_verdict(doc: dict) -> None:
+    """The page of a divergent report whose first point is within tolerance over all rows (the replay's
+    finding): its ratio to the tolerance is not printed in red as if it were over it, and no token says "no
+    divergence" beside the DIVERGENT banner."""
+    import re
+    from tic_trace.report.html import render_html
+    fd = doc["first_divergence"]
+    assert doc["verdict"] == "divergent" and fd["cause"] == "intrinsic" and fd["error"] < fd["tol"], fd
+    page = render_html(doc)
+    assert not re.search(r'class="over-x">[0-9.]+× the tolerance', page)
+    assert "× the tolerance: within it over all rows; divergent by the replay (intrinsic)" in page
+    assert "no divergence in this token" not in page
+    assert f"no A−B jump on this token alone; the divergence at {fd['key']} is the replay" in page
 
 
 # ------------------------------------------------------------------------------------------ ULP at exact zeros

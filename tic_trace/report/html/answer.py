@@ -124,6 +124,18 @@ def _facts(rows) -> str:
     return '<dl class="facts">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in rows) + "</dl>"
 
 
+def _why_within(f: dict) -> str:
+    """Why a first divergence whose all-rows error is within tolerance is divergent all the same."""
+    cause = f.get("cause")
+    if f.get("decided_by_row"):
+        return f"divergent on token {f.get('decided_by_row')}'s own error (worst rows below)"
+    if cause in ("intrinsic", "precision"):
+        return f"divergent by the replay ({cause}): a side against the exact op, not the A−B error"
+    if cause == "routing":
+        return "divergent by routing: tokens chose other experts"
+    return f"divergent by its {cause or 'finding'} (cause below)"
+
+
 def _first_facts(c: Ctx, f: dict) -> str:
     rows = []
     key = f.get("key", "?")
@@ -138,7 +150,10 @@ def _first_facts(c: Ctx, f: dict) -> str:
         if tol > 0 and not math.isinf(err):
             ratio = err / tol
             rt = f"{ratio:,.0f}" if 10 <= ratio < 1e9 else f"{ratio:.3g}"
-            et += f' &nbsp;<span class="over-x">{rt}× the tolerance</span>'
+            if ratio > 1:
+                et += f' &nbsp;<span class="over-x">{rt}× the tolerance</span>'
+            else:       # within it over all rows: in the verdict's words why it is divergent anyway, not in red
+                et += f' &nbsp;<span class="note">{rt}× the tolerance: within it over all rows; {_e(_why_within(f))}</span>'
         elif tol == 0 and err > 0:
             et += ' &nbsp;<span class="over-x">(any difference counts)</span>'
     if f.get("dtype"):
@@ -155,7 +170,8 @@ def _first_facts(c: Ctx, f: dict) -> str:
         gt = (f'<span class="num over-x">×∞</span> — its inputs are bit-identical '
               f'(input error 0): the error is born here')
     elif g is not None:
-        gt = (f'<span class="num over-x">{_growth(g)}</span> over its inputs\' error '
+        jump = "over-x" if c.growth_factor and g > c.growth_factor else ""     # red only for a jump
+        gt = (f'<span class="num {jump}">{_growth(g)}</span> over its inputs\' error '
               f'<span class="num">{_sci(ie)}</span><span class="note">{_e(gf)}</span>')
     else:
         gt = f'<span class="num">—</span> (input error <span class="num">{_sci(ie)}</span>)'

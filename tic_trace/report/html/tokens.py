@@ -25,7 +25,7 @@ def tokens_section(c: Ctx) -> str:
     body = _heatmap_svg(c, rows, worst) if rows and any(v for _, v in rows) else (
         '<p class="empty">No per-token errors in this report (no log-probs were compared, or the traces '
         'hold statistics only).</p>')
-    return head + body + _worst_table(worst) + "</section>"
+    return head + body + _worst_table(worst, _no_start_text(c)) + "</section>"
 
 
 def _heatmap_svg(c: Ctx, rows, worst: dict) -> str:
@@ -149,7 +149,21 @@ def _heatmap_svg(c: Ctx, rows, worst: dict) -> str:
     return "".join(o)
 
 
-def _worst_table(worst: dict) -> str:
+def _no_start_text(c: Ctx) -> str:
+    """What a token whose own errors start no divergence shows, in words that agree with the verdict: beside a
+    divergent report, "no divergence in this token" would deny the answer (a replay finding, or one judged over
+    all rows, is not a per-token A-B jump)."""
+    if c.r.get("verdict") != "divergent":
+        return "none on this token"
+    first = c.first if isinstance(c.first, dict) else {}
+    key, cause = first.get("key"), first.get("cause")
+    if cause in ("intrinsic", "precision"):
+        return (f"no A−B jump on this token alone; the divergence at {key} is the replay's ({cause}), measured "
+                "over all rows")
+    return ("no A−B jump on this token alone" + (f"; the divergence at {key} is judged over the rows" if key else ""))
+
+
+def _worst_table(worst: dict, no_start: str = "none on this token") -> str:
     if not worst:
         return ""
     o = ['<table style="margin-top:10px"><thead><tr><th>Token</th><th class="r">|Δ log-prob|</th>'
@@ -158,7 +172,7 @@ def _worst_table(worst: dict) -> str:
     for label, w in worst.items():
         ds = w.get("divergence_starts")
         dst = (f'<a class="k mono" href="#{_e(_anchor(ds))}">{_e(ds)}</a>' if ds else
-               '<span class="note">no divergence in this token</span>')
+               f'<span class="note">{_e(no_start)}</span>')
         o.append(f'<tr><td class="mono">{_e(label)}</td><td class="r num">{_fmt_f(w.get("abs_dlogprob"))}</td>'
                  f'<td class="r num">{_fmt_f(w.get("logprob_a"))}</td><td class="r num">{_fmt_f(w.get("logprob_b"))}'
                  f'</td><td>{dst}</td><td>{"yes" if w.get("routing_flip") else "no"}</td></tr>')
