@@ -166,6 +166,10 @@ class HFAdapter(Adapter):
             out.update(arch.defaults)
         return out
 
+    def weight_pieces(self, models: list, params: dict) -> dict:
+        from tic_trace.adapters.hf_weight_map import hf_weight_pieces
+        return hf_weight_pieces(models, params)
+
     def numerics(self, models: list) -> dict:
         cfg = getattr(models[0], "config", None)
         if cfg is None:

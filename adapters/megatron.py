@@ -491,6 +491,10 @@ class MegatronAdapter(Adapter):
         cfg = getattr(_unwrap(models[0]), "config", None)
         return plain_settings(cfg, NUMERICS_FIELDS) if cfg is not None else {}
 
+    def weight_pieces(self, models: list, params: dict) -> dict:
+        from tic_trace.adapters.megatron_weight_map import megatron_weight_pieces
+        return megatron_weight_pieces(models, params, self.rank_coords(), self._layer_offsets, self.true_vocab_size)
+
     def parallel_layout(self) -> dict:
         c = self.rank_coords()
         return {k: c[k] for k in ("tp_size", "pp_size", "ep_size", "etp_size", "cp_size", "dp_size", "sp")

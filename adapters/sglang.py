@@ -246,6 +246,10 @@ class SGLangAdapter(Adapter):
                 out[f"{k}_rank"], out[f"{k}_size"] = r, n
         return out
 
+    def weight_pieces(self, models: list, params: dict) -> dict:
+        from tic_trace.adapters.sglang_weight_map import sglang_weight_pieces
+        return sglang_weight_pieces(models, params)
+
     def numerics(self, models: list) -> dict:
         """The running server's arguments that change numerics ({} when no server context exists, e.g. a
         model built directly in a test)."""

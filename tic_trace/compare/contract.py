@@ -130,34 +130,54 @@ def _dtype_diffs(view_a: CanonicalView, view_b: CanonicalView) -> list[ContractD
 
 def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
                   reference: HFCheckpoint | None) -> list[ContractDiff]:
-    from ..view.weight_map import weight_hashes_by_point
-    wa, wb = weight_hashes_by_point(view_a), weight_hashes_by_point(view_b)
+    """Every parameter of both sides compared in the checkpoint's layout (weight_coverage.py): one `weights`
+    difference per point whose tensors differ, and a `hashes` line saying how many were compared and naming
+    every one that was not (absent only when all were compared and agree: the renderers then say "agree")."""
+    from ..view.weight_map import hf_point_of
+    from .weight_coverage import compare_weights, side_weights
+    ca, cb = side_weights(view_a), side_weights(view_b)
+    cov = compare_weights(ca, cb)
     out = []
-    compared = 0
-    for k in sorted(set(wa) & set(wb), key=lambda k: (k[1] is None, k[1] or 0, k[0])):
-        # only parameters held alike (dtype and shape) are comparable bit for bit
-        alike = [n for n in set(wa[k]) & set(wb[k]) if list(wa[k][n][1:3]) == list(wb[k][n][1:3])]
-        compared += len(alike)
-        names = sorted(n for n in alike if wa[k][n][0] != wb[k][n][0])
-        if names:
-            out.append(ContractDiff("weights", key_name(*k), names, names,
-                                    note=f"parameters whose bits differ between A and B: {', '.join(names)}"))
-    if not compared:
-        # the renderers say "weight hashes agree" for an empty contract: never where none was compared
-        why = ("neither side recorded parameter hashes" if not wa and not wb else
-               "only one side recorded parameter hashes" if not wa or not wb else
-               "the sides hold their parameters under other names, shapes or dtypes")
-        out.append(ContractDiff("hashes", "A-B", sum(map(len, wa.values())), sum(map(len, wb.values())),
-                                note=f"no parameter hash compared between A and B ({why})"))
+    for key, names in _by_point(cov.differing, hf_point_of):
+        out.append(ContractDiff("weights", key, names, names,
+                                note=f"parameters whose bits differ between A and B: {', '.join(names)}"))
+    if not (cov.agree and cov.compared == cov.total):
+        out.append(ContractDiff("hashes", "A-B", cov.compared, cov.total, note=cov.sentence()))
     if reference is not None:
-        for side, view in (("A", view_a), ("B", view_b)):
-            for k, params in (wa if side == "A" else wb).items():
-                bad = [n for n, v in params.items() if _vs_checkpoint(reference, n, v) == "differs"]
-                if bad:
-                    out.append(ContractDiff("weights", key_name(*k), bad, "checkpoint", against="checkpoint",
-                                            side=side, note=f"{side}'s parameters differ from the checkpoint's: "
-                                                            f"{', '.join(sorted(bad))}"))
+        for side, cw in (("A", ca), ("B", cb)):
+            bad = [n for n, (hashes, shape) in cw.tensors.items()
+                   if _tensor_vs_checkpoint(reference, n, hashes, shape) is False]
+            for key, names in _by_point(bad, hf_point_of):
+                out.append(ContractDiff("weights", key, names, "checkpoint", against="checkpoint", side=side,
+                                        note=f"{side}'s parameters differ from the checkpoint's: {', '.join(names)}"))
     return out
+
+
+def _by_point(names: list[str], point_of) -> list[tuple[str, list[str]]]:
+    """Checkpoint tensor names grouped by the canonical point that reads them, in dataflow order (a tensor no
+    point reads stays in the `hashes` line only)."""
+    groups: dict[tuple, list[str]] = {}
+    for n in names:
+        k = point_of(n)
+        if k is not None:
+            groups.setdefault(k, []).append(n)
+    return [(key_name(*k), sorted(v)) for k, v in sorted(groups.items(), key=lambda kv: (kv[0][1] is None,
+                                                                                          kv[0][1] or 0, kv[0][0]))]
+
+
+def _tensor_vs_checkpoint(ckpt: HFCheckpoint, name: str, hashes: dict[str, int], shape) -> bool | None:
+    """Whether a side's checkpoint-layout hash of tensor `name` is the checkpoint's (None: not comparable), in
+    the checkpoint's own dtype when the side hashed it in that one, else in the side's."""
+    if ckpt.parts(name) != [name] or not ckpt.dtypes(name) <= set(FLOAT_DTYPES):
+        return None
+    if tuple(ckpt.info[name].shape) != tuple(shape):
+        return None
+    own = ckpt.info[name].dtype
+    dt = own if own in hashes else next((d for d in hashes if d in FLOAT_DTYPES), None)
+    if dt is None:
+        return None
+    want = ckpt.hash(name, dt)
+    return None if want is None else want == hashes[dt]
 
 
 def _selection_bias_diffs(config_a: dict, config_b: dict) -> list[ContractDiff]:

@@ -2,6 +2,7 @@
 rollout. Bounded (`MAX_ROLLOUTS` lines; the rest is counted and left to the JSON). Only displays."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rich.console import Console
@@ -18,6 +19,12 @@ def _fmt(v: Any) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _agree_text(note: str) -> str:
+    """"weights agree", with how many were compared when not all were (the contract's hashes line)."""
+    m = re.match(r"weight hashes: (\d+) of (\d+) parameters compared", note)
+    return f"weights agree ({m.group(1)} of {m.group(2)} parameters compared)" if m else "weights agree"
+
+
 def rollout_line(r: dict) -> str:
     """One rollout: its verdict, first divergence, weights, worst |Δ logprob|, largest error and flips."""
     if r["status"] != "compared":
@@ -25,7 +32,7 @@ def rollout_line(r: dict) -> str:
     fd = r.get("first_divergence") or {}
     w = r.get("weights") or {}
     weights = ("weights differ" if w.get("agree") is False else "weights out of sync" if w.get("one_sided") else
-               "weights agree" if w.get("agree") else
+               _agree_text(str(w.get("note") or "")) if w.get("agree") else
                "weights moved together" if w.get("changed_a") or w.get("changed_b") else
                "weights: not comparable across sides")
     errs = [(num(e), f"L{lay}.{k}" if lay != "-" else k) for k, by in (r.get("errors") or {}).items()

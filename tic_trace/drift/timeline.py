@@ -79,14 +79,9 @@ def entry_of_report(rollout_id: int, d: str, report: dict) -> RolloutEntry:
 
 
 def _contract_weights(report: dict) -> WeightCheck:
-    """What the report's contract says of the parameter hashes between A and B."""
-    contract = report.get("contract") or []
-    if any(c.get("section") == "hashes" for c in contract):
-        note = next(c.get("note", "") for c in contract if c.get("section") == "hashes")
-        return WeightCheck(agree=None, note=str(note))
-    differing = sorted({str(n) for c in contract if c.get("section") == "weights" and c.get("against") == "B"
-                        for n in (c.get("a") or [])})
-    return WeightCheck(agree=not differing, differing=differing)
+    """What the report's contract says of the parameter hashes between A and B (drift/weights.py)."""
+    from .weights import contract_weights
+    return contract_weights(report)
 
 
 def finder(tolerance=None, workers: int = 1, backend: str = "processes",

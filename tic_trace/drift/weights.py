@@ -10,7 +10,26 @@ Two sources, both from the traces' parameter hashes (record/weights.py):
   (Megatron and SGLang name and fuse parameters differently), because each side is compared with itself."""
 from __future__ import annotations
 
-from .schema import RolloutEntry, WeightSync
+import re
+
+from .schema import RolloutEntry, WeightCheck, WeightSync
+
+
+def contract_weights(report: dict) -> WeightCheck:
+    """What one rollout's report contract says of the sides' weights (compare/weight_coverage.py): `agree`
+    False when a compared parameter differs, True when every compared one agrees (the `note` says how many of
+    how many were compared and names the rest), None when none could be compared."""
+    contract = [c for c in report.get("contract") or [] if isinstance(c, dict)]
+    differing = sorted({str(n) for c in contract if c.get("section") == "weights" and c.get("against") == "B"
+                        for n in (c.get("a") or [])})
+    cov = next((c for c in contract if c.get("section") == "hashes"), None)
+    if cov is None:                  # every parameter compared (the contract names none left out)
+        return WeightCheck(agree=not differing, differing=differing)
+    note = str(cov.get("note") or "")
+    compared = cov.get("a") if note.startswith("weight hashes:") and isinstance(cov.get("a"), int) else 0
+    if differing or "differ between A and B" in note:
+        return WeightCheck(agree=False, differing=differing, note=note)
+    return WeightCheck(agree=True if compared else None, note=note)
 
 
 def mark_changes(entries: list[RolloutEntry], digests: dict[int, tuple[dict, dict]]) -> None:
@@ -39,20 +58,30 @@ def weight_sync(entries: list[RolloutEntry], sides: list[str]) -> WeightSync | N
     for e in entries:
         if e.status != "compared":
             continue
-        if e.weights.agree is False:
-            return WeightSync(e.rollout_id, [], list(e.weights.differing), "hashes differ",
-                              f"rollout {e.rollout_id}: {len(e.weights.differing)} parameters differ bit for bit "
-                              f"between {sides[0]} and {sides[1]}: {_few(e.weights.differing)}")
+        # one side changed and the other did not: the more precise finding (which side is stale) comes first
         if e.weights.one_sided:
             pts = e.weights.one_sided
             stale = [k for k in pts if k in e.weights.changed_a]
             who = (f"{sides[0]}'s weights changed since the previous traced rollout and {sides[1]}'s did not "
                    f"(a stale weight sync)" if stale else
                    f"{sides[1]}'s weights changed and {sides[0]}'s did not")
+            also = (f"; {len(e.weights.differing)} parameters differ bit for bit between the sides"
+                    if e.weights.agree is False else "")
             return WeightSync(e.rollout_id, pts, list(e.weights.parameters), "changed on one side only",
                               f"weights out of sync from rollout {e.rollout_id} on at {len(pts)} points "
-                              f"({_few(pts)}): {who}")
+                              f"({_few(pts)}): {who}{also}")
+        if e.weights.agree is False:
+            return WeightSync(e.rollout_id, [], list(e.weights.differing), "hashes differ",
+                              f"rollout {e.rollout_id}: {len(e.weights.differing)} parameters differ bit for bit "
+                              f"between {sides[0]} and {sides[1]}: {_few(e.weights.differing)}"
+                              + _coverage(e.weights.note))
     return None
+
+
+def _coverage(note: str) -> str:
+    """" (N of M parameters compared)" from the contract's hashes line ('' when it has none)."""
+    m = re.match(r"weight hashes: (\d+ of \d+ parameters compared)", note)
+    return f" ({m.group(1)})" if m else ""
 
 
 def _few(names: list[str], n: int = 6) -> str:

@@ -328,6 +328,13 @@ class Adapter:
         name = config.get("architecture")
         return (self.architectures or {}).get(name) if isinstance(name, str) else None
 
+    def weight_pieces(self, models: list, params: dict) -> dict | None:
+        """Trace time: {parameter name (`ParameterHasher`'s): [record.weight_pieces.WeightPiece]}, the slices of
+        HF checkpoint tensors each parameter holds, so that parameter hashes compare across layouts (fused,
+        sharded) and with a checkpoint; a name left out is named as not mappable. None: this adapter declares
+        no map (only whole-parameter hashes are recorded)."""
+        return None
+
     def parallel_layout(self) -> dict:
         return {}
 

@@ -70,7 +70,11 @@ class PassLifecycle:
         if not self.hash_weights:
             return None
         try:
-            return self._param_hasher(self.models)
+            weights = self._param_hasher(self.models)
+            if self._param_hasher.plan_error:
+                self._notes.add(f"parameter hashes in the checkpoint's layout not recorded (the adapter's weight "
+                                f"map failed: {self._param_hasher.plan_error})")
+            return weights
         except Exception as e:  # noqa: BLE001 - never break the user's run over a diagnostic
             self._notes.add(f"parameter hashes not recorded: {type(e).__name__}: {e}")
             self.hash_weights = False
@@ -108,7 +112,8 @@ class PassLifecycle:
         self._notes.update(self._standing_notes)
         weights = self._weights_meta()
         pw.meta.update(tag=self.tag, rows=self._rows, rank=self.rank, pass_number=self._pass_count,
-                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights)
+                       blind_regions=sorted(set(self._blind))[:2000], notes=sorted(self._notes), weights=weights,
+                       weight_pieces=self._param_hasher.pieces if weights is not None else None)
         self.passes_written.append(pw.close(incomplete=incomplete))
         self._pass = None
         self._clear_pass_records()

@@ -109,7 +109,7 @@ class Tracer(GuardedEntry, ModuleHooks, OpRecording, TensorCapture, PassLifecycl
         self._start_thread = threading.get_ident()
         # Bit-exact hashes of every parameter, in each pass's metadata (changed ones re-hashed only).
         self.hash_weights = True
-        self._param_hasher = ParameterHasher()
+        self._param_hasher = ParameterHasher(self.adapter)
 
     # ------------------------------------------------------------ public API
     @property

@@ -10,10 +10,12 @@ recorded hashes by the canonical point whose module owns them, through the adapt
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
 from .stats import device_hash
+from .weight_pieces import hash_pieces, whole
 
 
 _State = tuple[int, int, str]   # (data_ptr, in-place version, dtype): a parameter unchanged while it holds
@@ -33,10 +35,14 @@ class ParameterHasher:
     wall time); the call at the pass's end joins it and keeps only hashes whose parameter still has the state
     it had when read. Accelerator parameters are hashed at the pass's end, on the caller's stream, as before."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapter: Any = None) -> None:
         self._seen: dict[str, tuple[int, int, str, int]] = {}   # name -> (data_ptr, version, dtype, hash)
         self._emitted = False
         self._background: tuple[threading.Thread, dict] | None = None
+        self._adapter = adapter
+        self._plan: dict[str, list] | None = None     # name -> its WeightPieces (the adapter's map, asked once)
+        self.pieces: dict[str, list] | None = None    # the last call's: name -> hash_pieces(...) ([]: not mapped)
+        self.plan_error: str | None = None
 
     @staticmethod
     def _params(models: list) -> dict[str, torch.Tensor]:
@@ -100,7 +106,41 @@ class ParameterHasher:
                 self._seen[k] = (*_state(p), int(h))
         keys = params if not self._emitted else [k for k, _ in changed]
         self._emitted = True
+        self.pieces = self._hash_pieces(models, params, keys) if keys else None
         if not keys:
             return None
         return {k: [self._seen[k][3], self._seen[k][2].removeprefix("torch."), list(params[k].shape)] for k in keys}
 
+
+    def _hash_pieces(self, models: list, params: dict[str, torch.Tensor], keys) -> dict[str, list] | None:
+        """{name: hash_pieces of its checkpoint-layout pieces} for `keys` ([] where the adapter maps none),
+        None when the adapter declares no map. A parameter that is its piece whole reuses its own hash."""
+        if self._plan is None:
+            plan_of = getattr(self._adapter, "weight_pieces", None)
+            if not callable(plan_of):
+                return None
+            try:
+                plan = plan_of(models, params)
+            except Exception as e:  # noqa: BLE001 - the map is lost, the whole-parameter hashes are not
+                self.plan_error = f"{type(e).__name__}: {e}"
+                self._adapter = None
+                return None
+            if plan is None:               # an adapter that declares no map: whole-parameter hashes only
+                self._adapter = None
+                return None
+            self._plan = dict(plan)
+        out: dict[str, list] = {}
+        for k in keys:
+            pieces, p = self._plan.get(k) or [], params[k]
+            if pieces == whole(pieces[0].name, p) if len(pieces) == 1 else False:
+                # the parameter is the checkpoint tensor itself: its hash is already known (narrower dtypes aside)
+                out[k] = hash_pieces(p, pieces) if p.dtype in (torch.float32, torch.float64) else \
+                    [[pieces[0].name, list(p.shape), [0] * p.dim(), list(p.shape),
+                      {str(p.dtype).removeprefix("torch."): self._seen[k][3]}]]
+            else:
+                try:
+                    out[k] = hash_pieces(p, pieces) if pieces else []
+                except Exception as e:  # noqa: BLE001 - a map that does not fit this parameter: not mapped
+                    self.plan_error = f"{k}: {type(e).__name__}: {e}"
+                    out[k] = []
+        return out

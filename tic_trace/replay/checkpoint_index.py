@@ -79,8 +79,8 @@ def inside(base: Path, p: Path) -> None:
     """`p` (in `base`) is a file of the checkpoint: a symlink must lead inside `base`, or into the `blobs/` of
     the hub cache a snapshot directory (`…/snapshots/<rev>/`) belongs to. Anything else could make a reference
     read a file the checkpoint's owner never chose."""
-    if not p.is_symlink():
-        return
+    if not p.is_symlink() or not p.is_file():
+        return          # not a link, or one to no regular file: the reader refuses that by what it is
     root = base.resolve()
     target = p.resolve()
     allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
