@@ -332,6 +332,7 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
     want = set(rows)
     errs: dict[RowId, dict] = {r: {} for r in rows}
     flips: dict[RowId, dict] = {r: {} for r in rows}
+    inherited: dict[RowId, dict] = {r: {} for r in rows}
     where: dict[tuple, dict] = {}      # the wanted rows' positions, per distinct row list (most points share one)
     for m in measured:
         if not m.compared or not m.rows:
@@ -347,14 +348,16 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
             continue
         for r, i in pos.items():
             errs[r][m.key] = float(m.per_row[i])
+            if m.row_inherited is not None:
+                inherited[r][m.key] = float(m.row_inherited[i])
     routers = {m.layer: m for m in measured if m.point == ROUTER_LOGITS}
     for m in measured:
         if is_ids(m.point) and m.flipped:
             for row, _, _, explained in flip_margins(m, routers.get(m.layer)):
                 if row in want:
                     flips[row][str(m.layer)] = "explained" if explained else "unexplained"
-    out = [WorstToken(r[0], int(r[1]), d[i], lp.values_a[i], lp.values_b[i], None, bool(flips[r]), flips[r])
-           for i, r in zip(order, rows)]
+    out = [WorstToken(r[0], int(r[1]), d[i], lp.values_a[i], lp.values_b[i], None, bool(flips[r]), flips[r],
+                      inherited[r]) for i, r in zip(order, rows)]
     return out, {_label(r): errs[r] for r in rows}
 
 

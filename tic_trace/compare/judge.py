@@ -11,6 +11,11 @@ rows, and to each of the point's worst rows on its own, a row's error against th
 error (the tolerance is meant per row); the more severe of the two judgements is the point's. An ids point (the top-k expert choice) is divergent
 when expert sets differ for a computational reason (the router computes differently), or when near-tie
 flips carry error over tolerance to the output and near ties are not accepted.
+
+Units (`PointSpec.unit`): a point in nats (the log-probs) is judged in nats, never relative to its value. Its
+inherited error is what its inputs' difference implies through the exact op plus the op's own clean rounding
+(compare/inherited.py), an absolute bound rather than an estimate, so it is divergent when its error is over
+the tolerance (read in nats) and over that bound: no growth factor.
 """
 from __future__ import annotations
 
@@ -148,12 +153,14 @@ class Judgement:
 
 
 def judge(error: float | None, input_error: float, tol: float, growth: float, kind: str = "float", *,
-          nonfinite: bool = False, flips: FlipFacts | None = None) -> Judgement:
+          nonfinite: bool = False, flips: FlipFacts | None = None, unit: str = "relative") -> Judgement:
     """The status of one point (or one token at one point).
 
-    error        the point's relative error (None: nothing compared)
-    input_error  the largest error the point inherits from the points that feed it
+    error        the point's error in its unit (None: nothing compared)
+    input_error  the largest error the point inherits from the points that feed it (same unit)
     kind         the PointSpec kind: "float" or "ids"
+    unit         the PointSpec unit: "relative" (divergent past growth x the inherited error) or "nats" (the
+                 inherited error bounds what a clean op gives: divergent past it)
     nonfinite    NaN/Inf on one side only at this point
     flips        for an ids point: the routing facts
     """
@@ -172,7 +179,7 @@ def judge(error: float | None, input_error: float, tol: float, growth: float, ki
         return Judgement(OVER) if math.isinf(inherited) else Judgement(DIVERGENT, NONFINITE)
     if not err > tol:
         return Judgement(OK)
-    if err > growth * inherited:
+    if err > (inherited if unit == "nats" else growth * inherited):
         return Judgement(DIVERGENT, OPERATOR)
     return Judgement(OVER)
 
@@ -181,7 +188,7 @@ _SEVERITY = {OK: 0, OVER: 1, DIVERGENT: 2}
 
 
 def judge_point(error: float, input_error: float, tol: float, growth: float, *, nonfinite: bool = False,
-                rows=()) -> tuple[Judgement, list[Judgement], int | None]:
+                rows=(), unit: str = "relative") -> tuple[Judgement, list[Judgement], int | None]:
     """A float point judged over all its rows and on each of its worst rows.
 
     rows   (error, input_error) of each worst row: the row's own relative error and the largest error the
@@ -193,8 +200,8 @@ def judge_point(error: float, input_error: float, tol: float, growth: float, *, 
     all-rows judgement did): the more severe of the all-rows judgement and the worst row's, the all-rows
     one on a tie. One bad token among thousands is therefore found although its share of the all-rows error
     is tiny, and a row already bad upstream is excused only by its own upstream error."""
-    whole = judge(error, input_error, tol, growth, nonfinite=nonfinite)
-    each = [judge(e, ie, tol, growth, nonfinite=math.isinf(e)) for e, ie in rows]
+    whole = judge(error, input_error, tol, growth, nonfinite=nonfinite, unit=unit)
+    each = [judge(e, ie, tol, growth, nonfinite=math.isinf(e), unit=unit) for e, ie in rows]
     worst = max(range(len(each)), key=lambda i: _SEVERITY[each[i].status], default=None)
     if worst is None or _SEVERITY[each[worst].status] <= _SEVERITY[whole.status]:
         return whole, each, None

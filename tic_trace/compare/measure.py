@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph.canonical import BY_NAME, LOGPROBS, key_name
+from ..graph.canonical import BY_NAME, LOGPROBS, key_name, unit_of
 from ..view.align import CanonicalView, RowId, align_rows
 from ..view.rows import row_identity
 from .choice import router_choice
+from .inherited import logprob_inherited, norm_inherited
 from .judge import coarser
 from .metrics import compare_routing, compare_stats, compare_values, row_aggregate
 
@@ -47,6 +48,9 @@ class PointMeasurement:
     per_row_abs: np.ndarray | list = field(default_factory=list)  # per-row max |a-b|
     per_row_judged: np.ndarray | None = None  # per_row with near-empty rows floored (compare.ROW_FLOOR);
                                               # None: no row under the floor, the judged errors are per_row
+    row_inherited: np.ndarray | None = None   # per row: the error the inputs' difference makes where the op
+                                              # acts (compare/inherited.py: log-softmax in nats, a norm through
+                                              # its gain); None: the feeds' own per-row errors are inherited
     row_ref_norm: np.ndarray | None = None                        # routed points: ||a_row||
     router_top: list[list[float]] | None = None             # router logits: side A's best choice scores,
                                                             # descending, in the space the top-k is taken in
@@ -128,6 +132,13 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     if met.per_row_judged is not None:
         m.per_row_judged = np.asarray(met.per_row_judged, dtype=np.float64)
     n = len(pair.rows)
+    if unit_of(point) == "nats":          # |Δ| itself, never over the value (docs/report.md, "Units")
+        m.per_row, m.per_row_judged = m.per_row_abs.copy(), None
+        m.error = math.inf if m.nonfinite else row_aggregate(m.per_row)
+        derived_sides = tuple((LOGPROBS, None) not in v.entries for v in (va, vb))
+        m.row_inherited = logprob_inherited(va, vb, pair.rows, pair.a, pair.b, (ta.dtype, tb.dtype), derived_sides)
+    else:
+        m.row_inherited = norm_inherited(va, vb, point, layer, pair.rows, pair.a)
     if BY_NAME[point].routed:
         m.row_ref_norm = _row_norms(pair.a.reshape(n, -1))
     if BY_NAME[point].role == "router_logits":

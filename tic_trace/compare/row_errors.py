@@ -45,13 +45,17 @@ class RowErrors:
 
     def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> tuple[list[dict], float | None]:
         """The worst rows of `m`, and the inherited error over all rows: `row_aggregate` of each judged row's
-        own inherited error (None when no row is judged). The same aggregate as the point's error, of the
+        own inherited error (None when no row is judged). A row's inherited error is the largest of its feeds'
+        errors at that row, or, where the measurement says what the inputs' difference makes where the op acts
+        (`m.row_inherited`: a log-softmax in nats, a norm through its gain), that. The same aggregate as the point's error, of the
         same rows, so the all-rows growth compares like with like (a norm that rescales every row shows no
         jump) and, the aggregate being monotone, exceeds `growth` only where some row's own growth does."""
         rows = self.rows_of(m)
         e = m.row_errors
         ie = np.zeros(len(rows))
-        for f in feeds:
+        if m.row_inherited is not None:     # measured where the op acts on its input (compare/inherited.py)
+            ie = np.asarray(m.row_inherited, dtype=np.float64)
+        for f in feeds if m.row_inherited is None else ():
             if is_ids(f[0]) or f not in carried:
                 continue
             np.maximum(ie, self.inherited(f, rows, carried[f], mixes_positions(m.point)), out=ie)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed
+from ..graph.canonical import OUTPUT_POINTS, RESIDUAL, is_ids, is_routed, unit_of
 from ..graph.canonical import order_key, parse_key
 from .judge import (DIVERGENT, INTRINSIC, NONFINITE, NOT_COMPARABLE, OPERATOR, OVER, PRECISION, ROUTING, WEIGHTS,
                     FlipFacts, Tolerance, accepted_point, coarser, growth_of, judge, judge_point, judge_replay,
@@ -107,7 +107,7 @@ def judge_points(points: list[Point], tolerance: Tolerance, accept_near_tie: boo
             p.tol = tolerance.tol(p.dtype, p.point, p.key)
             rows = [(_n(r.get("error")), _n(r.get("input_error"))) for r in p.worst_rows or []]
             j, each, by_row = judge_point(p.error, p.input_error or 0.0, p.tol, tolerance.growth,
-                                          nonfinite=p.nonfinite > 0, rows=rows)
+                                          nonfinite=p.nonfinite > 0, rows=rows, unit=unit_of(p.point))
             for r, rj in zip(p.worst_rows or [], each):
                 r["status"], r["cause"] = rj.status, rj.cause
             p.decided_by_row = p.worst_rows[by_row]["row"] if by_row is not None else None
@@ -196,9 +196,12 @@ def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: 
             j = judge(1.0, 0.0, 0.0, tolerance.growth, "ids", flips=facts)
         else:
             ie = max((prev[k] for k in p.inputs if k in prev), default=0.0)
+            if p.key in (w.inherited or {}):   # measured where the op acts (a log-softmax, a norm's gain)
+                ie = _n(w.inherited[p.key])
             if is_routed(p.point) and str(p.layer) in flipped_layers:
                 ie = math.inf              # this token ran other experts in this layer: inherited, not born here
-            j = judge(e, ie, p.tol if p.tol is not None else 0.0, tolerance.growth, nonfinite=math.isinf(e))
+            j = judge(e, ie, p.tol if p.tol is not None else 0.0, tolerance.growth, nonfinite=math.isinf(e),
+                      unit=unit_of(p.point))
             prev[p.key] = e
         if j.status == DIVERGENT:
             return p.key
@@ -229,7 +232,9 @@ def _finding(p: Point) -> Finding | None:
     rows = _rows_detail(p)
     row = next((r for r in p.worst_rows or [] if r.get("row") == p.decided_by_row), None)
     if p.status == DIVERGENT and p.cause == OPERATOR:
-        if row is not None:
+        if unit_of(p.point) == "nats":
+            head = _nats_head(p, row, rows)
+        elif row is not None:
             ie = num(row.get("input_error"))
             grew = ("its own inputs agree exactly" if ie == 0 else
                     f"{_g(num(row.get('growth')))} its own inputs' {_f(ie)}")
@@ -264,6 +269,16 @@ def _worst_text(p: Point) -> str:
     if r is None:
         return ""
     return f"; worst token {r['row']}: {_f(num(r.get('error')))} ({_g(num(r.get('growth')))} its own inputs')"
+
+
+def _nats_head(p: Point, row: dict | None, rows: dict) -> str:
+    """An operator finding at a point judged in nats (the log-probs; docs/report.md, "Units")."""
+    e, ie = (num(row.get("error")), num(row.get("input_error"))) if row is not None else (p.error, p.input_error)
+    who = f"token {row['row']}'s" if row is not None else "the rows'"
+    return (f"{p.key}: {who} |Δ| {_f(e)} nats, over tolerance {_f(p.tol)} nats and over the {_f(ie)} nats that "
+            "its inputs' difference implies through the exact op plus a clean implementation's rounding"
+            + (f" ({len(rows['rows'])} divergent row(s) among the worst shown; over all {p.rows} rows "
+               f"{_f(p.error)} nats)" if row is not None else _worst_text(p)))
 
 
 def _side_numbers(e: dict | None) -> str:

@@ -34,6 +34,11 @@ class PointSpec:
     # present, the feeds of the reading point it `replaces` are not read (that layer computes this instead).
     optional: bool = False
     replaces: tuple[str, ...] = ()
+    # The unit a row's error is judged in (compare/judge.py; docs/report.md, "Units"): "relative" — the row's
+    # relative L2, ‖a_row − b_row‖ / ‖a_row‖, every element against the row's scale (a top-k weight or router
+    # probability near 0 is never judged against its own value); "nats" — |a − b| itself, for a row that is one
+    # log-prob, against what the logits' difference implies through the log-softmax (compare/inherited.py).
+    unit: str = "relative"
 
 
 _L = True
@@ -113,7 +118,8 @@ SCHEMA: tuple[PointSpec, ...] = (
               role="residual", op="residual_add"),
     PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output", head=0, op="rmsnorm"),
     PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary", head=1, op="gemm"),
-    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2, op="log_softmax"),
+    PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2,
+              op="log_softmax", unit="nats"),
 )
 
 BY_NAME = {p.name: p for p in SCHEMA}
@@ -137,6 +143,12 @@ def is_ids(point: str) -> bool:
     """Whether a point holds ids (compared as sets, never as numbers)."""
     ps = BY_NAME.get(point)
     return bool(ps and ps.kind == "ids")
+
+
+def unit_of(point: str) -> str:
+    """The unit a point's row errors are judged in: "relative" or "nats" (PointSpec.unit)."""
+    ps = BY_NAME.get(point)
+    return ps.unit if ps else "relative"
 
 
 def is_routed(point: str) -> bool:

@@ -1,0 +1,164 @@
+"""A row's inherited error measured where the op acts on it (docs/report.md, "Where the op acts").
+
+The finder's rule compares a point's error with the error its inputs carry. Read as the inputs' own relative
+error, that is the wrong number at two ops of a trained model:
+
+- **log-softmax** (`logprobs`, unit nats): a log-prob near 0 has no relative scale, and the logits' relative
+  error says nothing in nats. What the logits' A−B difference implies for the row is known exactly:
+  `|lp(z_A)_t − lp(z_B)_t|`, the exact (float64) log-softmax of each side's own logits at the next token
+  (to first order `Δz_t − Σ_j p_j Δz_j`). A recorded log-prob adds its log-softmax's rounding on top: a clean
+  implementation (fp32 inside, the output rounded to its record's dtype) is within `logsoftmax_rounding`.
+- **a norm** (RMSNorm: `attn_norm`, `mlp_norm`, `final_norm`, post-norms): it rescales the row by its RMS and
+  weighs each channel by its gain. A massive channel (10^4x the median |x|) holds the row's norm, so the
+  input's relative error is that channel's alone; a tiny gain (4e-4) then mutes it, and the ordinary channels'
+  error shows at the output as a "jump" (or, the other way, a massive-channel error would excuse a fault).
+  The inherited error is what the exact norm makes of the inputs' difference: `‖g⊙(x̂_A − x̂_B)‖ / ‖g⊙x̂_A‖`
+  per row, x̂ = x / rms(x). The gain g is side A's own: fitted per channel from A's input and output (least
+  squares over the rows), the gain A applied whatever its parameterisation (w or 1 + w) and with or without a
+  checkpoint. Where the fit does not describe the op (a LayerNorm, a mean-subtracting or biased norm), nothing
+  is returned and the inputs' own errors are read as before.
+
+Each function returns one number per row (this point's rows, in order), inf where it cannot be known, or None
+where the op's own inherited error does not apply.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..graph.canonical import BY_NAME, feeds_of
+from ..store.dtypes import dtype_info, known_dtype
+from ..view.align import CanonicalView, RowId
+
+# A clean log-softmax's own error bound is multiplied by this: the bound counts one rounding per step, and real
+# kernels (a blocked max, a pairwise or atomic sum) may take a few more.
+ROUNDING_SAFETY = 4.0
+# The norm's gain fit must reproduce side A's output to this relative L2 (bf16 output rounding: ~1e-3) for the
+# op to be read as g ⊙ x / rms(x).
+NORM_FIT = 2e-2
+_U32 = 2.0 ** -24
+_EPS = 1e-6
+
+
+def _unit_roundoff(dtype: str | None) -> float:
+    if dtype and known_dtype(dtype) and dtype_info(dtype).is_float:
+        return 2.0 ** -(dtype_info(dtype).mantissa_bits + 1)
+    return _U32
+
+
+def logsoftmax_rounding(lp: np.ndarray, dtype: str | None, vocab: int) -> np.ndarray:
+    """The error (nats) a clean log-softmax adds to log-probs `lp` recorded in `dtype`: fp32 (or better) inside
+    — the shift by the max, the sum of V exponentials, the log, the subtraction — and one rounding of the output
+    to `dtype`: `u_d·|lp| + u_in·(2|lp| + 2 log2 V + 4)`, times ROUNDING_SAFETY. Near lp = 0 it is tiny: a
+    log-softmax evaluated in bf16 (its sum of exponentials rounded to bf16) is not within it."""
+    u_out = _unit_roundoff(dtype)
+    u_in = min(u_out, _U32)
+    a = np.abs(np.asarray(lp, dtype=np.float64))
+    return ROUNDING_SAFETY * (u_out * a + u_in * (2.0 * a + 2.0 * math.log2(max(vocab, 2)) + 4.0))
+
+
+def logprob_inherited(va: CanonicalView, vb: CanonicalView, rows: list[RowId], lp_a: np.ndarray,
+                      lp_b: np.ndarray, dtypes: tuple[str | None, str | None],
+                      derived: tuple[bool, bool]) -> np.ndarray:
+    """Per row (nats): what the logits' A−B difference implies through an exact log-softmax, plus each recorded
+    side's clean log-softmax rounding (`logsoftmax_rounding`; a side whose log-probs tic-trace derived from its
+    logits adds none). inf for a row whose logits or next token either side lacks."""
+    lp_a, lp_b = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (lp_a, lp_b))
+    if all(derived):                  # both computed here from the logits in float64: nothing added
+        return np.abs(lp_a - lp_b)
+    out = np.full(len(rows), math.inf)
+    za, zb = va.load("logits", None), vb.load("logits", None)
+    if za.values is None or zb.values is None or za.values.shape[1:] != zb.values.shape[1:]:
+        return out
+    ia, ib = ({r: i for i, r in enumerate(t.rows)} for t in (za, zb))
+    want = [(k, i, ia.get(r), ib.get(r), va.tokens.get((r[0], r[1] + 1))) for k, (i, r) in enumerate(enumerate(rows))]
+    ok = [w for w in want if w[2] is not None and w[3] is not None and w[4] is not None
+          and 0 <= int(w[4]) < za.values.shape[-1]]
+    if not ok:
+        return out
+    at = np.array([w[0] for w in ok])
+    tok = np.array([int(w[4]) for w in ok])
+    exact_a = _logprob_at(za.values, np.array([w[2] for w in ok]), tok)
+    exact_b = _logprob_at(zb.values, np.array([w[3] for w in ok]), tok)
+    vocab = int(za.values.shape[-1])
+    implied = np.abs(exact_a - exact_b)
+    for side, (lp, dt, der) in enumerate(((lp_a, dtypes[0], derived[0]), (lp_b, dtypes[1], derived[1]))):
+        if not der:
+            implied = implied + logsoftmax_rounding(lp[at], dt, vocab)
+    out[at] = implied
+    return out
+
+
+def _logprob_at(logits: np.ndarray, rows: np.ndarray, tok: np.ndarray, block: int = 256) -> np.ndarray:
+    out = np.empty(rows.size)
+    for s in range(0, rows.size, block):
+        x = logits[rows[s:s + block]].reshape(min(block, rows.size - s), -1).astype(np.float64)
+        x -= x.max(axis=-1, keepdims=True)
+        out[s:s + block] = x[np.arange(x.shape[0]), tok[s:s + block]] - np.log(np.exp(x).sum(axis=-1))
+    return out
+
+
+def norm_feed(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None) -> tuple | None:
+    """The one float point both sides record that feeds the norm `point` (its input), or None: another op, a
+    per-head norm, or more than one feed (the op's input is then not one recorded tensor)."""
+    ps = BY_NAME.get(point)
+    if ps is None or ps.op != "rmsnorm" or ps.per_head:
+        return None
+    present = set(va.entries) & set(vb.entries)
+    layers = [x for x in (va.n_layers, vb.n_layers) if x]
+    feeds = feeds_of(point, layer, present, min(layers) if layers else None)
+    return feeds[0] if len(feeds) == 1 else None
+
+
+def norm_inherited(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None, rows: list[RowId],
+                   out_a: np.ndarray) -> np.ndarray | None:
+    """Per row: the relative error the exact norm makes of the inputs' difference, `‖g⊙(x̂_A − x̂_B)‖ /
+    ‖g⊙x̂_A‖`, with side A's fitted per-channel gain g (module docstring). inf for a row either side's input
+    lacks; None where the point is not a norm of one recorded input, or the fit does not describe it."""
+    feed = norm_feed(va, vb, point, layer)
+    if feed is None:
+        return None
+    xa, xb = va.load(*feed), vb.load(*feed)
+    if xa.values is None or xb.values is None:
+        return None
+    n = len(rows)
+    y = np.asarray(out_a, dtype=np.float64).reshape(n, -1)
+    ia, ib = ({r: i for i, r in enumerate(t.rows)} for t in (xa, xb))
+    have = np.array([r in ia and r in ib for r in rows], dtype=bool)
+    if not have.any() or xa.values.shape[1:] != xb.values.shape[1:] or int(np.prod(xa.values.shape[1:])) != y.shape[1]:
+        return None
+    sel = [r for r, h in zip(rows, have) if h]
+    ha = _normalised(xa.values[[ia[r] for r in sel]].reshape(len(sel), -1))
+    hb = _normalised(xb.values[[ib[r] for r in sel]].reshape(len(sel), -1))
+    gain = _fit_gain(ha, y[have])
+    if gain is None:
+        return None
+    out = np.full(n, math.inf)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        num = np.linalg.norm(gain * (ha - hb), axis=1)
+        den = np.linalg.norm(gain * ha, axis=1)
+        out[have] = np.where(den > 0, num / np.maximum(den, 1e-300), np.where(num > 0, math.inf, 0.0))
+    out[have] = np.where(np.isfinite(ha).all(axis=1) & np.isfinite(hb).all(axis=1), out[have], math.inf)
+    return out
+
+
+def _normalised(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + _EPS)
+
+
+def _fit_gain(h: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """The per-channel gain g minimising ‖y − g⊙h‖ over the rows (finite rows only), or None where g⊙h does not
+    reproduce y to NORM_FIT (not an RMSNorm of this input)."""
+    fin = np.isfinite(h).all(axis=1) & np.isfinite(y).all(axis=1)
+    if not fin.any():
+        return None
+    h, y = h[fin], y[fin]
+    den = (h * h).sum(axis=0)
+    gain = np.where(den > 0, (h * y).sum(axis=0) / np.maximum(den, 1e-300), 0.0)
+    ref = float(np.linalg.norm(y))
+    if ref == 0 or float(np.linalg.norm(y - gain * h)) > NORM_FIT * ref:
+        return None
+    return gain
