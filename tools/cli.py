@@ -58,8 +58,9 @@ def _load_report(path: str) -> dict:
 
 def _views(args, console):
     from tic_trace.view.align import CanonicalView
-    va = CanonicalView(args.a, args.adapter_a)
-    vb = CanonicalView(args.b, args.adapter_b)
+    by = getattr(args, "passes_by", "order")
+    va = CanonicalView(args.a, args.adapter_a, passes_by=by)
+    vb = CanonicalView(args.b, args.adapter_b, passes_by=by)
     return va, vb
 
 
@@ -196,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare a side whose architecture is not in its adapter's table (refused by "
                              "default, exit 3), every report marked UNVERIFIED MAPPING (README: supported "
                              "architectures)")
+        sp.add_argument("--passes-by", choices=("order", "tag"), default="order",
+                        help="a side that traced the same rows in several passes (actor and reference model, two "
+                             "steps) is compared pass with pass: in order (default: the k-th pass over a row with "
+                             "the other side's k-th), or by the tag each pass was given (tracer.step(tag))")
         sp.add_argument("--worst-tokens", type=_count, default=8, help=WORST_TOKENS_HELP)
         sp.add_argument("--workers", type=_workers, default=("processes", 1), metavar="N|ray:N",
                         help=_WORKERS_HELP)

@@ -87,6 +87,7 @@ def identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
                         "pass its own key (tracer.sample_keys, set before each forward) and trace each forward "
                         "once; these rows are not compared", {"short": short, "blocks": ALWAYS, "side": side,
                                                              "rows": named}))
+    out += _passes_note(identity)
     excluded, n_diff = _count(rows, "excluded"), _count(rows, "different_tokens")
     if n_diff:
         diff = [d for d in identity.get("different_tokens") or [] if isinstance(d, dict)]
@@ -128,3 +129,26 @@ def identity_notes(rows: dict, identity: dict, structure: dict) -> list[Note]:
         out.append(Note("unmatched_rows", short + why, {"short": short, "side": side,
                                                         "blocks": UNLESS_DIVERGENT if inside else None, **u}))
     return out
+
+
+def _passes_note(identity: dict) -> list[Note]:
+    """Per-pass coverage where a side traced the same rows in several passes (view/passes.py): compared pass
+    with pass, never refused; a pass one side alone has is said (its rows are unmatched rows too)."""
+    ps = identity.get("passes") if isinstance(identity.get("passes"), dict) else {}
+    a, b, m = (ps.get(k) if isinstance(ps.get(k), dict) else {} for k in ("a", "b", "matched"))
+    if not (a or b):
+        return []
+    labels = list(m) or sorted(set(a) | set(b))
+    each = []
+    for lab in labels:
+        na, nb = _count(a, lab), _count(b, lab)
+        if na and nb:
+            each.append(f"pass {lab}: {_count(m, lab)} of {max(na, nb)} rows compared")
+        else:
+            each.append(f"pass {lab}: side {'A' if na else 'B'} only ({na or nb} rows, not compared)")
+    how = "by the passes' tags" if ps.get("by") == "tag" else "in order"
+    short = (f"rows traced in {len(a)} pass(es) on side A, {len(b)} on side B, compared pass with pass {how}: "
+             + _listed(each, str, len(each)))
+    return [Note("passes", short + " — the same batch traced more than once (actor and reference model, or two "
+                 "steps) is one set of rows per pass; --passes-by tag matches passes by tracer.step(tag) instead",
+                 {"short": short, "by": ps.get("by"), "a": a, "b": b, "matched": m})]

@@ -32,6 +32,7 @@ class SideRef:
     adapter: str
     include_recompute: bool
     manifest_mtime_ns: int
+    passes_by: str = "order"
 
     @classmethod
     def of(cls, v: CanonicalView) -> "SideRef":
@@ -40,10 +41,11 @@ class SideRef:
             stamp = os.stat(os.path.join(path, "manifest.msgpack")).st_mtime_ns
         except OSError:
             stamp = 0
-        return cls(path, adapter_spec(v.adapter), bool(v.include_recompute), stamp)
+        return cls(path, adapter_spec(v.adapter), bool(v.include_recompute), stamp, v.passes_by)
 
     def open(self) -> CanonicalView:
-        return CanonicalView(self.path, self.adapter, include_recompute=self.include_recompute)
+        return CanonicalView(self.path, self.adapter, include_recompute=self.include_recompute,
+                             passes_by=self.passes_by)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 from ..graph.adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
 from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.format import Pass, Record, Trace, TraceFormatError, open_trace
+from .passes import PASSES_BY, pass_round, repeat_key, split_key, tag_key
 
 RowId = tuple[str, int]
 _CALL_SUFFIX = re.compile(r"#\d+")   # the tracer's scope of a module's second, third, ... call in one pass
@@ -52,8 +53,16 @@ class CanonicalTensor:
 class CanonicalView:
     """One side of a comparison: a trace seen through its adapter."""
 
-    def __init__(self, trace: Trace | str, adapter: Adapter | str | None = None, *, include_recompute: bool = False):
+    def __init__(self, trace: Trace | str, adapter: Adapter | str | None = None, *, include_recompute: bool = False,
+                 passes_by: str = "order"):
+        if passes_by not in PASSES_BY:
+            raise ValueError(f"passes_by must be one of {', '.join(PASSES_BY)}, not {passes_by!r}")
         self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
+        self.passes_by = passes_by
+        # (rank, pass index) -> the sample-key rename of that pass's rows (view/passes.py): a repeated pass over
+        # the same rows is its own set of rows, compared with the same pass of the other side
+        self._pass_key: dict[tuple[int, int], object] = {}
+        self.passes: dict[str, int] = {}    # pass label ("1", "2", ... or a tag) -> distinct rows it names
         # An adapter the caller named may be 'module:Class'; the manifest's name only looks up the registry.
         self.adapter = load_adapter(adapter) if adapter is not None else _adapter_of(self.trace)
         self.config = dict(self.trace.manifest.get("model") or {})
@@ -90,6 +99,8 @@ class CanonicalView:
         # for the duplicate check at the end.
         group_rows: dict[int, dict[RowId, int]] = defaultdict(lambda: defaultdict(int))
         group_points: dict[int, set] = defaultdict(set)
+        group_seen: dict[int, dict] = defaultdict(dict)      # original row -> times traced (passes by order)
+        group_first: dict[int, dict] = defaultdict(dict)     # original row -> its first token
         for gi, group in enumerate(groups):
             lead = group[0]
             for pidx in self.trace.pass_indices(lead):
@@ -102,9 +113,11 @@ class CanonicalView:
                 if rows is not None:
                     toks = rows.get("tokens")
                     counts = group_rows[gi]
+                    rename = self._pass_rename(group, pidx, lead_pass, group_seen[gi], group_first[gi])
                     for i, (k, p) in enumerate(zip(rows["keys"], rows["positions"])):
                         if k is None:
                             continue
+                        k = rename(k) if rename is not None else k
                         seen_rows.add((k, p))
                         counts[(k, p)] += 1
                         if toks is not None:
@@ -149,7 +162,40 @@ class CanonicalView:
                                            and any(rx.match(_CALL_SUFFIX.sub("", n)) for _, rx in compiled))
         self.rows_total = len(seen_rows)
         self.row_ids = seen_rows
+        labels = defaultdict(set)
+        for k, p in seen_rows:
+            labels[self._label_of(k)].add((k, p))
+        self.passes = {lab: len(r) for lab, r in sorted(labels.items())}
         self.duplicate_rows = _duplicates(group_rows, group_points)
+
+    def _pass_rename(self, group: list[int], pidx: int, lead_pass: Pass, seen: dict, first: dict):
+        """The sample-key rename of one pass's rows (view/passes.py), recorded for every rank of its group so
+        that `load()` names the rows of its records the same way; updates the group's row counts."""
+        rows = lead_pass.rows
+        keys, positions, tokens = rows["keys"], rows["positions"], rows.get("tokens")
+        rename = None                 # the pass's rows keep their keys
+        if self.passes_by == "tag":
+            tag = lead_pass.tag
+            if isinstance(tag, str) and tag:
+                rename = lambda k, t=tag: tag_key(k, t)         # noqa: E731
+        else:
+            r = pass_round(keys, positions, tokens, seen, first)
+            if r:
+                rename = lambda k, r=r: repeat_key(k, r)        # noqa: E731
+        for i, (k, p) in enumerate(zip(keys, positions)):
+            if k is not None:
+                seen[(k, int(p))] = seen.get((k, int(p)), 0) + 1
+                if tokens is not None:
+                    first.setdefault((k, int(p)), tokens[i])
+        for r_ in group:
+            self._pass_key[(r_, pidx)] = rename
+        return rename
+
+    def _label_of(self, sample: str) -> str:
+        """The pass label of a row's sample key: "1", "2", ... by order, the tag (or "untagged") by tag."""
+        if self.passes_by == "tag":
+            return sample.rsplit("/", 1)[1] if "/" in sample else "untagged"
+        return str(split_key(sample)[1] + 1)
 
     # ------------------------------------------------------------ queries
     def points(self) -> list[tuple[str, int | None]]:
@@ -235,17 +281,25 @@ class CanonicalView:
                 if any(not 0 <= i < len(keys) for i in kept):
                     raise TraceFormatError(p.path, f"record {rec.name!r:.100}: the adapter maps it beyond the "
                                                    f"{len(keys)} rows of the pass")
-                rows = [None if keys[i] is None else (keys[i], int(pos[i])) for i in kept]
+                rows = self._renamed(rank, pass_index, [None if keys[i] is None else (keys[i], int(pos[i]))
+                                                        for i in kept])
                 return rows, None not in rows and len(set(rows)) == len(rows)
         if rec.row_index is not None or p.rows is None:
-            rows = _rows_of(p, rec)
+            rows = self._renamed(rank, pass_index, _rows_of(p, rec))
             return rows, None not in rows and len(set(rows)) == len(rows)
         key = (rank, pass_index)
         got = self._pass_rows.get(key)
         if got is None:
-            rows = _rows_of(p, rec)
+            rows = self._renamed(rank, pass_index, _rows_of(p, rec))
             got = self._pass_rows[key] = (rows, None not in rows and len(set(rows)) == len(rows))
         return got
+
+    def _renamed(self, rank: int, pass_index: int, rows: list) -> list:
+        """Rows of a repeated (or tagged) pass under their pass's sample keys (`_pass_rename`)."""
+        rename = self._pass_key.get((rank, pass_index))
+        if rename is None:
+            return rows
+        return [None if r is None else (rename(r[0]), r[1]) for r in rows]
 
     def _layout(self, e: _Entry, recs: list[Record], ranks: list[int], rows: list, point: str,
                 layer: int | None) -> tuple[np.ndarray, str | None]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..graph.canonical import LOGPROBS
 from ..graph.row_subset import RowSubset, shared_subset
 from .align import CanonicalView, RowId
+from .passes import split_key
 
 ROWS_NAMED = 8          # rows listed by name in the report (the counts cover all of them)
 
@@ -47,6 +48,9 @@ class RowIdentity:
     unmatched: dict = field(default_factory=dict)
     # "a"/"b" -> rows of that side alone that the row subset both sides recorded drops (not unmatched)
     dropped: dict = field(default_factory=dict)
+    # passes over the same rows (view/passes.py): {"by", "a": {label: rows}, "b": {...}, "matched": {label: rows
+    # both sides have and compare}}; empty where each side traced every row once
+    passes: dict = field(default_factory=dict)
 
     def exclude_for(self, point: str) -> frozenset:
         """The rows not to compare at `point`. A log-prob row p scores the token at p+1: left out too when
@@ -70,7 +74,8 @@ class RowIdentity:
             return [{"sample": k, "position": p, "times": n}
                     for (k, p), n in sorted(rows.items(), key=lambda kv: _row_order(kv[0]))[:ROWS_NAMED]]
         empty = {"count": 0, "other_samples": 0, "outside": 0, "inside": 0, "first": []}
-        return {"unmatched": {s: dict(self.unmatched.get(s) or empty) for s in ("a", "b")},
+        extra = {"passes": self.passes} if self.passes else {}
+        return {**extra, "unmatched": {s: dict(self.unmatched.get(s) or empty) for s in ("a", "b")},
                 "different_tokens": [{"sample": r[0], "position": r[1], "token_a": ta, "token_b": tb}
                                      for r, ta, tb in self.different[:ROWS_NAMED]],
                 "duplicates": {s: named(self.duplicates.get(s) or {}) for s in ("a", "b")}}
@@ -118,14 +123,29 @@ def _row_identity(va: CanonicalView, vb: CanonicalView) -> RowIdentity:
     alone = {"a": _not_dropped(ra - common, subset), "b": _not_dropped(rb - common, subset)}
     return RowIdentity(frozenset(excluded), different, len(different), dup,
                        {"a": _unmatched(alone["a"], rb), "b": _unmatched(alone["b"], ra)},
-                       {"a": len(ra - common) - len(alone["a"]), "b": len(rb - common) - len(alone["b"])})
+                       {"a": len(ra - common) - len(alone["a"]), "b": len(rb - common) - len(alone["b"])},
+                       _passes(va, vb, common - excluded))
+
+
+def _passes(va: CanonicalView, vb: CanonicalView, compared: set) -> dict:
+    """Per-pass coverage where a side traced the same rows more than once (or passes are matched by tag):
+    each side's rows per pass, and the rows both have per pass (view/passes.py)."""
+    if set(va.passes) <= {"1"} and set(vb.passes) <= {"1"} and va.passes_by == vb.passes_by == "order":
+        return {}
+    matched: dict[str, int] = {}
+    for k, _p in compared:
+        lab = va._label_of(k)
+        matched[lab] = matched.get(lab, 0) + 1
+    labels = sorted(set(va.passes) | set(vb.passes), key=_sample_order)
+    return {"by": va.passes_by, "a": dict(va.passes), "b": dict(vb.passes),
+            "matched": {lab: matched.get(lab, 0) for lab in labels}}
 
 
 def _not_dropped(rows: set, subset: RowSubset | None) -> set:
     """Of one side's rows the other lacks, those the shared row subset keeps (all of them without one)."""
     if subset is None:
         return rows
-    return {r for r in rows if subset.keeps(r[0], r[1])}
+    return {r for r in rows if subset.keeps(split_key(r[0])[0], r[1])}   # the key the tracer kept rows by
 
 
 def _unmatched(mine: set, theirs: set) -> dict:
