@@ -34,7 +34,7 @@ fi
 # it re-checks sglang; take it out while the resolver runs, and put it back last.
 if installed sglang; then quiet "$py" -m pip uninstall -q -y sglang; fi
 "${pip[@]}" -c requirements/constraints.txt -r requirements/base.txt -r requirements/hf.txt -r requirements/megatron.txt \
-  -r requirements/test.txt -r requirements/fast.txt -r requirements/sglang-light.txt
+  -r requirements/test.txt -r requirements/fast.txt -r requirements/sglang-light.txt -r requirements/real-model.txt
 
 step "installing SGLang's model code ($sglang_pin) without its serving dependencies, on purpose" \
      "(requirements/sglang-light.txt says why)"
