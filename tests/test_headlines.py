@@ -174,3 +174,62 @@ def test_the_fp32_headline_names_the_side_when_it_is_known(tmp_path, fault, side
     assert line.startswith("FIRST DIVERGENCE") and "[operator]" in line and line.endswith(side), line
     import html
     assert html.escape(side.split(": ", 1)[1]) in render_html(doc)
+
+
+# ------------------------------------------------------------------------------------------ attribution's words
+
+def _rope_position_offset(k: int):
+    """Side B's layer-0 attention rotates q and k as if every position were k further (fp32): a large,
+    non-linear change of q and k that attention, relative in positions, almost undoes."""
+    def plant_it(model):
+        attn = model.model.layers[0].self_attn
+        inv = 1.0 / (10000.0 ** (torch.arange(0, attn.head_dim, 2, dtype=torch.float32) / attn.head_dim))
+
+        def pre(mod, args, kwargs):
+            cos, sin = kwargs["position_embeddings"]
+            freqs = (torch.arange(cos.shape[-2], dtype=torch.float32)[None] + k)[..., None] * inv
+            emb = torch.cat((freqs, freqs), dim=-1)
+            kwargs["position_embeddings"] = (emb.cos().to(cos.dtype), emb.sin().to(sin.dtype))
+            return args, kwargs
+        attn.register_forward_pre_hook(pre, with_kwargs=True)
+    return plant_it
+
+
+def test_attribution_far_outside_first_order_is_withheld(tmp_path):
+    """A RoPE position offset: local errors ~1e5x a log-prob gap of ~3e-6. The finder still names the point;
+    the attribution reports no share (it would be -1.9e5 and the like), and says why."""
+    from tic_trace.compare.diverge import rejudge
+    from tic_trace.report.attribution_lines import attribution_lines
+    a, b, ck = _pair(tmp_path, torch.float32, False, _rope_position_offset(3))
+    rep = find_divergence(a, b, reference=ck, attribution=True)
+    att = rep.attribution
+    assert rep.first["key"] in ("L0.attn.q_rope", "L0.attn.k_rope"), rep.first["key"]
+    assert att["withheld"] and "far outside where first order holds" in att["withheld"], att
+    assert att["first"] is None and att["top"] == []
+    assert all(f.share is None for f in rep.findings)
+    lines = attribution_lines(rep.to_json())
+    assert "shares withheld" in lines[0] and "explains" not in lines[0], lines
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert rejudge(doc) == doc
+
+
+def test_attribution_separates_measured_from_credited(tmp_path):
+    """bf16 RMSNorm without its upcast: the answer says what was measured at the point (its own term), what
+    it is credited by the heuristic (the clean ops after it), and that the clean noise of this model was not
+    measured."""
+    from tic_trace.report.attribution_lines import attribution_lines
+    from tic_trace.testing.precision_faults import PRECISION_FAULTS
+    a, b, ck = _pair(tmp_path, torch.bfloat16, True, lambda m: PRECISION_FAULTS["rmsnorm_no_upcast"].plant(m, 1))
+    doc = find_divergence(a, b, reference=ck, attribution=True).to_json()
+    att = doc["attribution"]
+    assert att["first"] == "L1.attn_norm" and not att["withheld"], att
+    s = next(x for x in att["by_point"] if x["key"] == "L1.attn_norm")
+    lines = attribution_lines(doc)
+    assert lines[0].startswith(f"attribution of Σ|Δ logprob| = {att['gap']:.3g} over")
+    assert ("L1.attn_norm explains" in lines[0] and f"measured: its own error {100 * s['share']:.0f}%" in lines[0]
+            and f"credited by a heuristic: the clean ops after it {100 * s['share_downstream']:.0f}%" in lines[0])
+    assert att["credit"].startswith("heuristic:") and any(ln.startswith("  credited: heuristic:") for ln in lines)
+    assert att["clean_noise"]["measured"] is False
+    assert any(ln.startswith("  clean-implementation noise of this model: not measured") for ln in lines)
+    if abs(s["share"]) < 0.5 * abs(s["share_total"]):
+        assert any("own measured share is" in ln for ln in lines)

@@ -35,8 +35,8 @@ def check_attribution_tokens(tokens: int | None) -> None:
 
 def set_shares(findings: list, attribution: dict | None) -> None:
     """Each finding's share of the gap from the attribution (None: not attributed)."""
-    if not isinstance(attribution, dict) or "unavailable" in attribution:
-        return
+    if not isinstance(attribution, dict) or "unavailable" in attribution or attribution.get("withheld"):
+        return                # withheld: first order does not hold, no finding gets a share
     shares = {s.get("key"): s.get("share_total") for s in (attribution.get("by_point") or [])
               + (attribution.get("routing") or []) if isinstance(s, dict)}
     for f in findings:

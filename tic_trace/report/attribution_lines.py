@@ -28,28 +28,59 @@ def attribution_lines(report: dict) -> list[str]:
         return [f"attribution: not made — {att.get('unavailable')}"]
     gap, tokens = num(att.get("gap")), att.get("tokens")
     head = f"attribution of Σ|Δ logprob| = {gap:.3g} over {tokens} tokens" if isinstance(gap, float) else "attribution"
+    if isinstance(att.get("withheld"), str) and att["withheld"]:
+        return [f"{head}: shares withheld — {att['withheld']}",
+                f"  explained {_pct(att.get('explained'))} of the gap at first order (the measured terms are in "
+                "the JSON's by_point, for reading)"]
     shares = {s.get("key"): s for s in _shares(att)}
     first = att.get("first")
+    out = []
     if first in shares:
         s = shares[first]
-        out = [f"{head}: {first} explains {_pct(s.get('share_total'))} (its own error {_pct(s.get('share'))}, the "
-               f"clean ops after it {_pct(s.get('share_downstream'))}) — the first significant difference in dataflow order"]
+        out.append(f"{head}: {first} explains {_pct(s.get('share_total'))} — measured: its own error "
+                   f"{_pct(s.get('share'))}; credited by a heuristic: the clean ops after it "
+                   f"{_pct(s.get('share_downstream'))} — the first significant difference in dataflow order")
+        own, total = _val(s.get("share")), _val(s.get("share_total"))
+        if own is not None and total and abs(own) < 0.5 * abs(total):
+            out.append(f"  note: {first}'s own measured share is {_pct(own)}: most of what it is credited is the "
+                       "clean ops after it, by the heuristic, not measured at it")
     else:
-        out = [f"{head}: no finding explains {_pct(att.get('threshold'))} or more; clean ops' rounding noise "
-               f"{_pct(att.get('noise'))}"]
+        out.append(f"{head}: no finding explains {_pct(att.get('threshold'))} or more; clean ops' rounding noise "
+                   f"{_pct(att.get('noise'))}")
     routed = {s.get("key") for s in att.get("routing") or [] if isinstance(s, dict)}
     for k in [k for k in att.get("top") or [] if k in shares][:SHOWN]:
         s = shares[k]
         why = (f"{s.get('rows')} token(s) on other experts, their layer recomputed with each side's choice"
-               if k in routed else f"A {_pct(s.get('share_a'))}, B {_pct(s.get('share_b'))} of the own-error terms")
+               if k in routed else f"measured own {_pct(s.get('share'))}: A {_pct(s.get('share_a'))}, "
+                                   f"B {_pct(s.get('share_b'))} of the own-error terms")
         out.append(f"  {k:<24} {_pct(s.get('share_total')):>5}  ({why})")
     kinds = [k for k in att.get("by_kind") or [] if isinstance(k, dict)][:SHOWN]
     if kinds:
         out.append("  by op: " + ", ".join(f"{k.get('kind')} {_pct(k.get('share'))}" for k in kinds))
     out.append(f"  explained {_pct(att.get('explained'))} of the gap at first order, residual {_pct(att.get('residual'))}"
                + (f"; {len(att.get('not_attributed') or [])} point(s) not attributed" if att.get("not_attributed") else ""))
+    if isinstance(att.get("credit"), str):
+        out.append(f"  credited: {att['credit']}")
+    out.append("  clean-implementation noise of this model: " + _clean_noise(att, gap))
     out += [f"  note: {n}" for n in att.get("notes") or [] if isinstance(n, str)]
     return out
+
+
+def _val(x: Any) -> float | None:
+    v = num(x) if isinstance(x, str) else x
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _clean_noise(att: dict, gap: Any) -> str:
+    """Whether the gap is within this model's clean-implementation noise: from a measured estimate where the
+    report has one (`clean_noise.gap`), else said to be not measured."""
+    cn = att.get("clean_noise") if isinstance(att.get("clean_noise"), dict) else {}
+    est = _val(cn.get("gap"))
+    if cn.get("measured") and est is not None and isinstance(gap, float):
+        within = "within" if gap <= est else "above"
+        return f"a clean pair's gap is {est:.3g}: this gap ({gap:.3g}) is {within} it"
+    why = cn.get("why") if isinstance(cn.get("why"), str) else "not measured"
+    return why
 
 
 def _shares(att: dict) -> list[dict]:

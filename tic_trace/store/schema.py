@@ -340,6 +340,7 @@ class ReportAttribution(TypedDict, total=False):
     not_attributed: list[ReportNotAttributed]
     notes: list[str]
     withheld: ShortText | None
+    credit: ShortText
     clean_noise: dict[str, Any] | None
 
 
