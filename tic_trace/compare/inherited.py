@@ -48,14 +48,17 @@ def _unit_roundoff(dtype: str | None) -> float:
 
 
 def logsoftmax_rounding(lp: np.ndarray, dtype: str | None, vocab: int) -> np.ndarray:
-    """The error (nats) a clean log-softmax adds to log-probs `lp` recorded in `dtype`: fp32 (or better) inside
-    — the shift by the max, the sum of V exponentials, the log, the subtraction — and one rounding of the output
-    to `dtype`: `u_d·|lp| + u_in·(2|lp| + 2 log2 V + 4)`, times ROUNDING_SAFETY. Near lp = 0 it is tiny: a
-    log-softmax evaluated in bf16 (its sum of exponentials rounded to bf16) is not within it."""
-    u_out = _unit_roundoff(dtype)
-    u_in = min(u_out, _U32)
+    """The error (nats) a clean log-softmax adds to log-probs `lp` recorded in `dtype`: computed in `dtype` — its
+    sum of exponentials (a relative error u_d: u_d nats of log-sum-exp) and its output (u_d·|lp|) each rounded
+    once to it, as torch's bf16 log_softmax does — on fp32-or-better internals (the shift by the max, the sum of
+    V exponentials, the log, the subtraction): `u_d·(2|lp| + 2) + u_in·(2|lp| + 2 log2 V + 4)`, times
+    ROUNDING_SAFETY. For fp32 log-probs it is ~1e-5 nats near lp = 0: a denominator rounded to bf16 (~4e-3
+    nats) in an fp32 record is not within it; bf16 log-probs against fp32 ones are a precision difference
+    (the effective dtypes differ), judged by the replay or by dtype."""
+    u_d = _unit_roundoff(dtype)
+    u_in = min(u_d, _U32)
     a = np.abs(np.asarray(lp, dtype=np.float64))
-    return ROUNDING_SAFETY * (u_out * a + u_in * (2.0 * a + 2.0 * math.log2(max(vocab, 2)) + 4.0))
+    return ROUNDING_SAFETY * (u_d * (2.0 * a + 2.0) + u_in * (2.0 * a + 2.0 * math.log2(max(vocab, 2)) + 4.0))
 
 
 def logprob_inherited(va: CanonicalView, vb: CanonicalView, rows: list[RowId], lp_a: np.ndarray,

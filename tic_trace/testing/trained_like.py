@@ -97,3 +97,31 @@ def massive_share(hidden: torch.Tensor, rows: torch.Tensor) -> float:
     how much of an all-rows relative error those rows decide."""
     sq = hidden.float().pow(2).sum(-1)
     return float(sq[rows].sum() / sq.sum())
+
+
+def mute_channels(model, channels, gain: float = 4e-4, norm: str = "post_attention_layernorm",
+                  layers: range | None = None) -> None:
+    """The `norm` gain of `channels` set to `gain` in `layers` (default: every layer but the first): a massive
+    channel muted before the MLP, as trained models do (gains down to 5e-5 where the residual's massive channel
+    sits)."""
+    with torch.no_grad():
+        for i, lay in enumerate(model.model.layers):
+            if (layers is None and i > 0) or (layers is not None and i in layers):
+                getattr(lay, norm).weight[list(channels)] = gain
+
+
+def confident_head(model, scale: float = 8.0) -> None:
+    """The lm_head scaled by `scale`: peaked next-token distributions, so that the model's own tokens have
+    log-probs near 0 (a trained model's are; random-init ones sit near -log V)."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+
+
+def greedy_continuation(model, prompt: torch.Tensor, length: int) -> torch.Tensor:
+    """`prompt` [batch, seq] extended to `length` positions with the model's own greedy tokens (what an RL
+    rollout scores: the log-probs of a confident model's own answer sit near 0)."""
+    ids = prompt
+    with torch.no_grad():
+        while ids.shape[1] < length:
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids
