@@ -96,14 +96,18 @@ def _exact_in(x: torch.Tensor) -> list[torch.dtype]:
     return out
 
 
-def hash_pieces(param: torch.Tensor, pieces: list[WeightPiece]) -> list[list[Any]]:
-    """[[name, shape, offsets, piece shape, {dtype: hash}], ...] of one parameter's pieces."""
+def hash_pieces(param: torch.Tensor, pieces: list[WeightPiece], own: int | None = None) -> list[list[Any]]:
+    """[[name, shape, offsets, piece shape, {dtype: hash}], ...] of one parameter's pieces (`own`: the
+    parameter's own hash, already known, when it is its one piece whole)."""
     out = []
     with torch.no_grad():
         p = param.detach()
         for pc in pieces:
             x = pc.of(p)
-            hashes = {str(x.dtype).removeprefix("torch."): piece_hash(x, pc.shape, pc.offsets)}
+            mine = own if own is not None and len(pieces) == 1 and not pc.index and tuple(p.shape) == pc.shape \
+                else None
+            hashes = {str(x.dtype).removeprefix("torch."): piece_hash(x, pc.shape, pc.offsets) if mine is None
+                      else torch.tensor(mine)}
             if x.dtype in _NARROWER:
                 for dt in _exact_in(x):
                     hashes[str(dt).removeprefix("torch.")] = piece_hash(x.to(dt), pc.shape, pc.offsets)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .stats import device_hash
-from .weight_pieces import hash_pieces, whole
+from .weight_pieces import hash_pieces
 
 
 _State = tuple[int, int, str]   # (data_ptr, in-place version, dtype): a parameter unchanged while it holds
@@ -111,7 +111,6 @@ class ParameterHasher:
             return None
         return {k: [self._seen[k][3], self._seen[k][2].removeprefix("torch."), list(params[k].shape)] for k in keys}
 
-
     def _hash_pieces(self, models: list, params: dict[str, torch.Tensor], keys) -> dict[str, list] | None:
         """{name: hash_pieces of its checkpoint-layout pieces} for `keys` ([] where the adapter maps none),
         None when the adapter declares no map. A parameter that is its piece whole reuses its own hash."""
@@ -132,15 +131,10 @@ class ParameterHasher:
         out: dict[str, list] = {}
         for k in keys:
             pieces, p = self._plan.get(k) or [], params[k]
-            if pieces == whole(pieces[0].name, p) if len(pieces) == 1 else False:
-                # the parameter is the checkpoint tensor itself: its hash is already known (narrower dtypes aside)
-                out[k] = hash_pieces(p, pieces) if p.dtype in (torch.float32, torch.float64) else \
-                    [[pieces[0].name, list(p.shape), [0] * p.dim(), list(p.shape),
-                      {str(p.dtype).removeprefix("torch."): self._seen[k][3]}]]
-            else:
-                try:
-                    out[k] = hash_pieces(p, pieces) if pieces else []
-                except Exception as e:  # noqa: BLE001 - a map that does not fit this parameter: not mapped
-                    self.plan_error = f"{k}: {type(e).__name__}: {e}"
-                    out[k] = []
+            try:
+                # a parameter that is its checkpoint tensor whole: its own hash is already known
+                out[k] = hash_pieces(p, pieces, own=self._seen[k][3]) if pieces else []
+            except Exception as e:  # noqa: BLE001 - a map that does not fit this parameter: not mapped
+                self.plan_error = f"{k}: {type(e).__name__}: {e}"
+                out[k] = []
         return out
