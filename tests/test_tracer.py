@@ -207,6 +207,36 @@ def test_root_forward_called_directly_is_traced(tmp_path, hf_moe_config):
     assert p.rows["positions"] == [0, 1, 2, 3]    # the adapter saw the root's inputs
 
 
+class _KeylessOutput(dict):
+    """An output mapping registered as a pytree node without key paths, as transformers 5.12 registers every
+    `ModelOutput` (no `flatten_with_keys_fn`: `tree_flatten_with_path` raises on it)."""
+
+
+torch.utils._pytree.register_pytree_node(_KeylessOutput, lambda d: (list(d.values()), list(d)),
+                                         lambda values, keys: _KeylessOutput(zip(keys, values)))
+
+
+class _KeylessHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return _KeylessOutput(logits=self.lm_head(x) * 2, hidden=x)
+
+
+def test_an_output_mapping_without_pytree_key_paths_is_recorded_by_its_keys(tmp_path):
+    """transformers 5.12.1 (slime's stack) would lose the model's output, `<root>:out['logits']`."""
+    m, x = _KeylessHead(), torch.randn(3, 4)
+    with pytest.raises(ValueError):
+        torch.utils._pytree.tree_flatten_with_path(_KeylessOutput(a=x))
+    with tic_trace.trace(m, tmp_path / "t", points_mode="full"), torch.no_grad():
+        want = m(x)["logits"]
+    p = next(open_trace(tmp_path / "t").passes())
+    assert torch.equal(torch.from_numpy(np.array(p.get("<root>:out['logits']").values())), want)
+    assert p.get("<root>:out['hidden']") is not None
+
+
 def test_step_makes_passes_and_filters_select(tmp_path, hf_moe_config):
     model = build_hf_model(hf_moe_config)
     f = Filters(modules=["model.layers.1*"], ops=["aten.mm", "aten.bmm"], passes="1-2")

@@ -5,18 +5,32 @@ copy."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._pytree import keystr, tree_flatten_with_path
+from torch.utils._pytree import MappingKey, keystr, tree_flatten_with_path
 
 from ..store.dtypes import torch_dtype_name
 from ..store.format import Record
 from ..store.writer import PassWriter
 from .host_copy import as_storage
 from .odd_tensors import recordable
+
+
+def _flatten_with_path(value: Any) -> list:
+    """`tree_flatten_with_path`'s leaves, also for a mapping registered as a pytree node without key paths:
+    transformers 5.12 registers every `ModelOutput` so (no `flatten_with_keys_fn`, a ValueError here), which
+    would silently drop a model's whole output (`<root>:out['logits']`); its entries get the names a dict's
+    would, as they have under transformers 5.24."""
+    try:
+        return tree_flatten_with_path(value)[0]
+    except ValueError:
+        if not isinstance(value, Mapping):
+            raise
+        return [((MappingKey(k),) + tuple(p), v) for k, sub in value.items() for p, v in _flatten_with_path(sub)]
 
 
 @dataclass
@@ -35,7 +49,7 @@ class TensorCapture:
             leaves = [("", value)]
         else:
             try:
-                flat, _ = tree_flatten_with_path(value)
+                flat = _flatten_with_path(value)
             except Exception:  # noqa: BLE001 - unknown containers are simply not traced
                 return
             leaves = []
