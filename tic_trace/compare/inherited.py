@@ -39,6 +39,7 @@ ROUNDING_SAFETY = 4.0
 NORM_FIT = 2e-2
 _U32 = 2.0 ** -24
 _EPS = 1e-6
+BLOCK_ELEMS = 1 << 18     # float64 values of one side's input rows widened at once
 
 
 def _unit_roundoff(dtype: str | None) -> float:
@@ -93,8 +94,10 @@ def logprob_inherited(va: CanonicalView, vb: CanonicalView, rows: list[RowId], l
     return out
 
 
-def _logprob_at(logits: np.ndarray, rows: np.ndarray, tok: np.ndarray, block: int = 256) -> np.ndarray:
+def _logprob_at(logits: np.ndarray, rows: np.ndarray, tok: np.ndarray, elems: int = 1 << 18) -> np.ndarray:
+    """log_softmax(logits[rows[i]])[tok[i]] in float64, a block of rows (at most `elems` values) at a time."""
     out = np.empty(rows.size)
+    block = max(1, elems // max(int(np.prod(logits.shape[1:], dtype=np.int64)), 1))
     for s in range(0, rows.size, block):
         x = logits[rows[s:s + block]].reshape(min(block, rows.size - s), -1).astype(np.float64)
         x -= x.max(axis=-1, keepdims=True)
@@ -118,7 +121,8 @@ def norm_inherited(va: CanonicalView, vb: CanonicalView, point: str, layer: int 
                    out_a: np.ndarray) -> np.ndarray | None:
     """Per row: the relative error the exact norm makes of the inputs' difference, `‖g⊙(x̂_A − x̂_B)‖ /
     ‖g⊙x̂_A‖`, with side A's fitted per-channel gain g (module docstring). inf for a row either side's input
-    lacks; None where the point is not a norm of one recorded input, or the fit does not describe it."""
+    lacks (or holds NaN/Inf); None where the point is not a norm of one recorded input, or the fit does not
+    describe it. Rows are read a block at a time (float64 blocks of at most BLOCK_ELEMS values)."""
     feed = norm_feed(va, vb, point, layer)
     if feed is None:
         return None
@@ -126,23 +130,31 @@ def norm_inherited(va: CanonicalView, vb: CanonicalView, point: str, layer: int 
     if xa.values is None or xb.values is None:
         return None
     n = len(rows)
-    y = np.asarray(out_a, dtype=np.float64).reshape(n, -1)
+    y = np.asarray(out_a).reshape(n, -1)
     ia, ib = ({r: i for i, r in enumerate(t.rows)} for t in (xa, xb))
-    have = np.array([r in ia and r in ib for r in rows], dtype=bool)
-    if not have.any() or xa.values.shape[1:] != xb.values.shape[1:] or int(np.prod(xa.values.shape[1:])) != y.shape[1]:
+    at = np.array([i for i, r in enumerate(rows) if r in ia and r in ib], dtype=np.int64)
+    if not at.size or xa.values.shape[1:] != xb.values.shape[1:] or int(np.prod(xa.values.shape[1:])) != y.shape[1]:
         return None
-    sel = [r for r, h in zip(rows, have) if h]
-    ha = _normalised(xa.values[[ia[r] for r in sel]].reshape(len(sel), -1))
-    hb = _normalised(xb.values[[ib[r] for r in sel]].reshape(len(sel), -1))
-    gain = _fit_gain(ha, y[have])
+    pa = np.array([ia[rows[i]] for i in at], dtype=np.int64)
+    pb = np.array([ib[rows[i]] for i in at], dtype=np.int64)
+
+    def blocks():
+        step = max(1, BLOCK_ELEMS // max(y.shape[1], 1))
+        for s in range(0, at.size, step):
+            sl = slice(s, s + step)
+            ha = _normalised(xa.values[pa[sl]].reshape(len(pa[sl]), -1))
+            hb = _normalised(xb.values[pb[sl]].reshape(len(pb[sl]), -1))
+            yield sl, ha, hb, y[at[sl]].astype(np.float64)
+    gain = _fit_gain(blocks)
     if gain is None:
         return None
     out = np.full(n, math.inf)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        num = np.linalg.norm(gain * (ha - hb), axis=1)
-        den = np.linalg.norm(gain * ha, axis=1)
-        out[have] = np.where(den > 0, num / np.maximum(den, 1e-300), np.where(num > 0, math.inf, 0.0))
-    out[have] = np.where(np.isfinite(ha).all(axis=1) & np.isfinite(hb).all(axis=1), out[have], math.inf)
+        for sl, ha, hb, _ in blocks():
+            num = np.linalg.norm(gain * (ha - hb), axis=1)
+            den = np.linalg.norm(gain * ha, axis=1)
+            e = np.where(den > 0, num / np.maximum(den, 1e-300), np.where(num > 0, math.inf, 0.0))
+            out[at[sl]] = np.where(np.isfinite(ha).all(axis=1) & np.isfinite(hb).all(axis=1), e, math.inf)
     return out
 
 
@@ -152,16 +164,23 @@ def _normalised(x: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + _EPS)
 
 
-def _fit_gain(h: np.ndarray, y: np.ndarray) -> np.ndarray | None:
-    """The per-channel gain g minimising ‖y − g⊙h‖ over the rows (finite rows only), or None where g⊙h does not
-    reproduce y to NORM_FIT (not an RMSNorm of this input)."""
-    fin = np.isfinite(h).all(axis=1) & np.isfinite(y).all(axis=1)
-    if not fin.any():
+def _fit_gain(blocks) -> np.ndarray | None:
+    """The per-channel gain g minimising ‖y − g⊙x̂‖ over the finite rows of `blocks()` (least squares, per
+    channel), or None where g⊙x̂ does not reproduce y to NORM_FIT (not an RMSNorm of this input)."""
+    hy = hh = None
+    for _, h, _, y in blocks():
+        fin = np.isfinite(h).all(axis=1) & np.isfinite(y).all(axis=1)
+        h, y = h[fin], y[fin]
+        hy = (h * y).sum(axis=0) + (0.0 if hy is None else hy)
+        hh = (h * h).sum(axis=0) + (0.0 if hh is None else hh)
+    if hh is None:
         return None
-    h, y = h[fin], y[fin]
-    den = (h * h).sum(axis=0)
-    gain = np.where(den > 0, (h * y).sum(axis=0) / np.maximum(den, 1e-300), 0.0)
-    ref = float(np.linalg.norm(y))
-    if ref == 0 or float(np.linalg.norm(y - gain * h)) > NORM_FIT * ref:
+    gain = np.where(hh > 0, hy / np.maximum(hh, 1e-300), 0.0)
+    res = ref = 0.0
+    for _, h, _, y in blocks():
+        fin = np.isfinite(h).all(axis=1) & np.isfinite(y).all(axis=1)
+        res += float(((y[fin] - gain * h[fin]) ** 2).sum())
+        ref += float((y[fin] ** 2).sum())
+    if ref == 0 or math.sqrt(res) > NORM_FIT * math.sqrt(ref):
         return None
     return gain
