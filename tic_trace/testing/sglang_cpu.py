@@ -52,11 +52,13 @@ Light packages SGLang's import graph needs beyond torch/transformers are pinned 
 
 from __future__ import annotations
 
+from tic_trace.testing import sglang_compat
 from tic_trace.testing.spawn import free_port, spawn_ranks  # noqa: F401 - re-exported for tests
 
 import contextlib
 import dataclasses
 import glob
+import inspect
 import os
 import socket
 import sys
@@ -143,11 +145,13 @@ def _shim_gloo_groups_without_pynccl() -> None:
     if getattr(original, "_tic_trace_shim", False):
         return
 
+    # Every device communicator off, under the name this release gives it (0.5.15.post1: use_mscclpp_allreduce).
+    accepted = inspect.signature(original).parameters
+    off = {k: False for k in ("use_pynccl", "use_custom_allreduce", "use_mscclpp", "use_mscclpp_allreduce",
+                              "use_torch_symm_mem_allreduce") if k in accepted}
+
     def init_model_parallel_group(*args, **kwargs):
-        kwargs["use_pynccl"] = False
-        kwargs["use_custom_allreduce"] = False
-        kwargs["use_mscclpp"] = False
-        kwargs["use_torch_symm_mem_allreduce"] = False
+        kwargs.update(off)
         return original(*args, **kwargs)
 
     init_model_parallel_group._tic_trace_shim = True
@@ -239,8 +243,6 @@ def init_sglang_distributed(
     ``tp_size`` and ``port``. Returns the ``ServerArgs``.
     """
     install_cpu_shims()
-    from sglang.srt import runtime_context as rc
-    from sglang.srt.distributed.bootstrap import init_parallel_runtime
     from sglang.srt.server_args import ServerArgs
 
     if torch.distributed.is_initialized():
@@ -283,8 +285,7 @@ def init_sglang_distributed(
             str(i % ncpu) for i in range(tp_size)
         )
     server_args = ServerArgs(**kwargs)
-    rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=rank, gpu_id=rank))
-    init_parallel_runtime(server_args=server_args, device="cpu", dist_port=port)
+    sglang_compat.init_parallel(server_args, rank=rank, tp_size=tp_size, port=port)   # 0.5.23 or 0.5.15.post1
     return server_args
 
 
@@ -646,9 +647,7 @@ class SGLangRollout:
             raise ValueError(f"duplicate rid {rid!r}")
         if not prompt:
             raise ValueError("empty prompt")
-        (slot,) = self.req_to_token_pool.alloc_rows(1) or [None]
-        if slot is None:
-            raise RuntimeError("req_to_token_pool is full")
+        slot = sglang_compat.take_request_row(self.req_to_token_pool)
         req = Request(rid=rid, prompt=[int(t) for t in prompt], req_pool_idx=slot,
                       logprob_start_len=logprob_start_len)
         self.requests[rid] = req
@@ -659,7 +658,7 @@ class SGLangRollout:
         if req.kv_len:
             locs = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
             self.token_to_kv_pool_allocator.free(locs)
-        self.req_to_token_pool.free_rows([req.req_pool_idx])
+        sglang_compat.free_request_row(self.req_to_token_pool, req.req_pool_idx)
 
     def _alloc_kv(self, req: Request, n: int) -> torch.Tensor:
         locs = self.token_to_kv_pool_allocator.alloc(n)
@@ -673,19 +672,11 @@ class SGLangRollout:
     # ---------------------------------------------------------------- forward
 
     def _run_forward(self, fb, *, sampling_rids: List[str], capture_prompt_logits: bool) -> ForwardRecord:
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-        from sglang.srt.runtime_context import get_model
-
         for cb in self.before_forward:
             cb(fb)
-        shared = getattr(self.model, "shared_experts_config", None)
-        layout_ctx = (
-            get_model().override(shared_experts=shared) if shared is not None else contextlib.nullcontext()
-        )
+        layout_ctx = sglang_compat.shared_experts_layout(self.model)
         # == ModelRunner._forward_raw + EagerRunner._execute_{extend,decode} (eager, no graph)
-        with torch.no_grad(), layout_ctx, forward_context(
-            ForwardContext(attn_backend=self.attn_backend), forward_batch=fb
-        ):
+        with torch.no_grad(), layout_ctx, sglang_compat.forward_context(self.attn_backend, fb):
             self.attn_backend.init_forward_metadata(fb)
             out = self.model.forward(fb.input_ids, fb.positions, fb)
             prompt_logits = None
@@ -745,12 +736,7 @@ class SGLangRollout:
         The request's cached prefix (earlier chunks) is ``extend_prefix_lens``.
         """
         from sglang.srt.managers.schedule_batch import compute_extend_logprob_start_len
-        from sglang.srt.model_executor.forward_batch_info import (
-            CaptureHiddenMode,
-            ForwardBatch,
-            ForwardMode,
-            compute_position,
-        )
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode, compute_position
 
         reqs = [self.requests[rid] for rid, _ in chunks]
         lens = [int(n) for _, n in chunks]
@@ -787,7 +773,7 @@ class SGLangRollout:
         pre = torch.tensor(prefix_lens, dtype=torch.int32)
         positions, extend_start_loc = compute_position("torch_native", pre, ext, int(ext.sum()))
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        fb = ForwardBatch(
+        fb = sglang_compat.forward_batch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=bs,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -826,12 +812,7 @@ class SGLangRollout:
 
     def decode(self, next_tokens: Dict[str, int]) -> ForwardRecord:
         """One DECODE pass: append ``next_tokens[rid]`` to each request and run it."""
-        from sglang.kernels.ops.attention.clamp_position import clamp_position
-        from sglang.srt.model_executor.forward_batch_info import (
-            CaptureHiddenMode,
-            ForwardBatch,
-            ForwardMode,
-        )
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
         reqs = [self.requests[rid] for rid in next_tokens]
         locs = []
@@ -841,7 +822,7 @@ class SGLangRollout:
             req.output.append(int(next_tokens[req.rid]))
             locs.append(self._alloc_kv(req, 1))
         seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
-        fb = ForwardBatch(
+        fb = sglang_compat.forward_batch(
             forward_mode=ForwardMode.DECODE,
             batch_size=len(reqs),
             input_ids=torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64),
@@ -851,7 +832,7 @@ class SGLangRollout:
             seq_lens_sum=int(seq_lens.sum()),
             seq_lens_cpu=seq_lens.clone(),
             orig_seq_lens=seq_lens.clone(),
-            positions=clamp_position(seq_lens),  # == ForwardBatch.init_new for decode
+            positions=sglang_compat.clamp_position()(seq_lens),  # == ForwardBatch.init_new for decode
             capture_hidden_mode=CaptureHiddenMode.NULL,
             rids=[r.rid for r in reqs],
         )

@@ -34,13 +34,22 @@ MODEL_CODE_MODULES = (
     "sglang.srt.layers.logits_processor",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.allocator.token",
-    "sglang.srt.distributed.bootstrap",
     "sglang.srt.server_args",
-    "sglang.kernels.ops.attention.clamp_position",
 )
+#: Modules that moved between the two releases the project runs (0.5.23: the default lane; 0.5.15.post1:
+#: slime's, the slime-stack lane), keyed by the installed release; any other release gets 0.5.23's.
+VERSION_MODULES = {
+    "0.5.23": ("sglang.srt.distributed.bootstrap", "sglang.kernels.ops.attention.clamp_position"),
+    "0.5.15.post1": ("sglang.srt.distributed.parallel_state", "sglang.srt.layers.dp_attention"),
+}
 
 
-def first_failing_import(modules: tuple[str, ...] = MODEL_CODE_MODULES) -> str | None:
+def modules_for(version: str) -> tuple[str, ...]:
+    """The import roots to check for this SGLang release."""
+    return MODEL_CODE_MODULES + VERSION_MODULES.get(version, VERSION_MODULES["0.5.23"])
+
+
+def first_failing_import(modules: tuple[str, ...] | None = None) -> str | None:
     """Import the modules in order; print the traceback of the first that fails and return its name.
 
     Stops there: the modules share most of SGLang, so one missing package fails all that follow, each with a
@@ -49,6 +58,9 @@ def first_failing_import(modules: tuple[str, ...] = MODEL_CODE_MODULES) -> str |
     # On the CPU, SGLang warns at import that AWQ/GGUF kernels need a GPU and logs that it cannot detect a CUDA
     # architecture: true, and not what this check is about.
     logging.getLogger("sglang").setLevel(logging.ERROR)
+    if modules is None:
+        from importlib.metadata import version
+        modules = modules_for(version("sglang"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in modules:
