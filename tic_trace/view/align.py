@@ -17,7 +17,7 @@ import numpy as np
 from ..graph.adapter import Adapter, PointMap, TransformContext, UnknownAdapter, get_adapter, load_adapter, merge, transform
 from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.format import Pass, Record, Trace, TraceFormatError, open_trace
-from .passes import PASSES_BY, pass_round, repeat_key, split_key, tag_key
+from .passes import PASSES_BY, pass_label, pass_renamer
 
 RowId = tuple[str, int]
 _CALL_SUFFIX = re.compile(r"#\d+")   # the tracer's scope of a module's second, third, ... call in one pass
@@ -164,38 +164,17 @@ class CanonicalView:
         self.row_ids = seen_rows
         labels = defaultdict(set)
         for k, p in seen_rows:
-            labels[self._label_of(k)].add((k, p))
+            labels[pass_label(self.passes_by, k)].add((k, p))
         self.passes = {lab: len(r) for lab, r in sorted(labels.items())}
         self.duplicate_rows = _duplicates(group_rows, group_points)
 
     def _pass_rename(self, group: list[int], pidx: int, lead_pass: Pass, seen: dict, first: dict):
         """The sample-key rename of one pass's rows (view/passes.py), recorded for every rank of its group so
-        that `load()` names the rows of its records the same way; updates the group's row counts."""
-        rows = lead_pass.rows
-        keys, positions, tokens = rows["keys"], rows["positions"], rows.get("tokens")
-        rename = None                 # the pass's rows keep their keys
-        if self.passes_by == "tag":
-            tag = lead_pass.tag
-            if isinstance(tag, str) and tag:
-                rename = lambda k, t=tag: tag_key(k, t)         # noqa: E731
-        else:
-            r = pass_round(keys, positions, tokens, seen, first)
-            if r:
-                rename = lambda k, r=r: repeat_key(k, r)        # noqa: E731
-        for i, (k, p) in enumerate(zip(keys, positions)):
-            if k is not None:
-                seen[(k, int(p))] = seen.get((k, int(p)), 0) + 1
-                if tokens is not None:
-                    first.setdefault((k, int(p)), tokens[i])
-        for r_ in group:
-            self._pass_key[(r_, pidx)] = rename
+        that `load()` names the rows of its records the same way."""
+        rename = pass_renamer(self.passes_by, lead_pass.rows, lead_pass.tag, seen, first)
+        for r in group:
+            self._pass_key[(r, pidx)] = rename
         return rename
-
-    def _label_of(self, sample: str) -> str:
-        """The pass label of a row's sample key: "1", "2", ... by order, the tag (or "untagged") by tag."""
-        if self.passes_by == "tag":
-            return sample.rsplit("/", 1)[1] if "/" in sample else "untagged"
-        return str(split_key(sample)[1] + 1)
 
     # ------------------------------------------------------------ queries
     def points(self) -> list[tuple[str, int | None]]:

@@ -14,6 +14,7 @@ By tag (`passes_by="tag"`): every row of a pass the tracer tagged (`tracer.step(
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 PASSES_BY = ("order", "tag")
 _REPEAT = re.compile(r"^(?P<base>.*)/pass(?P<n>[0-9]+)$")
@@ -49,3 +50,30 @@ def pass_round(keys: list, positions: list, tokens: list | None, seen: dict, fir
     if r and any(t is not None and first_token.get((k, p), t) != t for k, p, t in named):
         return 0
     return r
+
+
+def pass_renamer(by: str, rows: dict, tag, seen: dict, first: dict) -> Callable[[str], str] | None:
+    """The sample-key rename of one pass's rows (None: they keep their keys), passes matched `by` "order" or
+    "tag"; counts the pass's rows in `seen` and their first tokens in `first` (its rank group's, in order)."""
+    keys, positions, tokens = rows["keys"], rows["positions"], rows.get("tokens")
+    rename = None
+    if by == "tag":
+        if isinstance(tag, str) and tag:
+            rename = lambda k, t=tag: tag_key(k, t)          # noqa: E731
+    else:
+        r = pass_round(keys, positions, tokens, seen, first)
+        if r:
+            rename = lambda k, r=r: repeat_key(k, r)         # noqa: E731
+    for i, (k, p) in enumerate(zip(keys, positions)):
+        if k is not None:
+            seen[(k, int(p))] = seen.get((k, int(p)), 0) + 1
+            if tokens is not None:
+                first.setdefault((k, int(p)), tokens[i])
+    return rename
+
+
+def pass_label(by: str, sample: str) -> str:
+    """The pass a row's sample key belongs to: "1", "2", ... by order; the tag (or "untagged") by tag."""
+    if by == "tag":
+        return sample.rsplit("/", 1)[1] if "/" in sample else "untagged"
+    return str(split_key(sample)[1] + 1)

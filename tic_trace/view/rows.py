@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..graph.canonical import LOGPROBS
 from ..graph.row_subset import RowSubset, shared_subset
 from .align import CanonicalView, RowId
-from .passes import split_key
+from .passes import pass_label, split_key
 
 ROWS_NAMED = 8          # rows listed by name in the report (the counts cover all of them)
 
@@ -134,7 +134,7 @@ def _passes(va: CanonicalView, vb: CanonicalView, compared: set) -> dict:
         return {}
     matched: dict[str, int] = {}
     for k, _p in compared:
-        lab = va._label_of(k)
+        lab = pass_label(va.passes_by, k)
         matched[lab] = matched.get(lab, 0) + 1
     labels = sorted(set(va.passes) | set(vb.passes), key=_sample_order)
     return {"by": va.passes_by, "a": dict(va.passes), "b": dict(vb.passes),
