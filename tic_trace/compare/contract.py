@@ -256,7 +256,6 @@ def check_reference(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) -> None
             problems.append(f"{name}: stored as {info.dtype} in the checkpoint (quantized): the replay needs the "
                             "float weights the run held")
     recorded = {s: recorded_weights(v) for s, v in views.items()}
-    contradicted: list[str] = []
     for name in sorted(n for n in set().union(*recorded.values()) if ckpt.parts(n)):
         got = {s: (_vs_checkpoint(ckpt, name, r[name]), r[name]) for s, r in recorded.items() if name in r}
         states = {st for st, _ in got.values()}
@@ -266,13 +265,28 @@ def check_reference(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) -> None
         elif "not-float" in states and ckpt.dtypes(name) <= set(FLOAT_DTYPES):
             problems.append(f"{name}: " + ", ".join(f"{_label(s)} holds it as {e[1]}" for s, (st, e) in got.items())
                             + " (quantized): the exact replay of float weights is not that op")
-        elif "differs" in states and "agrees" not in states:
-            contradicted.append(name)
+    # hashes in the checkpoint's layout (every framework's, merged over ranks): contradicted where every side
+    # that holds the tensor differs from the checkpoint
+    verdicts = _checkpoint_verdicts(ckpt, views)
+    contradicted = sorted(n for n, by_side in verdicts.items() if not any(by_side.values()))
     if contradicted:
         problems.append(f"{len(contradicted)} parameter(s) whose hash differs from the checkpoint's on every side "
                         f"that recorded it ({', '.join(contradicted[:4])}{' …' if len(contradicted) > 4 else ''})")
     if problems:
         raise ReferenceMismatch(ckpt.path, problems)
+
+
+def _checkpoint_verdicts(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) -> dict[str, dict[str, bool]]:
+    """{checkpoint tensor: {side: its hash agrees with the checkpoint's}} where a side's checkpoint-layout hash
+    of that tensor is comparable with it (weight_coverage.side_weights)."""
+    from .weight_coverage import side_weights
+    out: dict[str, dict[str, bool]] = {}
+    for side, view in views.items():
+        for n, (hashes, shape) in side_weights(view).tensors.items():
+            v = _tensor_vs_checkpoint(ckpt, n, hashes, shape)
+            if v is not None:
+                out.setdefault(n, {})[side] = v
+    return out
 
 
 def reference_entries(side: str, view: CanonicalView, ckpt: HFCheckpoint) -> list[ContractDiff]:
@@ -296,17 +310,18 @@ def reference_entries(side: str, view: CanonicalView, ckpt: HFCheckpoint) -> lis
                                 note=f"{_label(side)}'s exact replay uses the checkpoint's {ck_dt} weights rounded to "
                                      f"{side_dt}, the dtype {_label(side)} held them in: {'; '.join(parts)}"))
     rec = recorded_weights(view)
-    states: Counter = Counter()
-    for n, e in rec.items():        # counted in checkpoint tensors (a fused expert parameter holds several)
-        states[_vs_checkpoint(ckpt, n, e)] += len(ckpt.parts(n))
-    compared = states["agrees"] + states["differs"]
+    verdicts = _checkpoint_verdicts(ckpt, {side: view})
+    compared = len(verdicts)
+    agree = sum(v[side] for v in verdicts.values())
     total = len(ckpt.info)
     if compared < total:
+        from .weight_coverage import few
+        rest = few(sorted(n for n in ckpt.info if n not in verdicts), 4)
         why = ("it recorded no parameter hashes" if not rec else
-               "its parameters are held under other names, shapes or dtypes (a fused or sharded layout)")
+               f"no hash of {_label(side)}'s maps onto them in the checkpoint's shape and a float dtype: {rest}")
         note = (f"no parameter hash of {_label(side)} was compared with the checkpoint ({why}): nothing confirms "
                 f"these are the weights {_label(side)} ran" if not compared else
                 f"{compared} of {total} checkpoint tensors compared with {_label(side)}'s parameter hashes "
-                f"({states['agrees']} agree); the other {total - compared} are not confirmed ({why})")
+                f"({agree} agree); the other {total - compared} are not confirmed ({why})")
         out.append(ContractDiff("reference", "hashes", compared, total, against="checkpoint", side=side, note=note))
     return out
