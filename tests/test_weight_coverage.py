@@ -209,3 +209,40 @@ def test_megatron_tp_and_ep_shards_merge_to_the_checkpoint_tensors(kind, tp, ep)
     assert set(merged.tensors) == set(want)
     for name, t in want.items():
         assert merged.tensors[name][0]["bfloat16"] == int(device_hash(t.contiguous())), name
+
+
+def test_a_checkpoint_no_megatron_or_sglang_hash_agrees_with_is_not_comparable(mgsg, tmp_path, capsys):
+    """The hashes in the checkpoint's layout check the reference for frameworks whose parameter names are not
+    the checkpoint's: the right checkpoint is confirmed tensor by tensor on both sides, another seed's is refused."""
+    from tic_trace.compare.contract import reference_entries
+    from tic_trace.replay.checkpoint import HFCheckpoint
+    from tic_trace.tools.cli import main as cli
+    d, info = mgsg
+    mg, sg = str(d / "mg_dense"), str(d / "sg_dense_False")
+    ck = HFCheckpoint(d / "ck_dense")
+    for view in (CanonicalView(mg), CanonicalView(sg)):
+        assert [e.note for e in reference_entries("A", view, ck) if e.key == "hashes"] == []   # all confirmed
+    build_hf_model_stable(info["cfg_dense"], seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "other")
+    assert cli(["first-divergence", mg, sg, "--reference", str(tmp_path / "other")]) == 3
+    out = capsys.readouterr().out
+    assert "whose hash differs from the checkpoint's on every side" in out and "FIRST DIVERGENCE" not in out
+
+
+def test_drift_weight_check_states_what_it_compared():
+    from tic_trace.drift.weights import contract_weights, weight_sync
+    from tic_trace.drift.schema import RolloutEntry
+    line = ("weight hashes: 24 of 25 parameters compared, all agree; 1 not compared "
+            "(not mappable to a checkpoint tensor on A: A:decoder.layers.0.x)")
+    ok = contract_weights({"contract": [{"section": "hashes", "key": "A-B", "a": 24, "b": 25, "note": line}]})
+    assert ok.agree is True and ok.note == line
+    none = contract_weights({"contract": [{"section": "hashes", "key": "A-B", "a": 0, "b": 3,
+                                           "note": "weight hashes: 0 of 3 parameters compared; 3 not compared"}]})
+    assert none.agree is None
+    bad_line = f"weight hashes: 25 of 25 parameters compared, 1 differ between A and B: {DOWN}"
+    bad = contract_weights({"contract": [
+        {"section": "weights", "key": "L1.mlp.out", "a": [DOWN], "b": [DOWN], "against": "B"},
+        {"section": "hashes", "key": "A-B", "a": 25, "b": 25, "note": bad_line}]})
+    assert bad.agree is False and bad.differing == [DOWN]
+    sync = weight_sync([RolloutEntry(0, "r0", "compared", weights=ok), RolloutEntry(1, "r1", "compared", weights=bad)],
+                       ["megatron", "sglang"])
+    assert sync.from_rollout == 1 and DOWN in sync.summary and "(25 of 25 parameters compared)" in sync.summary
