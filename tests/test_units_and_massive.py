@@ -10,6 +10,7 @@ log-softmax whose sum of exponentials is rounded to bf16 is found at `logprobs` 
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ import transformers as T
 
 import tic_trace
 from tic_trace import find_divergence
+from tic_trace.compare.diverge import rejudge
 from tic_trace.adapters.hf import HFAdapter
 from tic_trace.compare.inherited import logsoftmax_rounding
 from tic_trace.compare.judge import DIVERGENT, OVER, judge
@@ -204,6 +206,8 @@ def test_recorded_logprobs_are_judged_in_nats(side_a, tmp_path, how_b, divergent
         assert "nats" in rep.first.summary
     else:
         assert rep.verdict == "consistent", [(f.key, f.cause, f.summary) for f in rep.findings if f.divergent]
+    doc = json.loads(json.dumps(rep.to_json()))      # re-judged from the saved numbers: the same report
+    assert rejudge(doc) == doc
 
 
 def test_logsoftmax_rounding_bounds_clean_kernels_and_not_a_bf16_sum():
