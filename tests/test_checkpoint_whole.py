@@ -188,3 +188,34 @@ def test_a_tied_checkpoint_with_an_equal_lm_head_stays_tied(tmp_path, capsys):
     assert HFCheckpoint(same).tie_word_embeddings is True
     assert cli(["first-divergence", str(a), str(a), "--reference", str(same)]) == 0
     assert "CONSISTENT" in capsys.readouterr().out
+
+
+def test_a_tied_checkpoint_saved_under_the_heads_name_gives_the_embedding(tmp_path, capsys):
+    """transformers loads a tied model whose checkpoint holds only lm_head.weight with the embedding from it;
+    the reference does the same (every point replayed, the weights confirmed by the hashes)."""
+    from safetensors.torch import load_file, save_file
+    ck, a = _tied_pair(tmp_path)
+    head_only = _copy(ck, tmp_path / "head_only")
+    sd = load_file(str(head_only / "model.safetensors"))
+    sd["lm_head.weight"] = sd.pop("model.embed_tokens.weight")
+    save_file(sd, str(head_only / "model.safetensors"), metadata={"format": "pt"})
+    loaded = __import__("transformers").AutoModelForCausalLM.from_pretrained(head_only)
+    assert torch.equal(loaded.model.embed_tokens.weight, sd["lm_head.weight"])
+    got = HFCheckpoint(head_only)
+    assert got.tie_word_embeddings is True and torch.equal(got.raw("model.embed_tokens.weight"), sd["lm_head.weight"])
+    assert cli(["first-divergence", str(a), str(a), "--reference", str(head_only)]) == 0
+    out = capsys.readouterr().out
+    assert "CONSISTENT" in out and "not replayed" not in out and "not confirmed" not in out
+
+
+def test_a_hub_snapshot_links_into_its_blob_store(sharded, tmp_path):
+    """The hub cache's layout (snapshots/<rev>/* -> ../../blobs/<hash>) is a checkpoint's own files."""
+    _, _, whole = sharded
+    repo = tmp_path / "models--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for name, blob in (("config.json", "c0ffee"), ("model.safetensors", "beef01")):
+        shutil.copy(whole / name, repo / "blobs" / blob)
+        os.symlink(f"../../blobs/{blob}", snap / name)
+    assert set(HFCheckpoint(snap).info) == set(HFCheckpoint(whole).info)

@@ -286,6 +286,9 @@ def _checkpoint_verdicts(ckpt: HFCheckpoint, views: dict[str, CanonicalView]) ->
             v = _tensor_vs_checkpoint(ckpt, n, hashes, shape)
             if v is not None:
                 out.setdefault(n, {})[side] = v
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if getattr(ckpt, "tie_word_embeddings", False) and head in ckpt.info and head not in out and embed in out:
+        out[head] = dict(out[embed])       # tied: the head is the embedding's values (a tied model holds one)
     return out
 
 

@@ -167,6 +167,12 @@ class HFCheckpoint:
         self.config = read_config(cfg_path)
         self.spec = model_spec(self.config, str(cfg_path))
         self.info = self._index()
+        self._stored: dict[str, str] = {}     # a name the model loads -> the tensor the checkpoint stores it as
+        if (self.spec.tie_word_embeddings and "model.embed_tokens.weight" not in self.info
+                and "lm_head.weight" in self.info):
+            # tied, saved under the head's name only: transformers loads the embedding from it
+            self.info["model.embed_tokens.weight"] = self.info["lm_head.weight"]
+            self._stored["model.embed_tokens.weight"] = "lm_head.weight"
         self._where = {k: v.file for k, v in self.info.items()}
         self._hashes: dict[tuple[str, str], int] = {}
         self.tie_word_embeddings, self.tie_note = self._head_tie()
@@ -240,7 +246,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in the checkpoint")
         from safetensors import safe_open
         with safe_open(str(t.file), framework="pt", device="cpu") as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self._stored.get(name, name))
 
     def tensor(self, name: str, device: str = "cpu", dtype: str | None = None):
         """One parameter as float64 on `device`, first rounded to `dtype` (the dtype the side held it in) when
