@@ -213,6 +213,49 @@ def test_rule_with_fingerprints():
     assert v.side == "B" and "no known implementation" in v.reason
 
 
+def test_envelope_measured_on_a_row_subset_is_carried_to_all_rows():
+    """Over VARIANT_ROWS rows the variants run on an evenly spaced subset while a side's excess is over all
+    rows: the limit is carried to all rows by the side's own ratio, so the verdict compares the side and the
+    clean variants on the same rows. A side bit-equal to its variant there (clean eager attention, whose error
+    a trained model's sink rows concentrate in a few rows: 50.1 over all rows, 42.3 on the subset, against a
+    subset envelope of 42.3) is within it; a side over the envelope on the subset is still abnormal."""
+    from tic_trace.replay.intrinsic_verdict import abnormal
+    clean = _err(50.1, clean_excess=42.3, sampled_excess=42.3, match="eager", match_kind="clean", match_equal=1.0)
+    assert DEFAULT_MARGINS.limit_of(clean) == pytest.approx(42.3 * 1.12 * 50.1 / 42.3)
+    assert not abnormal(clean)
+    assert abnormal(replace(clean, sampled_excess=0.0))            # judged against the subset's envelope as-is
+    fault = _err(55.0, clean_excess=42.3, sampled_excess=49.0, match="eager", match_kind="none", match_dist=3.0)
+    sdpa = _err(1.01, clean_excess=42.3, sampled_excess=1.01, match="sdpa", match_kind="clean", match_equal=1.0)
+    assert abnormal(fault) and intrinsic_verdict(sdpa, fault).side == "B"
+
+
+def test_undeclared_layout_is_named_never_blamed_and_only_as_a_clean_match():
+    from tic_trace.replay.intrinsic_verdict import abnormal
+    a = _err(1.0, clean_excess=1.0, match="fp32_accumulate", match_what="fp32 accumulation", match_kind="clean",
+             match_equal=1.0)
+    b = _err(1.6, clean_excess=1.0, match="row_parallel_tp2", match_what="row-parallel, bf16 partials summed (TP2)",
+             match_kind="clean", match_equal=1.0, match_layout="TP 1")
+    assert not abnormal(b)
+    v = intrinsic_verdict(a, b)
+    assert v.side is None and v.reason.startswith("implementation difference") and "the trace says TP 1" in v.reason
+    # a side that only comes near a split (not within MATCH_DIST of it) is judged by its envelope as before
+    assert abnormal(replace(b, match_kind="none", match_dist=2.0))
+    assert intrinsic_verdict(a, replace(b, match_kind="none", match_dist=2.0)).side == "B"
+
+
+def test_both_sides_read_one_copy_of_each_weight(pair_base):
+    """The finder replays each point on A, then on B: each tensor of a layer is read from the checkpoint once
+    for both sides (weight_store.py) where both held it in one dtype, and the store keeps one layer."""
+    _, ck, a = pair_base
+    ref = ExactReference(str(ck))
+    va, vb = (ref.for_view(CanonicalView(str(a))) for _ in range(2))
+    wa, wb = va.weights(1).get("input_layernorm.weight"), vb.weights(1).get("input_layernorm.weight")
+    assert wa is wb and ref.store is va.store is vb.store
+    va.weights(0).get("input_layernorm.weight")
+    assert ref.store.get(("model.layers.1.input_layernorm.weight", va.weight_dtype(
+        "model.layers.1.input_layernorm.weight"))) is None
+
+
 def test_fingerprint_json_round_trip_and_old_reports():
     e = _err(1.55, match="no_upcast", match_what="no fp32 upcast", match_kind="fault", match_equal=0.97)
     d = encode_intrinsic(e)

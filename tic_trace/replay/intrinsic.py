@@ -19,14 +19,15 @@ import torch
 from ..graph.canonical import BY_NAME, key_name, order_key
 from ..store.dtypes import dtype_info, known_dtype
 from ..view.align import CanonicalTensor, CanonicalView
-from .grid import effective_dtype, grid_spacing, round_to, row_relative_excess  # noqa: F401 - public here too
+from .grid import (effective_dtype, grid_spacing, round_to, row_relative_excess,  # noqa: F401 - public here too
+                   row_relative_excess_sq, row_sq)
 from .exact_model import feed_key
 from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
-from .variants import (DTYPES, VARIANTS, VariantInput, declared_tp, fingerprint, run_variants, tp_degrees,
-                       undeclared_layouts, variant_rows)
+from .variants import (DTYPES, VARIANTS, VariantInput, declared_tp, fingerprint, frame, run_variants,
+                       tp_degrees, undeclared_layouts, variant_rows)
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
 _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
@@ -71,6 +72,8 @@ class IntrinsicError:
                                # (grid.row_relative_excess; 0: not measured, old reports)
     match_layout: str = ""     # the match is a clean variant at a TP layout the trace does not declare:
                                # the layout the trace declares ("TP 1"); the side is named, not blamed
+    sampled_excess: float = 0.0  # this side's excess on the rows its variants ran on, where those are a subset
+                                 # (over VARIANT_ROWS rows): carries the envelope to all rows (Margins.limit_of)
 
     @property
     def excess(self) -> float:
@@ -123,8 +126,8 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
     `head_dim`, also the scale error per (row, head) segment of that length."""
     kind = BY_NAME[point].kind if point in BY_NAME else "float"
     n = y.shape[0] if y.ndim else 1
-    y2 = y.reshape(n, -1).astype(np.float64)
-    r2 = exact.reshape(n, -1).astype(np.float64)
+    y2 = np.asarray(y.reshape(n, -1), dtype=np.float64)         # no copy where already float64: read only
+    r2 = np.asarray(exact.reshape(n, -1), dtype=np.float64)
     if kind == "ids":
         same = (y2 == r2).all(axis=1)
         share = float(same.mean()) if n else 1.0
@@ -136,43 +139,64 @@ def intrinsic_error(point: str, layer: int | None, y: np.ndarray, exact: np.ndar
     fin = np.isfinite(r2)
     bad = fin & ~np.isfinite(y2)
     ok = fin & ~bad
-    d = np.where(ok, y2 - r2, 0.0)
-    ulps = np.abs(d) / grid_spacing(np.where(ok, r2, 1.0), dtype)
-    rr = round_to(np.where(fin, r2, 0.0), dtype)
-    rounded = (y2 == rr) & ok
-    r0, f0 = np.where(ok, r2, 0.0), np.where(ok, rr - r2, 0.0)     # the exact value; the rounding floor's error
-    nf = float(np.sqrt((f0 ** 2).sum()))
+    if ok.all():        # the usual case, without the masked copies (the same numbers: every where() is a no-op)
+        d = y2 - r2
+        sp = grid_spacing(r2, dtype)
+        ulps = np.abs(d) / sp
+        rr = np.rint(r2 / sp) * sp                                  # round_to(r2, dtype), sp computed once
+        rounded = y2 == rr
+        r0, f0 = r2, rr - r2
+    else:
+        d = np.where(ok, y2 - r2, 0.0)
+        ulps = np.abs(d) / grid_spacing(np.where(ok, r2, 1.0), dtype)
+        rr = round_to(np.where(fin, r2, 0.0), dtype)
+        rounded = (y2 == rr) & ok
+        r0, f0 = np.where(ok, r2, 0.0), np.where(ok, rr - r2, 0.0)     # the exact value; the rounding floor's error
+    dd, ff, rr2 = row_sq(d), row_sq(f0), row_sq(r0)      # per row, one pass each: every norm below reads them
+    nf, nr, nd = (float(np.sqrt(v.sum())) for v in (ff, rr2, dd))
     m = int(ok.sum())
-    nr = float(np.sqrt((r0 ** 2).sum()))
-    nd = float(np.sqrt((d * d).sum()))
+    scale_err, scale_floor = _row_scales(r0, rr2, d, f0)
+    head_err, head_floor = _head_scales(r0, head_dim, d, f0)
     return IntrinsicError(
         point, layer, dtype, n, m,
-        mean_ulp=float(ulps[ok].mean()) if m else 0.0, max_ulp=float(ulps[ok].max()) if m else 0.0,
+        mean_ulp=_masked(ulps, ok, m, np.mean), max_ulp=_masked(ulps, ok, m, np.max),
         share_rounded=float(rounded.sum() / m) if m else 1.0,
         rel_l2=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf), rel_floor=nf / nr if nr > 0 else 0.0,
-        scale_err=_row_scale(d, r0), scale_floor=_row_scale(f0, r0),
-        head_scale_err=_head_scale(d, r0, head_dim), head_scale_floor=_head_scale(f0, r0, head_dim),
+        scale_err=scale_err, scale_floor=scale_floor, head_scale_err=head_err, head_scale_floor=head_floor,
         nonfinite=int(bad.sum()), kind=kind, recorded_dtype=recorded if recorded != dtype else "", op=op,
-        row_excess=row_relative_excess(d, f0))
+        row_excess=row_relative_excess_sq(dd, ff, d.shape[1]))
 
 
-def _row_scale(d: np.ndarray, r: np.ndarray) -> float:
-    """RMS over rows of the error's projection on the exact row: a per-row scale error (a normalisation's
-    denominator rounded, e.g.) shows here at full size, independent rounding noise only at ~1/sqrt(row length)."""
-    rr = (r * r).sum(axis=1)
+def _masked(a: np.ndarray, ok: np.ndarray, m: int, fn) -> float:
+    """fn over the elements of `a` where `ok` (0.0 when none), without the masked copy when all are."""
+    if not m:
+        return 0.0
+    return float(fn(a.reshape(-1) if m == a.size else a[ok]))
+
+
+def _row_scales(r: np.ndarray, rr: np.ndarray, *ds: np.ndarray) -> tuple[float, ...]:
+    """For each d: RMS over rows of its projection on the exact row r (`rr`: r's rows' squared norms). A per-row
+    scale error (a normalisation's denominator rounded, e.g.) shows here at full size, independent rounding
+    noise only at ~1/sqrt(row length)."""
     ok = rr > 0
     if not ok.any():
-        return 0.0
-    s = (d[ok] * r[ok]).sum(axis=1) / rr[ok]
-    return float(np.sqrt((s * s).mean()))
+        return tuple(0.0 for _ in ds)
+    full = bool(ok.all())
+    out = []
+    for d in ds:
+        s = np.einsum("ij,ij->i", d, r) if full else np.einsum("ij,ij->i", d[ok], r[ok])
+        s = s / (rr if full else rr[ok])
+        out.append(float(np.sqrt((s * s).mean())))
+    return tuple(out)
 
 
-def _head_scale(d: np.ndarray, r: np.ndarray, head_dim: int | None) -> float:
-    """`_row_scale` over (row, head) segments of head-major rows [n, heads*head_dim]: a scale error shared
+def _head_scales(r: np.ndarray, head_dim: int | None, *ds: np.ndarray) -> tuple[float, ...]:
+    """`_row_scales` over (row, head) segments of head-major rows [n, heads*head_dim]: a scale error shared
     by one head's outputs (a softmax normaliser rounded, e.g.) shows at full size; 0 without head segments."""
-    if not head_dim or d.shape[1] % head_dim:
-        return 0.0
-    return _row_scale(d.reshape(-1, head_dim), r.reshape(-1, head_dim))
+    if not head_dim or r.shape[1] % head_dim:
+        return tuple(0.0 for _ in ds)
+    rh = r.reshape(-1, head_dim)
+    return _row_scales(rh, row_sq(rh), *(d.reshape(-1, head_dim) for d in ds))
 
 
 # ---------------------------------------------------------------- replaying one side
@@ -288,12 +312,15 @@ class SideReplayer:
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
-        args = (err.envelope_key, vin, y[sel], exact[sel], err.dtype, variants)
-        results = run_variants(*args)
+        fr = frame(y[sel], exact[sel], err.dtype)
+        results = run_variants(err.envelope_key, vin, fr, variants)
         fp = fingerprint(results)
         if fp.match_kind != "clean":    # not the trace's own layout: is it a split the trace does not declare?
-            fp = fingerprint(results + undeclared_layouts(*args), declared_tp(self.tp))
-        return dataclasses.replace(err, **dataclasses.asdict(fp)) if fp.match else err
+            fp = fingerprint(results + undeclared_layouts(err.envelope_key, vin, fr, variants), declared_tp(self.tp))
+        if not fp.match:
+            return err
+        sampled = fr.side_excess() if len(sel) < len(rows) else 0.0    # fr is set: a variant was measured
+        return dataclasses.replace(err, **dataclasses.asdict(fp), sampled_excess=sampled)
 
     def _check_not_rank_partials(self, point: str, layer: int | None) -> None:
         """A MoE block's output that is the sum over TP ranks of each rank's own (experts + shared) partial
@@ -356,6 +383,8 @@ def judged_dtype(op: str, recorded: str, compute: str | None) -> str:
 
 def _common_rows(out: CanonicalTensor, feeds: list[CanonicalTensor]) -> tuple[list[RowId], list[list[int]]]:
     """Rows of `out` present in every feed, in `out`'s order, with each tensor's index of them."""
+    if all(t.rows == out.rows for t in feeds):     # the usual case: every feed recorded the same rows
+        return list(out.rows), [list(range(len(out.rows)))] * (len(feeds) + 1)
     where = [{r: i for i, r in enumerate(t.rows)} for t in feeds]
     rows, idx = [], [[] for _ in range(len(feeds) + 1)]
     for i, r in enumerate(out.rows):

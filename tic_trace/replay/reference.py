@@ -24,6 +24,7 @@ from .arch_ops import (arch_inputs_of, arch_op_of, arch_ops, derived_weight, eac
                        spans_heads)
 from .arch_spec import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
+from .weight_store import WeightStore
 from .grouped_topk import GroupedTopkError, eligible_choice
 from .model_spec import ROPE_KINDS, ModelSpec, llama3_inv_freq, yarn_inv_freq_and_scale
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
@@ -152,8 +153,11 @@ class _LayerWeights:
                     raise NotReplayable(f"checkpoint tensor {full} is stored as {info.dtype} (quantized), not "
                                         "the float weights the op ran with")
                 dtype = self.ref.weight_dtype(full)
-                t = self._cache[full] = self.ckpt.tensor(full, self.device, dtype)
-                bad = int((~torch.isfinite(t)).sum())
+                got = self.ref.store.get((full, dtype))      # the other side's read of the same values
+                if got is None:
+                    got = self.ref.store.put((full, dtype), self.ckpt.tensor(full, self.device, dtype))
+                t, bad = got
+                self._cache[full] = t
                 if bad:
                     self.ref.nonfinite[full] = (bad, dtype or info.dtype)
             if full in self._cache:
@@ -247,8 +251,10 @@ class ExactReference:
     `weight_dtypes` (one side's, `weight_map.SideWeightDtypes`): the dtype that side held each checkpoint tensor
     in; each is rounded to it before widening. None: the checkpoint's own values (`for_view` gives a side's)."""
 
-    def __init__(self, ckpt: HFCheckpoint | str, device: str = "cpu", weight_dtypes=None):
+    def __init__(self, ckpt: HFCheckpoint | str, device: str = "cpu", weight_dtypes=None,
+                 store: WeightStore | None = None):
         self.ckpt = ckpt if isinstance(ckpt, HFCheckpoint) else HFCheckpoint(ckpt)
+        self.store = store or WeightStore()         # one layer's tensors, shared with the other side's copy
         self.spec = self.ckpt.spec
         self.device = device
         self.weight_dtypes = weight_dtypes
@@ -265,7 +271,7 @@ class ExactReference:
     def for_view(self, view) -> "ExactReference":
         """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
         from ..view.weight_map import side_weight_dtypes
-        return ExactReference(self.ckpt, self.device, side_weight_dtypes(view, self.ckpt))
+        return ExactReference(self.ckpt, self.device, side_weight_dtypes(view, self.ckpt), self.store)
 
     def weight_dtype(self, name: str) -> str | None:
         """The dtype `name` is rounded to before widening (None: used as stored)."""
@@ -274,6 +280,7 @@ class ExactReference:
     def weights(self, layer: int | None) -> _LayerWeights:
         if self._w.layer != layer:
             self._w = _LayerWeights(self, layer)   # memory: one layer's weights at a time
+        self.store.enter(layer)
         return self._w
 
     def inputs_of(self, point: str, has_qk_norm: bool | None = None, layer: int | None = None) -> tuple[str, ...]:
