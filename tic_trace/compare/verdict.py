@@ -74,7 +74,8 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     identity_notes = _identity_notes(rows or {}, identity or {}, structure or {})
     notes = identity_notes + [n for n in (_not_replayed(points), _both_over_envelope(points), _implementations(points),
                                           _carried_notes(points), _accumulated_noise(points, findings),
-                                          _shared_nonfinite(points), _precision_unchecked(points))
+                                          _shared_nonfinite(points),
+                                          _precision_unchecked(points) if first is None else None)
                               if n is not None]
     compared = [p for p in points if p.status != NOT_COMPARABLE]
     blocks = {n.detail.get("blocks") for n in identity_notes}
@@ -450,7 +451,8 @@ LOW_PRECISION_BITS = 10        # float16 and coarser: the A-B rule's tolerance t
 def _precision_unchecked(points: list[Point]) -> Note | None:
     """Low-precision points judged by the A-B rule alone (no replay facts anywhere: no `--reference`). In bf16
     a precision fault (RMSNorm without its fp32 upcast, ...) differs from a clean pair by no more than clean
-    op-order noise, so "none diverges" there means "within that noise", said as such (docs/report.md)."""
+    op-order noise, so "none diverges" there means "within that noise", said as such (docs/report.md). Made
+    only where nothing diverges (a divergence found needs no caveat of what could not be seen)."""
     if any(p.intrinsic is not None for p in points):
         return None
     low = sorted({p.dtype for p in points if p.status != NOT_COMPARABLE and isinstance(p.dtype, str)
