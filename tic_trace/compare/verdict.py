@@ -60,9 +60,10 @@ def assess(points: list[Point], tolerance: Tolerance, *, accept_near_tie: bool =
     `identity` and `structure` (the report's) give the notes on the rows and the models' structure, which lead
     the notes and can make the verdict not comparable (`_identity_notes`)."""
     judge_points(points, tolerance, accept_near_tie, margins, accept_precision)
+    where = point_index(points)          # each token walks its own errors, not every point
     for w in worst_tokens or []:
         w.divergence_starts = divergence_start(w, (token_errors or {}).get(w.label, {}), points, tolerance,
-                                               accept_near_tie)
+                                               accept_near_tie, where)
     if routing is not None:
         routing["layers"] = {str(p.layer): _layer_summary(p.routing) for p in points
                              if is_ids(p.point) and p.routing is not None}
@@ -175,16 +176,29 @@ def _flip_facts(p: Point, by_key: dict, tolerance: Tolerance, accept: bool) -> F
     return FlipFacts(flipped, unexplained, reach, accept)
 
 
+def point_index(points: list[Point]) -> dict[str, int]:
+    """{point key: the index of its first point in `points`}."""
+    where: dict[str, int] = {}
+    for i, p in enumerate(points):
+        where.setdefault(p.key, i)
+    return where
+
+
 def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: Tolerance,
-                     accept: bool) -> str | None:
-    """The first point where this token's own error is judged divergent (same judge, per-token errors)."""
+                     accept: bool, where: dict[str, int] | None = None) -> str | None:
+    """The first point where this token's own error is judged divergent (same judge, per-token errors).
+    `where` ({point key: its index in `points`}): the points holding this token's errors are visited alone, in
+    dataflow order (a report of many worst tokens and points made every token walk every point: quadratic)."""
+    if not errs:
+        return None
+    where = where if where is not None else point_index(points)
     prev: dict[str, float] = {}
     flipped_layers = {str(k) for k in (w.flips or {})}
     out_key = next((k for k in OUTPUT_POINTS if k in errs), None)
-    out_pt = next((p for p in points if p.key == out_key), None)
+    out_pt = points[where[out_key]] if out_key in where else None
     out_over = (out_pt is not None and errs[out_key] is not None
                 and errs[out_key] > tolerance.tol(out_pt.dtype, out_pt.point, out_pt.key))
-    for p in points:
+    for p in (points[i] for i in sorted(where[k] for k in errs if k in where)):
         e = errs.get(p.key)
         if e is None or p.status == NOT_COMPARABLE:
             continue

@@ -4,7 +4,11 @@ A report's lists grow with the model and the settings (`--worst-tokens 100000`) 
 anything: rendered in full, 100k worst tokens were 100k terminal lines (36 s, 650 MB) and 100k points a 63 MB
 page. The JSON file always holds everything; the terminal and the HTML show at most `Bounds` of each list,
 keep what the answer rests on (the first divergence, its inputs, its finding), and say
-"… N more tokens not shown (see the JSON)" for each list they cut (`omitted_lines`).
+"… N more tokens not shown (see the JSON)" for each list they cut (`omitted_lines`). Inside what they keep, no
+text is longer than `MAX_TEXT` characters and no list or map nested in an entry holds more than `MAX_NESTED`
+items (a saved report's summary of 2 MB, or a first divergence with 200k inputs, was printed whole: a 27 MB
+page); both cuts are counted and said the same way. So the size of every rendering is bounded whatever the
+report holds, and its time with it (the JSON's own reading and re-judging are linear in its size).
 """
 from __future__ import annotations
 
@@ -29,10 +33,16 @@ TERMINAL = Bounds(points=2000, worst_tokens=50, not_comparable=200, findings=50,
 HTML = Bounds(points=5000, worst_tokens=200, not_comparable=2000, findings=500, notes=50, contract=1000,
               routing_layers=2000, ops=400)
 
+MAX_TEXT = 4000           # characters of one text shown (a real report's longest summary is a few hundred)
+MAX_NESTED = 500          # items of a list or map inside a report entry (real: a handful; the ops bound is 400)
+# top-level fields whose nested maps `bounded` cuts by its own rule (token_errors: per kept point)
+_OWN_RULE = ("token_errors", "routing")
+
 # field -> the noun of its "… N more <noun> not shown" line
 NOUNS = {"points": "points", "worst_tokens": "tokens", "not_comparable": "not-comparable entries",
          "findings": "findings", "notes": "notes", "contract": "contract differences",
-         "routing_layers": "routing layers", "ops": "dispatcher ops"}
+         "routing_layers": "routing layers", "ops": "dispatcher ops", "characters": "characters of long texts",
+         "nested": "nested entries"}
 OMITTED = "omitted"        # the key of the counts in a bounded copy (never written to a JSON file)
 
 
@@ -81,8 +91,39 @@ def bounded(report: dict, limits: Bounds) -> dict:
         r["routing"] = {**routing, "layers": dict(layers[:limits.routing_layers])}
     if fd and isinstance(fd.get("ops"), dict):
         r["first_divergence"] = {**fd, "ops": _bounded_ops(fd["ops"], limits.ops, omitted)}
+    for k in list(r):
+        if k != OMITTED:
+            r[k] = _capped(r[k], 0 if k in _OWN_RULE else 1, omitted)
     r[OMITTED] = {k: v for k, v in omitted.items() if v}
     return r
+
+
+def _capped(x, depth: int, omitted: dict):
+    """`x` with every text cut to MAX_TEXT characters and every list or map below the report's own fields
+    (depth 2 on: a point's inputs, a finding's detail) cut to MAX_NESTED items, the cuts counted."""
+    if isinstance(x, str):
+        if len(x) <= MAX_TEXT:
+            return x
+        omitted["characters"] = omitted.get("characters", 0) + len(x) - (MAX_TEXT - 1)
+        return x[:MAX_TEXT - 1] + "…"          # MAX_TEXT long: a copy bounded again is not cut again
+    if isinstance(x, list):
+        if depth >= 2 and len(x) > MAX_NESTED:
+            omitted["nested"] = omitted.get("nested", 0) + len(x) - MAX_NESTED
+            x = x[:MAX_NESTED]
+        return [v if _plain(v) else _capped(v, depth + 1, omitted) for v in x]
+    if isinstance(x, dict):
+        items = list(x.items())
+        if depth >= 2 and len(items) > MAX_NESTED:
+            omitted["nested"] = omitted.get("nested", 0) + len(items) - MAX_NESTED
+            items = items[:MAX_NESTED]
+        return {_capped(k, depth, omitted) if isinstance(k, str) and len(k) > MAX_TEXT else k:
+                (v if _plain(v) else _capped(v, depth + 1, omitted)) for k, v in items}
+    return x
+
+
+def _plain(v) -> bool:
+    """A value the cut leaves as it is: a number, a bool, null or a short text."""
+    return v is None or isinstance(v, (int, float)) or (isinstance(v, str) and len(v) <= MAX_TEXT)
 
 
 def _bounded_ops(ops: dict, keep: int, omitted: dict) -> dict:

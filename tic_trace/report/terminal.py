@@ -226,7 +226,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
             seen.add((x["key"], x["reason"]))
             t.add_row(text(x["key"]), text(x["reason"] or ""))
         c.print(t)
-    _more(c, report, "not_comparable")
+    _more(c, report, "not_comparable", "characters", "nested")
 
 
 def _contract(c: Console, contract: list[dict]) -> None:

@@ -41,9 +41,14 @@ def visible(s: Any, limit: int | None = None, keep: str = "") -> str:
     return "".join(_escape_char(c) if unicodedata.category(c) in _HIDDEN and c not in keep else c for c in s)
 
 
+#: the longest text a renderer prints as one piece; a longer one (a hostile saved report's key or summary) is cut
+MAX_PIECE = 10_000
+
+
 def text(s: Any, style: str = "", limit: int | None = None) -> Text:
-    """A rich Text showing `s` literally (no markup, no emoji codes), control characters made visible."""
-    return Text(visible(s, limit), style=style)
+    """A rich Text showing `s` literally (no markup, no emoji codes), control characters made visible, at most
+    `limit` (default MAX_PIECE) characters."""
+    return Text(visible(s, MAX_PIECE if limit is None else limit), style=style)
 
 
 def error_line(message: Any) -> Text:

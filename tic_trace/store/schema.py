@@ -379,6 +379,9 @@ def conforms(value: Any, tp: Any) -> bool:
 
 
 _Checker = Callable[[Any, str], "str | None"]    # (value, dotted field name) -> problem or None
+# the exact types each plain schema type accepts with no further check (a bool is no int or float here)
+_PLAIN_TYPES: dict[Any, tuple[type, ...]] = {float: (float, int), int: (int,), str: (str,), bool: (bool,),
+                                             type(None): (type(None),)}
 _CACHE: dict[Any, _Checker] = {}
 
 
@@ -433,9 +436,8 @@ def _checker(tp: Any) -> _Checker:
             if not isinstance(v, list):
                 return _bad(f, tp, v)
             for i, x in enumerate(v):
-                p = item(x, f"{f}[{i}]")
-                if p is not None:
-                    return p
+                if item(x, "") is not None:         # the field's name is built only for a problem
+                    return item(x, f"{f}[{i}]")
             return None
         return check_list
     if origin is dict:
@@ -447,9 +449,8 @@ def _checker(tp: Any) -> _Checker:
             for k, x in v.items():
                 if not isinstance(k, str):
                     return f"field {f!r} has a key that is not a string: {_short(k)}"
-                p = val(x, f"{f}.{k}")
-                if p is not None:
-                    return p
+                if val(x, "") is not None:
+                    return val(x, f"{f}.{k}")
             return None
         return check_dict
     if origin is Literal:
@@ -458,12 +459,14 @@ def _checker(tp: Any) -> _Checker:
         alts = [_checker(a) for a in args]
         real = [_checker(a) for a in args if a is not type(None)]
         nullable = type(None) in args
+        quick = frozenset(t for a in args for t in _PLAIN_TYPES.get(a, ()))
 
         def check_union(v, f):
-            if v is None and nullable:      # the common case, before the others build their messages
+            if (v is None and nullable) or type(v) in quick:     # the common cases, without a call
                 return None
-            if any(c(v, f) is None for c in alts):
-                return None
+            for c in alts:
+                if c(v, "") is None:
+                    return None
             # `X | None` given a wrong X: say what is wrong inside it, not only "X or null".
             return real[0](v, f) if len(real) == 1 and v is not None else _bad(f, tp, v)
         return check_union
@@ -494,14 +497,14 @@ def _map_checker(td: type) -> _Checker:
         if not isinstance(v, dict):
             return _bad(f, td, v) if f else f"not a map but {_short(v)}"
         for name, required, fn in fields:
-            dotted = f"{f}.{name}" if f else name
             if name not in v:
                 if required:
-                    return f"missing field {dotted!r}"
+                    return f"missing field {f'{f}.{name}' if f else name!r}"
                 continue
-            p = fn(v[name], dotted)
-            if p is not None:
-                return p
+            # checked without its dotted name first: building it for every field of 100k points was most of
+            # reading a large report back; a checker is pure, so the second call only words the problem
+            if fn(v[name], "") is not None:
+                return fn(v[name], f"{f}.{name}" if f else name)
         return None
     return check
 
