@@ -184,6 +184,16 @@ def test_bad_run_dir_is_a_clear_error(tmp_path, capsys):
     assert not (tmp_path / "empty" / "d.json").exists()
 
 
+def test_every_command_documents_its_exit_codes(capsys):
+    from tic_trace.tools.cli import build_parser
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in commands:
+        assert cli([name, "--help"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "exit codes: 0 " in out and " 2 error" in out, name
+    assert "divergent since rollout N" in " ".join(commands["drift"].format_help().split())
+
+
 def test_onset_rule_needs_the_error_to_stay_above():
     spike = [(0, 1e-3), (1, 1.2e-3), (2, 9e-3), (3, 1.1e-3), (4, 1e-3)]
     assert departures(spike, 3.0, 1e-5) == []

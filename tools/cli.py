@@ -253,7 +253,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tic_trace.tools import drift_cmd
     drift_cmd.add_parser(sub)
+    for name, sp in sub.choices.items():     # every command's --help ends with its exit codes
+        sp.epilog = f"exit codes: {EXIT_CODES[name]}; 130 interrupted"
     return p
+
+
+_VERDICT_CODES = ("0 consistent, 1 divergent, 2 error: no answer (bad arguments, an unreadable trace, a crash), "
+                  "3 not comparable (not every point both sides record could be compared, or the --reference "
+                  "checkpoint is not the traces' model or weights)")
+#: each command's exit codes (docs/report.md, "Exit codes of every command"): its --help prints them
+EXIT_CODES = {
+    "diff": _VERDICT_CODES,
+    "first-divergence": _VERDICT_CODES,
+    "report": _VERDICT_CODES + "; with --from-json also 3 when the file's verdict contradicts its own points",
+    "slime-report": _VERDICT_CODES,
+    "inspect": "0 described, 2 error (an unreadable trace, bad arguments)",
+    "demo": "0 the report found what was planted (with --fault none: nothing), 2 error: it did not, or a failure",
+    "replay": "0 every replayed point within its envelope, 1 some point abnormal, 2 error (an unreadable trace or "
+              "checkpoint, bad arguments), 3 not comparable (the checkpoint is not the trace's model or weights, "
+              "or an unverified architecture)",
+    "drift": "0 no onset, no weight-sync finding and the last compared rollout not divergent; 1 an onset, a "
+             "weight-sync finding, or a run divergent since rollout N; 2 error (the run directory is missing, "
+             "holds no numbered entry or names one rollout twice; bad arguments); 3 nothing compared (every "
+             "rollout skipped)",
+}
 
 
 def _fail(console: Console, what: str, debug: bool, label: str = "error: ") -> int:

@@ -1,7 +1,8 @@
 """``tic-trace drift RUN_DIR``: drift over a training run, every traced rollout's pair compared, the weight
 sync judged first, then the onset (docs/drift.md). A thin command over ``tic_trace.drift``.
 
-Exit codes: 0 no onset and no weight-sync finding, 1 an onset or a weight-sync finding, 2 error (bad input),
+Exit codes (tools/cli.py EXIT_CODES, printed by --help): 0 no onset, no weight-sync finding and the last compared
+rollout not divergent; 1 an onset, a weight-sync finding or a run divergent since rollout N; 2 error (bad input);
 3 nothing compared (every rollout skipped)."""
 from __future__ import annotations
 
