@@ -39,6 +39,8 @@ def megatron_weight_pieces(models: list, params: dict, coords: dict, offsets: li
         if cfg is None:
             continue
         facts = _facts(cfg, coords, vocab or int(getattr(root, "vocab_size", 0) or 0))
+        # tied: a last pipeline stage's own copy of the embedding is the embedding (and must equal it)
+        facts["tied"] = bool(getattr(root, "share_embeddings_and_output_weights", False))
         off = offsets[i] if i < len(offsets) else 0
         for name, p in model.named_parameters():
             key = name if i == 0 else f"{i}:{name}"
@@ -71,7 +73,7 @@ def _facts(cfg: Any, c: dict, vocab: int) -> dict:
 
 def _pieces(rel: str, p, f: dict, off: int) -> list[WeightPiece] | None:
     if rel in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        name = "model.embed_tokens.weight" if rel.startswith("embedding") else "lm_head.weight"
+        name = ("model.embed_tokens.weight" if rel.startswith("embedding") or f.get("tied") else "lm_head.weight")
         start = f["tp"][0] * p.shape[0]
         n = min(p.shape[0], f["vocab"] - start)
         return [rows(name, (f["vocab"], p.shape[1]), start, (slice(0, n),))] if n > 0 and p.dim() == 2 else None
