@@ -76,18 +76,14 @@ def logprob_inherited(va: CanonicalView, vb: CanonicalView, rows: list[RowId], l
     if za.values is None or zb.values is None or za.values.shape[1:] != zb.values.shape[1:]:
         return out
     ia, ib = ({r: i for i, r in enumerate(t.rows)} for t in (za, zb))
-    want = [(k, i, ia.get(r), ib.get(r), va.tokens.get((r[0], r[1] + 1))) for k, (i, r) in enumerate(enumerate(rows))]
-    ok = [w for w in want if w[2] is not None and w[3] is not None and w[4] is not None
-          and 0 <= int(w[4]) < za.values.shape[-1]]
+    vocab = int(za.values.shape[-1])
+    want = [(i, ia.get(r), ib.get(r), va.tokens.get((r[0], r[1] + 1))) for i, r in enumerate(rows)]
+    ok = [w for w in want if None not in w and 0 <= int(w[3]) < vocab]
     if not ok:
         return out
-    at = np.array([w[0] for w in ok])
-    tok = np.array([int(w[4]) for w in ok])
-    exact_a = _logprob_at(za.values, np.array([w[2] for w in ok]), tok)
-    exact_b = _logprob_at(zb.values, np.array([w[3] for w in ok]), tok)
-    vocab = int(za.values.shape[-1])
-    implied = np.abs(exact_a - exact_b)
-    for side, (lp, dt, der) in enumerate(((lp_a, dtypes[0], derived[0]), (lp_b, dtypes[1], derived[1]))):
+    at, in_a, in_b, tok = (np.array([int(w[k]) for w in ok], dtype=np.int64) for k in range(4))
+    implied = np.abs(_logprob_at(za.values, in_a, tok) - _logprob_at(zb.values, in_b, tok))
+    for lp, dt, der in ((lp_a, dtypes[0], derived[0]), (lp_b, dtypes[1], derived[1])):
         if not der:
             implied = implied + logsoftmax_rounding(lp[at], dt, vocab)
     out[at] = implied
