@@ -171,7 +171,7 @@ def multi_traces(tmp_path_factory, hf_models, tokens):
     torch.save({"tokens": tokens, "sd_dense": hf_models["dense"].state_dict(),
                 "sd_moe": hf_models["moe"].state_dict()}, root / "inputs.pt")
     for world in sorted({case.get("world", 2) for case in MULTI.values()}):
-        mc.spawn_ranks(_multi_worker, world, args=(str(root),), timeout_s=300)
+        mc.spawn_ranks(_multi_worker, world, args=(str(root),))
     return root
 
 

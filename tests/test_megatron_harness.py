@@ -280,7 +280,7 @@ def test_multiprocess_matches_hf(tmp_path, name):
     toks = tokens()
     ref = hf_logits(hf, toks)
     torch.save({"hf_sd": hf.state_dict(), "tokens": toks}, tmp_path / "inputs.pt")
-    mc.spawn_ranks(_worker, case["world"], args=(case, str(tmp_path)), timeout_s=240)
+    mc.spawn_ranks(_worker, case["world"], args=(case, str(tmp_path)))
     for rank in range(case["world"]):
         out = torch.load(tmp_path / f"logits_rank{rank}.pt", weights_only=True)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} rank {rank}: {m}")

@@ -161,7 +161,7 @@ def test_tp2_mla_shards_merge_to_the_hf_points(tmp_path):
     hf = _hf_model("deepseek", torch.float32)
     torch.save(hf.state_dict(), tmp_path / "sd.pt")
     trace_hf(hf, tmp_path / "hf", IDS, sample_keys=KEYS)
-    mc.spawn_ranks(_tp2_worker, 2, args=(str(tmp_path),), timeout_s=300)
+    mc.spawn_ranks(_tp2_worker, 2, args=(str(tmp_path),))
     v = CanonicalView(str(tmp_path / "mg"))
     assert (v.config["tensor_model_parallel_size"], v.config["architecture_verified"]) == (2, True)
     rep = find_divergence(str(tmp_path / "hf"), str(tmp_path / "mg"))

@@ -563,7 +563,7 @@ def _tp2_worker(rank, world, port, out_dir, block_reduces=False):
 
 
 def test_tp2_traces_reassemble_to_tp1(tmp_path, sg_trace):
-    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"),), timeout_s=240)
+    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"),))
     v = CanonicalView(str(tmp_path / "tp2"))
     assert v.trace.ranks == [0, 1]
     infos = {r: v.trace.rank_info(r) for r in v.trace.ranks}
@@ -591,7 +591,7 @@ def test_tp2_moe_block_that_reduces_itself(tmp_path, sg_trace):
     """SGLang 0.5.15.post1 (slime's pin) all-reduces each MoE block's output inside the block; the module still
     declares reduce_results=False. The merge goes by the records (bitwise-equal rank copies: taken once) and
     notes the disagreement; summing them as declared would make mlp.out tp x too large."""
-    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"), True), timeout_s=240)
+    sc.spawn_ranks(_tp2_worker, world=2, args=(str(tmp_path / "tp2"), True))
     v = CanonicalView(str(tmp_path / "tp2"))
     assert v.config["tp_partial"]["mlp.out"] == [0, 1]                       # what the module declares
     p0, p1 = v.trace.open_pass(0, 0), v.trace.open_pass(1, 0)

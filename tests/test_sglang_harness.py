@@ -203,7 +203,7 @@ def _tp_rollout_worker(rank, world, port, out_dir):
 
 
 def test_tp2_equals_tp1(models, tmp_path):
-    sc.spawn_ranks(_tp_rollout_worker, world=2, args=(str(tmp_path),), timeout_s=240)
+    sc.spawn_ranks(_tp_rollout_worker, world=2, args=(str(tmp_path),))
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
     for kind in ("dense", "moe"):
         hf, model = models[kind]

@@ -386,7 +386,7 @@ def test_tp2_mla_shards_merge_to_the_hf_points(tmp_path, sides):
     o_proj's input merge back into every head, the latents are taken once, and the pair with HF (and with
     Megatron) is consistent at fp32 accuracy with every promised point."""
     s = sides["deepseek", "fp32"]
-    sc.spawn_ranks(_tp2_worker, world=2, args=(s["ck"], str(tmp_path / "tp2"), "fp32"), timeout_s=300)
+    sc.spawn_ranks(_tp2_worker, world=2, args=(s["ck"], str(tmp_path / "tp2"), "fp32"))
     v = CanonicalView(str(tmp_path / "tp2"))
     assert v.trace.ranks == [0, 1] and v.config["tensor_model_parallel_size"] == 2
     assert v.adapter.check_architecture(v.config).verified
@@ -406,7 +406,7 @@ def test_tp2_bf16_replayed_blames_no_side(tmp_path, sides):
     a sum of per-rank (experts + shared) partials whose addends the trace does not hold, is said as not
     replayed; the CPU router precision is the only finding (CPU_ROUTER)."""
     s = sides["deepseek", "bf16"]
-    sc.spawn_ranks(_tp2_worker, world=2, args=(s["ck"], str(tmp_path / "tp2"), "bf16"), timeout_s=300)
+    sc.spawn_ranks(_tp2_worker, world=2, args=(s["ck"], str(tmp_path / "tp2"), "bf16"))
     rep = find_divergence(s["hf"], str(tmp_path / "tp2"), reference=s["ck"],
                           accept_precision=list(CPU_ROUTER["deepseek"]))
     left = {p.key for p in rep.points if (p.replay or {}).get("side") and not p.replay.get("accepted")}

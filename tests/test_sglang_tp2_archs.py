@@ -45,7 +45,7 @@ def test_tp2_shards_merge_to_the_hf_points(tmp_path, name):
     model = build_hf_model(cfg)
     model.save_pretrained(tmp_path / "ck")
     _hf_trace(model, tmp_path / "hf")
-    sc.spawn_ranks(_worker, world=2, args=(str(tmp_path / "ck"), str(tmp_path / "tp2")), timeout_s=300)
+    sc.spawn_ranks(_worker, world=2, args=(str(tmp_path / "ck"), str(tmp_path / "tp2")))
     v = CanonicalView(str(tmp_path / "tp2"))
     assert v.trace.ranks == [0, 1] and v.config["tensor_model_parallel_size"] == 2
     assert (v.config["architecture"], v.config["architecture_verified"]) == (name, True)

@@ -345,7 +345,7 @@ def init_parallel(
     *,
     etp: Optional[int] = None,
     seed: int = 1234,
-    timeout_s: float = 120.0,
+    timeout_s: float = 1800.0,
 ) -> None:
     """Start a gloo process group and megatron's parallel state for this rank.
 
@@ -354,6 +354,8 @@ def init_parallel(
     tracker (P0). ``world`` must be a multiple of ``tp*pp`` and of ``etp*ep``; the rest is data parallel.
     ``port`` is required when ``world > 1`` (all ranks must agree); with ``world == 1`` a free port is
     picked. ``sp`` is recorded for :func:`build_gpt_model` (it is a model-config option, not a group).
+    ``timeout_s`` is gloo's wait in a collective: torch's own default (30 min), not a test deadline (a rank
+    waits there while the other computes, minutes on a loaded machine; a real hang is `spawn_ranks`' to see).
     """
     if sp and tp < 2:
         raise ValueError("sequence parallelism needs tp >= 2")
