@@ -14,13 +14,28 @@ from __future__ import annotations
 import torch
 
 
+#: Whether each release's MoE blocks all-reduce their own output (tests/test_sglang_versions.py checks both in
+#: the releases' source).
+BLOCK_REDUCES_ITSELF = {"0.5.15.post1": True, "0.5.23": False}
+
+
+def moe_block_reduces_itself() -> bool:
+    """Whether the installed SGLang's MoE blocks all-reduce their own output (0.5.15.post1, slime's pin)."""
+    from importlib.metadata import version
+    return BLOCK_REDUCES_ITSELF[version("sglang")]
+
+
 def reduce_moe_output_in_block(model: torch.nn.Module) -> int:
-    """Make every MoE block of an SGLang 0.5.23 model return its TP-reduced output, as 0.5.15.post1's do.
+    """Make every MoE block of an SGLang 0.5.23 model return its TP-reduced output, as 0.5.15.post1's do (on
+    0.5.15.post1 itself, the slime-stack lane, nothing is changed: its blocks do so).
 
     The block's forward all-reduces its result (the recorded ``mlp`` output is the full sum, equal on every
     rank); the layer's FFN boundary, which in 0.5.23 still performs the deferred all-reduce, gets that sum
     divided by the TP size, so the model computes exactly what it did before (division by a power of two and
     adding the equal halves back are exact). Returns the number of blocks changed."""
+    if moe_block_reduces_itself():     # the installed release is 0.5.15's kind: its own blocks do it already
+        return sum(hasattr(getattr(layer, "mlp", None), "experts")
+                   for layer in getattr(getattr(model, "model", None), "layers", []))
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
     from sglang.srt.runtime_context import get_parallel
 
