@@ -233,3 +233,17 @@ def test_attribution_separates_measured_from_credited(tmp_path):
     assert any(ln.startswith("  clean-implementation noise of this model: not measured") for ln in lines)
     if abs(s["share"]) < 0.5 * abs(s["share_total"]):
         assert any("own measured share is" in ln for ln in lines)
+
+
+def test_a_finding_whose_own_term_is_next_to_nothing_is_credited_nothing(attributed):
+    """The crediting heuristic does not hand the clean ops' noise to a finding whose own measured term is under
+    2% of the gap (an attack: "explains 65% (its own error -0%, the clean ops after it 66%)")."""
+    from tic_trace.replay.attribution import CREDIT_FLOOR, recredit
+    att = copy.deepcopy(attributed["attribution"])
+    first = att["first"]
+    s = next(x for x in att["by_point"] if x["key"] == first)
+    s["share"] = CREDIT_FLOOR / 4
+    again = recredit(att, [first])
+    mine = next(x for x in again["by_point"] if x["key"] == first)
+    assert mine["share_downstream"] == 0 and again["first"] is None
+    assert again["noise"] == pytest.approx(again["explained"] - mine["share"])

@@ -46,7 +46,8 @@ WITHHOLD_EXPLAINED = (0.5, 2.0)
 WITHHOLD_SHARE = 4.0
 # What is credited to a finding beyond its own measured term, said with every answer (docs/attribution.md).
 CREDIT_RULE = ("heuristic: each clean point's measured share is credited to the findings before it in dataflow "
-               "order, in proportion to their own |share|; clean points before every finding stay noise")
+               "order whose own |share| is 2% of the gap or more, in proportion to it; otherwise it stays noise")
+CREDIT_FLOOR = 0.02           # a finding whose own term is under 2% of the gap is credited nothing (_credit)
 CLEAN_NOISE_UNMEASURED = ("not measured: the report holds no clean pair of this model (e.g. eager vs SDPA "
                           "attention), so whether this gap is within clean-implementation noise is not known")
 
@@ -352,12 +353,15 @@ def _credit(att: Attribution) -> None:
     """Credit each clean point's share to the findings before it in dataflow order, in proportion to their
     own |share|. Why: where both sides run clean ops, their outputs differ only because their inputs do (in
     bf16 every later rounding then differs too, and those terms outweigh a small fault's own one); without an
-    earlier finding, the share stays `noise`. A heuristic of attribution, said as such in docs/attribution.md."""
+    earlier finding, the share stays `noise`. A finding whose own measured term is under CREDIT_FLOOR of the
+    gap takes no credit: its difference moves the log-probs by next to nothing at first order, and the clean
+    ops' noise after it says nothing of it. A heuristic of attribution, said as such in docs/attribution.md."""
     flow = sorted(att.by_point + att.routing, key=lambda s: order_key(s.point, s.layer))
     before: list[Share] = []
     for s in flow:
         if s.finding:
-            before.append(s)
+            if abs(s.share) >= CREDIT_FLOOR:
+                before.append(s)
             continue
         weight = sum(abs(f.share) for f in before)
         if not weight:
