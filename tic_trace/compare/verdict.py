@@ -482,7 +482,8 @@ def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | N
     if not over:
         return None
     curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
-    largest = max(over, key=lambda p: p.error if p.error is not None else -1)
+    same_unit = [p for p in over if unit_of(p.point) == "relative"] or over   # not the log-probs' nats
+    largest = max(same_unit, key=lambda p: p.error if p.error is not None else -1)
     text = (f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
             f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the graph, "
             "what a clean low-precision pair looks like; not a divergence")
