@@ -26,8 +26,8 @@ from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
-from .variants import (DTYPES, VARIANTS, VariantInput, declared_tp, fingerprint, frame, run_variants,
-                       tp_degrees, undeclared_layouts, variant_rows)
+from .variants import (DTYPES, VARIANTS, VariantInput, fingerprint, frame, run_variants, tp_degrees,
+                       undeclared_layouts, variant_rows)
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
 _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
@@ -315,12 +315,37 @@ class SideReplayer:
         fr = frame(y[sel], exact[sel], err.dtype)
         results = run_variants(err.envelope_key, vin, fr, variants)
         fp = fingerprint(results)
-        if fp.match_kind != "clean":    # not the trace's own layout: is it a split the trace does not declare?
-            fp = fingerprint(results + undeclared_layouts(err.envelope_key, vin, fr, variants), declared_tp(self.tp))
+        if fp.match_kind != "clean":    # not what the trace declares: is it a clean implementation it does not say?
+            results += undeclared_layouts(err.envelope_key, vin, fr, variants)
+            results += self._fused_sum_results(err, layer, [rows[i] for i in sel], vin, fr, variants)
+            fp = fingerprint(results)
         if not fp.match:
             return err
         sampled = fr.side_excess() if len(sel) < len(rows) else 0.0    # fr is set: a variant was measured
         return dataclasses.replace(err, **dataclasses.asdict(fp), sampled_excess=sampled)
+
+    def _fused_sum_results(self, err: IntrinsicError, layer, rows: list, vin: VariantInput, fr, variants) -> list:
+        """A residual norm's clean variants on the *unrounded* sum of the residual's two addends, for a side
+        whose trace does not say it fuses the add into the norm (SGLang's `RMSNorm(x, residual)` says it:
+        `fused_add_norm_fp32`, and is then replayed on that sum): they may name the side, never widen its
+        envelope. Empty where the point is no residual norm or an addend was not recorded."""
+        if err.point not in SUM_NORMS or self.view.config.get("fused_add_norm_fp32"):
+            return []
+        feed = self.ref.inputs_of(err.point, self.has_qk_norm, layer)
+        k = self._feed_key(feed[0], layer) if len(feed) == 1 else None
+        if k is None or k not in self.present:
+            return []
+        t = self._load(*k)
+        u = self._unrounded_sum(t, k)
+        at = {r: i for i, r in enumerate(u.rows)}
+        if u is t or u.values is None or any(r not in at for r in rows):
+            return []
+        x = _tensor(u.values[[at[r] for r in rows]], self.ref.device)
+        vin2 = dataclasses.replace(vin, feeds={k[0] if feed[0][0] != "<" else feed[0]: x})
+        out = run_variants(err.envelope_key, vin2, fr, [v for v in variants if v.clean], envelope=False,
+                           says="an unfused residual add")
+        return [dataclasses.replace(r, name=f"fused_add_{r.name}", what=f"residual add fused into the norm ({r.what})")
+                for r in out]
 
     def _check_not_rank_partials(self, point: str, layer: int | None) -> None:
         """A MoE block's output that is the sum over TP ranks of each rank's own (experts + shared) partial

@@ -463,7 +463,8 @@ class VariantResult:
     excess: float               # the variant's error against exact, in units of the rounding floor
     dist: float                 # the side's output's distance from the variant, same units
     equal: float                # share of the side's elements bit-equal to the variant's
-    envelope: bool = True       # counts for the envelope (False: a TP degree the trace does not declare)
+    envelope: bool = True       # counts for the envelope (False: an implementation the trace does not declare)
+    says: str = ""              # where not: what the trace declares instead ("TP 1"), for the verdict's words
 
 
 def tp_degrees(manifest: dict) -> tuple[int, ...]:
@@ -514,11 +515,12 @@ def frame(y: np.ndarray, exact: np.ndarray, dtype: str) -> Frame | None:
 
 
 def run_variants(key: str, vin: VariantInput, fr: Frame | None, variants: list[Variant] | None = None,
-                 envelope: bool = True) -> list[VariantResult]:
+                 envelope: bool = True, says: str = "") -> list[VariantResult]:
     """Every variant of `key` (a point, or the op replayed: `reference.op_of`) on these inputs, measured
     against the exact value and against the side's output (`fr`, both [rows, ...] of the same rows).
     `variants`: these instead of VARIANTS' (the architecture-specific ops': arch_variants.py); `envelope`:
-    False for results that may name the side but not set its envelope (`undeclared_layouts`)."""
+    False for results that may name the side but not set its envelope (`undeclared_layouts`), `says` then what
+    the trace declares instead."""
     out: list[VariantResult] = []
     if fr is None:
         return out
@@ -526,7 +528,7 @@ def run_variants(key: str, vin: VariantInput, fr: Frame | None, variants: list[V
     try:
         for var in (variants if variants is not None else VARIANTS.get(key, ())):
             before = len(out)
-            _measure(var, vin, fr, envelope, out)
+            _measure(var, vin, fr, envelope, out, says)
             if STOP_AT_EXACT_CLEAN and envelope and any(r.clean and r.dist == 0 for r in out[before:]):
                 break       # the side *is* this clean implementation: enough (the comment above _measure)
     finally:
@@ -543,7 +545,7 @@ def run_variants(key: str, vin: VariantInput, fr: Frame | None, variants: list[V
 # (a trace of a real model's width: benchmarks/bench_replay_real.py).
 
 
-def _measure(var: Variant, vin: VariantInput, fr: Frame, envelope: bool, out: list) -> None:
+def _measure(var: Variant, vin: VariantInput, fr: Frame, envelope: bool, out: list, says: str = "") -> None:
     """One variant's output(s) on these inputs, measured against exact and against the side."""
     try:
         got = var.fn(vin)
@@ -560,7 +562,7 @@ def _measure(var: Variant, vin: VariantInput, fr: Frame, envelope: bool, out: li
                                  var.what + (f" ({suffix.upper()})" if suffix else ""),
                                  fr.excess(v),
                                  float(np.sqrt(((fr.yy - v) ** 2).sum())) / fr.floor, float((fr.yy == v).mean()),
-                                 envelope))
+                                 envelope, says))
 
 
 def undeclared_layouts(key: str, vin: VariantInput, fr: Frame | None,
@@ -574,7 +576,8 @@ def undeclared_layouts(key: str, vin: VariantInput, fr: Frame | None,
     chosen = [v for v in (variants if variants is not None else VARIANTS.get(key, ())) if v.layouts]
     if not others or not chosen:
         return []
-    return run_variants(key, dataclasses.replace(vin, tp=others), fr, chosen, envelope=False)
+    return run_variants(key, dataclasses.replace(vin, tp=others), fr, chosen, envelope=False,
+                        says=declared_tp(vin.tp))
 
 
 def declared_tp(tp: tuple[int, ...]) -> str:
@@ -601,10 +604,10 @@ class Fingerprint:
     match_layout: str = ""      # the match is a TP layout the trace does not declare: what it declares ("TP 1")
 
 
-def fingerprint(results: list[VariantResult], declared: str = "") -> Fingerprint:
+def fingerprint(results: list[VariantResult]) -> Fingerprint:
     """The envelope and the best match of one side's output among the variants run on its inputs; the
-    envelope from the variants at the trace's own layout only (`VariantResult.envelope`), `declared` that
-    layout in words, said where the match is another."""
+    envelope from the implementations the trace declares only (`VariantResult.envelope`); where the match is
+    another, what the trace declares instead (`match_layout`)."""
     clean = [r for r in results if r.clean]
     if not [r for r in clean if r.envelope]:
         return Fingerprint()
@@ -615,6 +618,6 @@ def fingerprint(results: list[VariantResult], declared: str = "") -> Fingerprint
     if kind == "fault" and not near.dist > FAULT_SEPARATION * best.dist:
         # the fault and a clean variant are alike on these inputs: no signature, the nearest clean one is named
         best, kind = near, ("clean" if near.dist <= MATCH_DIST else "none")
-    layout = declared if kind == "clean" and not best.envelope else ""
+    layout = (best.says or "another implementation") if kind == "clean" and not best.envelope else ""
     return Fingerprint(worst.excess, worst.name, best.name, best.what, kind, best.equal, best.dist, near.dist,
                        layout)

@@ -162,6 +162,40 @@ def rope_fp32_tables(model) -> Iterator[None]:
             h.remove()
 
 
+def _fused_add_norm_layer(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                          position_embeddings=None, **kwargs):
+    """A Qwen3 / Llama-style decoder layer with SGLang's fused residual add + RMSNorm: the add in fp32, its
+    rounding kept as the residual stream, the post-attention norm applied to the fp32 sum (one kernel, gain in
+    fp32, one rounding). The norm module is called on the rounded sum (what the trace records as `mid`)."""
+    residual = hidden_states
+    h = self.input_layernorm(hidden_states)
+    h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    mid32 = residual.float() + h.float()
+    mid = mid32.to(residual.dtype)
+    norm = self.post_attention_layernorm
+    norm.tic_fp32_sum = mid32
+    try:
+        h = norm(mid)
+    finally:
+        norm.tic_fp32_sum = None
+    return mid + self.mlp(h)
+
+
+def _norm_of_fp32_sum(self, x):
+    xf = self.tic_fp32_sum if getattr(self, "tic_fp32_sum", None) is not None else x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight.float()).to(x.dtype)
+
+
+def fused_add_norm(model) -> None:
+    """Every layer's residual add + post-attention RMSNorm fused in fp32 (SGLang's `RMSNorm(x, residual)`),
+    without the trace saying so (`fused_add_norm_fp32` is SGLang's adapter's fact): the replay must name it,
+    not blame it (docs/replay.md)."""
+    for lay in model.model.layers:
+        _wrap(lay, _fused_add_norm_layer)
+        _wrap(lay.post_attention_layernorm, _norm_of_fp32_sum)
+
+
 CLEAN_VARIANTS: dict[str, Callable] = {
     "tp2_row_parallel": tp_row_parallel(2),
     "tp4_row_parallel": tp_row_parallel(4),
@@ -170,4 +204,5 @@ CLEAN_VARIANTS: dict[str, Callable] = {
     "sdpa_math": attention("sdpa_math"),
     "sdpa": attention("sdpa"),
     "fused_norm": fused_norm,
+    "fused_add_norm": fused_add_norm,
 }
