@@ -140,7 +140,7 @@ def _passes_note(identity: dict) -> list[Note]:
         return []
     labels = list(m) or sorted(set(a) | set(b))
     each = []
-    for lab in labels:
+    for lab in labels[:ROWS_IN_LINE]:          # the sentence names a few; the detail holds every pass
         na, nb = _count(a, lab), _count(b, lab)
         if na and nb:
             each.append(f"pass {lab}: {_count(m, lab)} of {max(na, nb)} rows compared")
@@ -148,7 +148,7 @@ def _passes_note(identity: dict) -> list[Note]:
             each.append(f"pass {lab}: side {'A' if na else 'B'} only ({na or nb} rows, not compared)")
     how = "by the passes' tags" if ps.get("by") == "tag" else "in order"
     short = (f"rows traced in {len(a)} pass(es) on side A, {len(b)} on side B, compared pass with pass {how}: "
-             + _listed(each, str, len(each)))
+             + _listed(each, str, len(labels)))
     return [Note("passes", short + " — the same batch traced more than once (actor and reference model, or two "
                  "steps) is one set of rows per pass; --passes-by tag matches passes by tracer.step(tag) instead",
                  {"short": short, "by": ps.get("by"), "a": a, "b": b, "matched": m})]
