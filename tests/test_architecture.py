@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 import tomllib
+
 from pathlib import Path
+
+from tic_trace.testing import child
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tic_trace"
@@ -230,5 +232,5 @@ def test_reading_and_comparing_traces_import_no_torch():
             "from tic_trace import Report, Trace, find_divergence, open_trace\n"
             f"for n in {names!r}:\n    importlib.import_module(n)\n"
             "sys.exit('torch' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = child.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import tic_trace
+from tic_trace.testing import child
 from tic_trace import find_divergence
 from tic_trace.testing.faults import plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
@@ -89,8 +90,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 def run_sub(argv: list, **kw) -> subprocess.CompletedProcess:
     """The CLI in a process of its own (what a shell pipeline runs)."""
     env = {**os.environ, **kw.pop("env", {})}
-    return subprocess.run([sys.executable, "-m", "tic_trace.tools.cli", *map(str, argv)], env=env, timeout=300,
-                          **kw)
+    return child.run([sys.executable, "-m", "tic_trace.tools.cli", *map(str, argv)], env=env, **kw)
 
 
 def snapshot(*roots: Path) -> dict[str, bytes]:

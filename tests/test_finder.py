@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tic_trace
+from tic_trace.testing import child
 from tic_trace.view.align import CanonicalView
 from tic_trace import find_divergence
 from tic_trace.compare.diverge import Tolerance, rejudge
@@ -322,13 +323,12 @@ def test_the_finder_needs_no_torch_and_forks_its_workers(tmp_path, clean_moe):
     """What the CLI runs (a process that loads only numpy and tic-trace): the finder never imports torch, two
     workers are forked with the indexed views (items carry only the point) and give the one-worker report,
     which is the report this process (torch loaded: spawned workers) makes."""
-    import subprocess
     import sys
     model = build_hf_model(tiny_qwen3_config(moe=True))
     plant(model, "hf", "qk_norm_weight", 1)
     trace_hf(model, tmp_path / "b", IDS)
-    r = subprocess.run([sys.executable, "-c", _FORKED_FINDER, str(clean_moe), str(tmp_path / "b")],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = child.run([sys.executable, "-c", _FORKED_FINDER, str(clean_moe), str(tmp_path / "b")],
+                  capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["torch"] is False
@@ -456,7 +456,6 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
     process, which must fail this test (or, when Ray's own processes keep dying, skip it with Ray's logs),
     never end pytest."""
     import shutil
-    import subprocess
     import sys
     import tempfile
 
@@ -469,9 +468,9 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
         shutil.copytree(clean_moe, tmp_path / "cut")
         ray_dir = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))    # short: Ray's socket paths are limited
         try:
-            r = subprocess.run([sys.executable, "-c", _RAY_FINDER, str(clean_moe), str(tmp_path / "b"),
-                                str(tmp_path / "cut"), str(ray_dir), str(Path(__file__).parent)],
-                               capture_output=True, text=True, timeout=400, check=False)
+            r = child.run([sys.executable, "-c", _RAY_FINDER, str(clean_moe), str(tmp_path / "b"),
+                           str(tmp_path / "cut"), str(ray_dir), str(Path(__file__).parent)],
+                          capture_output=True, text=True, check=False)
             output = r.stdout + r.stderr
             if not _ray_ended_the_driver(r):
                 break

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tic_trace.testing import child
 from tic_trace.testing.sglang_light_check import first_failing_import
 from tic_trace.tools.demo import demo_out_dir
 
@@ -25,8 +26,8 @@ def _git_status() -> str:
 def test_demo_writes_under_a_directory_it_names_and_leaves_the_checkout_clean(tmp_path):
     before = _git_status()
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-m", "tic_trace.tools.cli", "demo"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = child.run([sys.executable, "-m", "tic_trace.tools.cli", "demo"], cwd=REPO, env=env,
+                    capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr  # the planted router_bf16 fault was found
     assert _git_status() == before
     made = list(tmp_path.glob("tic-trace-demo-*"))

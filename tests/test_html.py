@@ -25,6 +25,7 @@ import torch
 import transformers  # noqa: E402,F401 - a required test dependency: fail loudly if missing
 
 import tic_trace  # noqa: E402
+from tic_trace.testing import child  # noqa: E402
 from tic_trace.graph.canonical import CURVE_POINTS  # noqa: E402
 from tic_trace import find_divergence  # noqa: E402
 from tic_trace.compare.diverge import Tolerance, rejudge, sort_points  # noqa: E402
@@ -352,8 +353,8 @@ W, H = 1280, 2000
 def _chromium(tmp_path: Path, url: str, *extra: str) -> subprocess.CompletedProcess:
     prof = tmp_path / "chromium-profile"
     prof.mkdir(exist_ok=True)
-    return subprocess.run([str(CHROMIUM), *CHROMIUM_FLAGS, f"--user-data-dir={prof}", *extra, url],
-                          capture_output=True, text=True, timeout=180)
+    return child.run([str(CHROMIUM), *CHROMIUM_FLAGS, f"--user-data-dir={prof}", *extra, url],
+                     capture_output=True, text=True)
 
 
 def _png_rows(path: Path, n_rows: int) -> tuple[int, int, list[bytes]]:

@@ -9,7 +9,6 @@ trace). Faults planted in the model go into its computation (a forward hook), ne
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import threading
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import tic_trace
+from tic_trace.testing import child
 from tic_trace import find_divergence, open_trace
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli
@@ -81,8 +81,8 @@ _CHILD = textwrap.dedent("""
 
 def _trace_with_failing_writes(tmp_path: Path, where: str) -> tuple[Path, Path, dict]:
     a, b = tmp_path / "a", tmp_path / "b"
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(a), str(b), str(tmp_path / "probe"), where],
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = child.run([sys.executable, "-c", _CHILD, str(a), str(b), str(tmp_path / "probe"), where],
+                  capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["sizes"][0] < facts["limit"] < facts["sizes"][1] or where != "pass 1", facts

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tic_trace
+from tic_trace.testing import child
 from tic_trace.view.align import CanonicalView
 from tic_trace.replay.checkpoint import CheckpointError, HFCheckpoint
 from tic_trace.replay.intrinsic import IntrinsicError, NotReplayed, replay_side
@@ -285,8 +286,8 @@ print(json.dumps({"error": msg, "grew_mb": peak_mb() - base}))
 
 
 def _peak(ck: Path) -> dict:
-    p = subprocess.run([sys.executable, "-c", _PEAK, str(ck)], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).parent.parent)
+    p = child.run([sys.executable, "-c", _PEAK, str(ck)], capture_output=True, text=True,
+                  cwd=Path(__file__).parent.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import importlib
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -29,6 +28,7 @@ import tic_trace.integrations.slime as ts
 import tic_trace.integrations.slime.config as config
 import tic_trace.integrations.slime.megatron_hooks as mh
 import tic_trace.integrations.slime.rollout_hooks as rh
+from tic_trace.testing import child
 from tic_trace.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +240,7 @@ def test_flags_off_leave_slime_defaults_and_import_nothing():
     code = ("import sys; import tic_trace.integrations.slime; "
             "bad = [m for m in ('tic_trace.adapters.megatron', 'tic_trace.adapters.sglang', 'megatron', 'sglang', "
             "'tic_trace.view.align', 'tic_trace.compare.diverge') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = child.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

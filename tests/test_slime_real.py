@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tic_trace.testing import child
 from tic_trace.testing.slime_vendor import MEGATRON_ENV, SLIME_ENV, sources
 
 from conftest import require_vendored_sources
@@ -30,8 +30,8 @@ def run_scenario(name: str, out: Path) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for s in sources():                   # the scenario process uses exactly the trees this session found
         env[MEGATRON_ENV if s.name == "Megatron-LM" else SLIME_ENV] = str(s.path)
-    r = subprocess.run([sys.executable, str(SCRIPT), name, str(out)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=600)
+    r = child.run([sys.executable, str(SCRIPT), name, str(out)], capture_output=True, text=True,
+                  cwd=ROOT, env=env)
     assert r.returncode == 0, f"scenario {name} failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-8000:]}"
     return json.loads((out / "result.json").read_text())
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tic_trace.testing import slime_vendor
+from tic_trace.testing import child, slime_vendor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,9 +18,8 @@ def _pytest(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     dropped = ("CI", "TIC_TRACE_TEST_RUNNING_FILE", slime_vendor.SLIME_ENV, slime_vendor.MEGATRON_ENV)
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "tests/test_slime_real.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return child.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                      "tests/test_slime_real.py"], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
 def test_absent_sources_skip_outside_ci_and_fail_inside(tmp_path):
