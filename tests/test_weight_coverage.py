@@ -39,9 +39,11 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
 
 
 def _weights(contract) -> tuple[list, list]:
-    """(parameters said to differ between A and B, the coverage lines)."""
+    """(parameters said to differ between A and B, the coverage lines: the `hashes` line where some parameter
+    was not compared, else the notes of the A-B `weights` differences, which end with the coverage)."""
     names = sorted(n for d in contract if d.section == "weights" and d.against == "B" for n in d.a)
-    return names, [d.note for d in contract if d.section == "hashes"]
+    lines = [d.note for d in contract if d.section == "hashes"]
+    return names, lines or [d.note for d in contract if d.section == "weights" and d.against == "B"]
 
 
 def test_piece_shares_add_up_to_the_whole_tensors_hash():
@@ -71,7 +73,7 @@ def test_a_llama_whose_down_proj_differs_by_one_percent_is_named(tmp_path):
     names, lines = _weights(diff_contract(va, vb))
     assert names == [DOWN]
     n = len(dict(model.named_parameters()))
-    assert lines == [f"weight hashes: {n} of {n} parameters compared, 1 differ between A and B: {DOWN}"]
+    assert lines == [f"parameters whose bits differ between A and B: {DOWN} ({n} of {n} parameters compared)"]
     # the same pair untouched: every parameter compared, nothing to say (the renderers print "agree")
     trace_hf(_llama(), tmp_path / "c", IDS)
     assert _weights(diff_contract(va, CanonicalView(str(tmp_path / "c")))) == ([], [])
@@ -149,7 +151,8 @@ def test_megatron_and_sglang_weights_are_compared_parameter_by_parameter(mgsg, k
     names, lines = _weights(diff_contract(va, CanonicalView(str(d / f"sg_{kind}_True"))))
     want = "model.layers.1.mlp.experts.2.down_proj.weight" if kind == "moe" else DOWN
     assert names == [want]
-    assert lines == [f"weight hashes: {n_ckpt} of {n_ckpt} parameters compared, 1 differ between A and B: {want}"]
+    assert lines == [f"parameters whose bits differ between A and B: {want} ({n_ckpt} of {n_ckpt} parameters "
+                     "compared)"]
 
 
 def test_the_cli_states_the_coverage(mgsg, capsys):
@@ -157,7 +160,7 @@ def test_the_cli_states_the_coverage(mgsg, capsys):
     d, _ = mgsg
     cli(["first-divergence", str(d / "mg_dense"), str(d / "sg_dense_True"), "--json", str(d / "r.json")])
     out = capsys.readouterr().out
-    assert "weight hashes agree" not in out and f"1 differ between A and B: {DOWN}" in out
+    assert "weight hashes agree" not in out and f"differ between A and B: {DOWN} (25 of 25 parameters" in out
     doc = json.loads((d / "r.json").read_text())
     assert any(c["section"] == "weights" and DOWN in c["a"] for c in doc["contract"])
 
@@ -238,10 +241,9 @@ def test_drift_weight_check_states_what_it_compared():
     none = contract_weights({"contract": [{"section": "hashes", "key": "A-B", "a": 0, "b": 3,
                                            "note": "weight hashes: 0 of 3 parameters compared; 3 not compared"}]})
     assert none.agree is None
-    bad_line = f"weight hashes: 25 of 25 parameters compared, 1 differ between A and B: {DOWN}"
+    bad_line = f"parameters whose bits differ between A and B: {DOWN} (25 of 25 parameters compared)"
     bad = contract_weights({"contract": [
-        {"section": "weights", "key": "L1.mlp.out", "a": [DOWN], "b": [DOWN], "against": "B"},
-        {"section": "hashes", "key": "A-B", "a": 25, "b": 25, "note": bad_line}]})
+        {"section": "weights", "key": "L1.mlp.out", "a": [DOWN], "b": [DOWN], "against": "B", "note": bad_line}]})
     assert bad.agree is False and bad.differing == [DOWN]
     sync = weight_sync([RolloutEntry(0, "r0", "compared", weights=ok), RolloutEntry(1, "r1", "compared", weights=bad)],
                        ["megatron", "sglang"])

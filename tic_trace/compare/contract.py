@@ -138,10 +138,13 @@ def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
     ca, cb = side_weights(view_a), side_weights(view_b)
     cov = compare_weights(ca, cb)
     out = []
+    whole = cov.compared == cov.total and cov.compared > 0
     for key, names in _by_point(cov.differing, hf_point_of):
         out.append(ContractDiff("weights", key, names, names,
-                                note=f"parameters whose bits differ between A and B: {', '.join(names)}"))
-    if not (cov.agree and cov.compared == cov.total):
+                                note=f"parameters whose bits differ between A and B: {', '.join(names)}"
+                                     + (f" ({cov.compared} of {cov.total} parameters compared)" if whole else "")))
+    if not whole or set(cov.differing) - {n for d in out for n in d.a}:
+        # some parameter not compared (or differing ones no point reads): said, and named, in one line
         out.append(ContractDiff("hashes", "A-B", cov.compared, cov.total, note=cov.sentence()))
     if reference is not None:
         for side, cw in (("A", ca), ("B", cb)):

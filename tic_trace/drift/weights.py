@@ -24,7 +24,9 @@ def contract_weights(report: dict) -> WeightCheck:
                         for n in (c.get("a") or [])})
     cov = next((c for c in contract if c.get("section") == "hashes"), None)
     if cov is None:                  # every parameter compared (the contract names none left out)
-        return WeightCheck(agree=not differing, differing=differing)
+        note = next((str(c.get("note") or "") for c in contract if c.get("section") == "weights"
+                     and c.get("against") == "B"), "")
+        return WeightCheck(agree=not differing, differing=differing, note=note)
     note = str(cov.get("note") or "")
     compared = cov.get("a") if note.startswith("weight hashes:") and isinstance(cov.get("a"), int) else 0
     if differing or "differ between A and B" in note:
@@ -80,7 +82,7 @@ def weight_sync(entries: list[RolloutEntry], sides: list[str]) -> WeightSync | N
 
 def _coverage(note: str) -> str:
     """" (N of M parameters compared)" from the contract's hashes line ('' when it has none)."""
-    m = re.match(r"weight hashes: (\d+ of \d+ parameters compared)", note)
+    m = re.search(r"(\d+ of \d+ parameters compared)", note)
     return f" ({m.group(1)})" if m else ""
 
 

@@ -15,11 +15,18 @@ def contract_line(d: dict) -> str:
         else:
             body = f"side {who} {a!r}, checkpoint {b!r}"
     elif sec == "weights":
-        body = f"parameters differ between A and B: {', '.join(map(str, a or []))}"
+        body = f"parameters differ between A and B: {', '.join(map(str, a or []))}" + _coverage(d.get("note"))
     else:
         body = f"A {a!r}, B {b!r}"
     kind = " [precision]" if d.get("kind") == "precision" else ""
     return f"{sec:<9} {key}{kind}: {body}"
+
+
+def _coverage(note) -> str:
+    """" (N of M parameters compared)" where a weights difference's note ends with it (compare/contract.py)."""
+    if isinstance(note, str) and note.endswith(" parameters compared)") and " (" in note:
+        return " (" + note.rsplit(" (", 1)[1]
+    return ""
 
 
 def note_short(note: dict) -> str:
