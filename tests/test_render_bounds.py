@@ -1,7 +1,8 @@
 """Every renderer of a saved report is bounded in size, and re-judging one is linear in its size, whatever the
 file holds: a report of a real traced pair (transformers Qwen3-MoE, a planted softmax-scale fault) blown up
 to 20k points and 20k worst tokens, with a 2 MB summary and a first divergence of 200k inputs. Bounds are
-counted (lines, bytes, dictionary look-ups), never timed."""
+counted (lines, bytes, dictionary look-ups), never timed. And what re-judging a saved report reads back is
+checked by the report's schema first (tic_trace/store/schema.py)."""
 from __future__ import annotations
 
 import copy
@@ -94,3 +95,22 @@ def test_rejudging_many_worst_tokens_walks_each_tokens_own_errors(report):
     errors[label] = Counting(own)
     assess(rep.points, Tolerance(), worst_tokens=rep.worst_tokens, token_errors=errors)
     assert Counting.reads <= 10 * (len(rep.worst_tokens) + len(own)), Counting.reads
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("structure", {"layers": "x"}, "field 'structure.layers' must be a map"),
+    ("identity", "abc", "field 'identity' must be a map"),
+    ("settings", {"tolerance": "x"}, "field 'settings.tolerance' must be a map"),
+    ("settings", {"tolerance": {"growth": -1}}, "field 'settings.tolerance.growth' must be a finite number >= 0"),
+    ("rows", {"a": 24, "b": 24, "matched": -5}, "field 'rows.matched' must be a non-negative integer"),
+])
+def test_a_saved_reports_objects_are_checked_by_its_schema(report, tmp_path, capsys, field, value, named):
+    """What the re-judgement reads back (the structure, the row identity, the settings, the row counts) is
+    refused by name (exit 2), never an AttributeError line or a value taken on trust."""
+    from tic_trace.tools.cli import main as cli
+    bad = dict(copy.deepcopy(report), **{field: value})
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    assert cli(["report", "x", "--from-json", str(path)]) == 2
+    out = capsys.readouterr()
+    assert named in " ".join((out.out + out.err).split()) and str(path) in out.out + out.err

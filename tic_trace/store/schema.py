@@ -344,6 +344,50 @@ class ReportAttribution(TypedDict, total=False):
     clean_noise: dict[str, Any] | None
 
 
+class ReportCountPair(TypedDict):
+    a: Count
+    b: Count
+
+
+class ReportStructure(TypedDict, total=False):
+    """How the two models differ in structure (`diverge._structure`): read again by the re-judgement."""
+    layers: ReportCountPair
+    experts: ReportCountPair
+
+
+class ReportUnmatched(TypedDict, total=False):
+    count: Count
+    other_samples: Count
+    outside: Count
+    inside: Count
+    first: list[Any]
+
+
+class ReportIdentity(TypedDict, total=False):
+    """What the row identity check found (`view/rows.py`): read again by the re-judgement's notes."""
+    unmatched: dict[str, ReportUnmatched]
+    different_tokens: list[Any]
+    duplicates: dict[str, list[Any]]
+
+
+Tol = Annotated[float, Check("a finite number >= 0", lambda v: 0 <= v < float("inf"))]
+
+
+class ReportTolerance(TypedDict, total=False):
+    growth: Tol
+    per_dtype: dict[str, Tol]
+    per_point: dict[str, Tol]
+
+
+class ReportSettings(TypedDict, total=False):
+    """The settings a report was judged with: `report --from-json` judges its points again with them."""
+    tolerance: ReportTolerance
+    accept_near_tie_routing: bool
+    accept_precision: list[str]
+    margins: dict[str, Any]
+    allow_unverified: bool
+
+
 class ReportDoc(TypedDict, total=False):
     """A saved JSON report (`report.schema.Report.to_json()`), as `report --from-json` reads it back."""
     schema: Literal["tic-trace.report/1", "tic-trace.report/2"]
@@ -355,13 +399,15 @@ class ReportDoc(TypedDict, total=False):
     notes: list[ReportNote]
     points: Required[list[ReportPoint]]
     not_comparable: list[ReportNotComparable]
-    rows: dict[str, int | None]
+    rows: dict[str, Count | None]
     worst_tokens: list[ReportToken]
     routing: ReportRouting
-    settings: dict[str, Any]
+    settings: ReportSettings
     sides: dict[str, dict[str, Any]]
     token_errors: dict[str, dict[str, Number]]
     attribution: ReportAttribution
+    identity: ReportIdentity
+    structure: ReportStructure
 
 
 # ---------------------------------------------------------------- validation
