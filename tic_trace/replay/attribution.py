@@ -26,6 +26,7 @@ from ..graph.canonical import BY_NAME, EXPERT_IDS, LOGPROBS, is_ids, key_name, o
 from ..view.align import CanonicalView, common_points
 from .exact_model import ExactRun, backward, run_exact
 from .grid import effective_dtype, round_to
+from .clean_noise import clean_noise
 from .intrinsic import SideReplayer
 from .reference import F64, ExactReference, NotReplayable
 
@@ -88,6 +89,7 @@ class Attribution:
     notes: list[str] = field(default_factory=list)
     threshold: float = SIGNIFICANT_SHARE
     withheld: str | None = None               # why the shares are not reported as shares (first order fails)
+    clean_noise: dict = field(default_factory=lambda: {"measured": False, "why": CLEAN_NOISE_UNMEASURED})
 
     @property
     def residual(self) -> float:
@@ -108,7 +110,7 @@ class Attribution:
                 "by_point": [_share_json(s) for s in self.by_point], "by_kind": list(self.by_kind),
                 "routing": [_share_json(s) for s in self.routing], "not_attributed": list(self.not_attributed),
                 "notes": list(self.notes), "withheld": self.withheld, "credit": CREDIT_RULE,
-                "clean_noise": {"measured": False, "why": CLEAN_NOISE_UNMEASURED}}
+                "clean_noise": dict(self.clean_noise)}
 
 
 def attribute(va: CanonicalView, vb: CanonicalView, reference: ExactReference, *, findings: Iterable[str] = (),
@@ -132,10 +134,15 @@ def attribute(va: CanonicalView, vb: CanonicalView, reference: ExactReference, *
     att = Attribution(gap=gap, tokens=len(lp_rows), tokens_total=len(delta), explained=0.0)
     side_b = SideReplayer(vb, reference)
     flipped = _flipped_rows(va, vb, both, run)
+    dtypes: dict[Key, str] = {}               # the dtype side A computed each point in: the clean forwards'
     for key in both:
         if key[0] == LOGPROBS and _derived(va, vb):
             continue              # derived by tic-trace in float64 from the logits: no op of either side
-        _point_share(att, key, run, side_a, side_b, flipped.get(key[1], set()) if key[0] == "moe.topk_weights" else set())
+        _point_share(att, key, run, side_a, side_b, flipped.get(key[1], set()) if key[0] == "moe.topk_weights" else set(),
+                     dtypes)
+    att.clean_noise = clean_noise(side_a, both, rows, tokens, n_layers, routing, lp_rows, dtypes)
+    if att.clean_noise.get("measured"):
+        att.clean_noise["within"] = gap <= att.clean_noise["gap"]
     for layer, rows in sorted(flipped.items()):
         _routing_share(att, layer, rows, run, side_a.ref, side_b.ref, vb)
     _summarise(att, set(findings))
@@ -262,13 +269,13 @@ def _routing_share(att: Attribution, layer: int, rows: set, run: ExactRun, ref_a
 # ---------------------------------------------------------------------------------------------- points
 
 def _point_share(att: Attribution, key: Key, run: ExactRun, side_a: SideReplayer, side_b: SideReplayer,
-                 skip_b: set) -> None:
+                 skip_b: set, dtypes: dict | None = None) -> None:
     point, layer = key
     if is_ids(point) or key not in run.grads:
         return
     g = run.grads[key]
     try:
-        ca, na = _side_term(side_a, key, run, g, set())
+        ca, na = _side_term(side_a, key, run, g, set(), dtypes)
         cb, nb = _side_term(side_b, key, run, g, skip_b)
     except NotReplayable as e:
         att.not_attributed.append({"key": key_name(point, layer), "reason": str(e)})
@@ -279,9 +286,11 @@ def _point_share(att: Attribution, key: Key, run: ExactRun, side_a: SideReplayer
                               share_rounding=(cb.rounding - ca.rounding) / G, rows=min(na, nb)))
 
 
-def _side_term(side: SideReplayer, key: Key, run: ExactRun, g: torch.Tensor, skip: set) -> tuple[Term, int]:
+def _side_term(side: SideReplayer, key: Key, run: ExactRun, g: torch.Tensor, skip: set,
+               dtypes: dict | None = None) -> tuple[Term, int]:
     """<g_p, e_X,p> over the exact model's rows this side has at p (less `skip`), split into the op's own
-    part (y - round(exact)) and the output rounding (round(exact) - exact), and how many rows."""
+    part (y - round(exact)) and the output rounding (round(exact) - exact), and how many rows. `dtypes`: where
+    given, gets the dtype the side computed p in."""
     rows, y, exact, dtype = side.exact_pair(*key)
     idx = run.index()
     keep = [(i, idx[r]) for i, r in enumerate(rows) if r in idx and r not in skip]
@@ -291,7 +300,10 @@ def _side_term(side: SideReplayer, key: Key, run: ExactRun, g: torch.Tensor, ski
     theirs = torch.tensor([j for _, j in keep])
     gk = g[theirs].reshape(len(keep), -1).cpu().numpy()
     y, exact = np.asarray(y, np.float64)[mine].reshape(len(keep), -1), exact[mine].reshape(len(keep), -1)
-    rounded = round_to(exact, effective_dtype(y, dtype)) if dtype != "float64" else exact
+    dtype = effective_dtype(y, dtype) if dtype != "float64" else dtype
+    rounded = round_to(exact, dtype) if dtype != "float64" else exact
+    if dtypes is not None:
+        dtypes[key] = dtype
     return Term(float((gk * (y - rounded)).sum()), float((gk * (rounded - exact)).sum())), len(keep)
 
 
@@ -406,7 +418,8 @@ def from_json(d: dict) -> Attribution:
                        by_point=[share(x) for x in d.get("by_point") or []],
                        routing=[share(x) for x in d.get("routing") or []],
                        not_attributed=list(d.get("not_attributed") or []),
-                       threshold=float(d.get("threshold") or SIGNIFICANT_SHARE))
+                       threshold=float(d.get("threshold") or SIGNIFICANT_SHARE),
+                       **({"clean_noise": dict(d["clean_noise"])} if isinstance(d.get("clean_noise"), dict) else {}))
 
 
 def _share_json(s: Share) -> dict:

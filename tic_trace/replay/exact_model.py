@@ -12,6 +12,8 @@ Memory: the whole autograd graph of the rows asked for is held (float64), so cal
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 from ..graph.canonical import BY_NAME, LOGPROBS, order_key
@@ -45,11 +47,13 @@ class ExactRun:
 
 
 def run_exact(ref: ExactReference, points: list[Key], rows: list[RowId], tokens: dict[RowId, int], n_layers: int,
-              routing: dict[int, torch.Tensor] | None = None, has_qk_norm: bool | None = None) -> ExactRun:
+              routing: dict[int, torch.Tensor] | None = None, has_qk_norm: bool | None = None,
+              post: Callable[[Key, dict, torch.Tensor], torch.Tensor] | None = None) -> ExactRun:
     """The exact model forward over `rows` (whole samples: each one's positions run 0..n-1) at `points` (the
     canonical keys to compute, any order: run in dataflow order). `tokens`: every row's token, and the next
     token of the rows to score. `routing`: layer -> top-k ids [rows, k] to route by (None: the exact model's
-    own choice)."""
+    own choice). `post(key, feeds, y)`: what each float point's output becomes before the next point reads it
+    (a clean implementation's output instead of the exact one: clean_noise.py); None: the exact value."""
     _check_whole(rows)
     run = ExactRun(rows, {})
     for point, layer in sorted(points, key=lambda k: order_key(*k)):
@@ -59,9 +63,12 @@ def run_exact(ref: ExactReference, points: list[Key], rows: list[RowId], tokens:
         if point == "moe.topk_ids" and routing is not None and layer in routing:
             y = routing[layer].to(F64)
         elif point == "moe.topk_weights" and routing is not None and layer in routing:
-            y = ref.compute(point, layer, {**feeds, "moe.topk_ids": routing[layer].to(F64)}, rows, tokens)
+            feeds = {**feeds, "moe.topk_ids": routing[layer].to(F64)}
+            y = ref.compute(point, layer, feeds, rows, tokens)
         else:
             y = ref.compute(point, layer, feeds, rows, tokens)
+        if post is not None and point != "moe.topk_ids":
+            y = post((point, layer), feeds, y)
         if point == "embed":
             y = y.detach().clone().requires_grad_(True)      # the leaf every other point hangs from
         elif y.requires_grad:
@@ -117,6 +124,7 @@ def _logprobs(ref: ExactReference, run: ExactRun, tokens: dict[RowId, int]) -> N
     logits = run.values[("logits", None)]
     sel = logits[torch.tensor(idx, device=logits.device)]
     y = ref.compute(LOGPROBS, None, {"logits": sel}, run.logprob_rows, tokens)
-    y.retain_grad()
+    if y.requires_grad:           # not under no_grad (a forward without the backward: clean_noise.py)
+        y.retain_grad()
     run.values[(LOGPROBS, None)] = y
 

@@ -28,6 +28,7 @@ def attribution_lines(report: dict) -> list[str]:
         return [f"attribution: not made — {att.get('unavailable')}"]
     gap, tokens = num(att.get("gap")), att.get("tokens")
     head = f"attribution of Σ|Δ logprob| = {gap:.3g} over {tokens} tokens" if isinstance(gap, float) else "attribution"
+    head += _within(att, gap)
     if isinstance(att.get("withheld"), str) and att["withheld"]:
         return [f"{head}: shares withheld — {att['withheld']}",
                 f"  explained {_pct(att.get('explained'))} of the gap at first order (the measured terms are in "
@@ -71,14 +72,33 @@ def _val(x: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _noise_of(att: dict, gap: Any) -> float | None:
+    """The measured clean-implementation noise (`clean_noise.gap`), where the report has one and a gap."""
+    cn = att.get("clean_noise") if isinstance(att.get("clean_noise"), dict) else {}
+    est = _val(cn.get("gap"))
+    return est if cn.get("measured") is True and est is not None and isinstance(gap, float) else None
+
+
+def _within(att: dict, gap: Any) -> str:
+    """The answer line's words on the clean noise: '' where it was not measured."""
+    est = _noise_of(att, gap)
+    if est is None:
+        return ""
+    return (f", within this model's clean-implementation noise ({est:.3g})" if gap <= est
+            else f", above this model's clean-implementation noise ({est:.3g})")
+
+
 def _clean_noise(att: dict, gap: Any) -> str:
     """Whether the gap is within this model's clean-implementation noise: from a measured estimate where the
     report has one (`clean_noise.gap`), else said to be not measured."""
     cn = att.get("clean_noise") if isinstance(att.get("clean_noise"), dict) else {}
-    est = _val(cn.get("gap"))
-    if cn.get("measured") and est is not None and isinstance(gap, float):
-        within = "within" if gap <= est else "above"
-        return f"a clean pair's gap is {est:.3g}: this gap ({gap:.3g}) is {within} it"
+    est = _noise_of(att, gap)
+    if est is not None:
+        how = f" ({cn['how']})" if isinstance(cn.get("how"), str) else ""
+        if gap <= est:
+            return (f"a clean pair's Σ|Δ logprob| on these tokens is {est:.3g}: this gap ({gap:.3g}) is within it — "
+                    f"its size alone does not tell a fault from a change between clean implementations{how}")
+        return f"a clean pair's Σ|Δ logprob| on these tokens is {est:.3g}: this gap ({gap:.3g}) is above it{how}"
     why = cn.get("why") if isinstance(cn.get("why"), str) else "not measured"
     return why
 
