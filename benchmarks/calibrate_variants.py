@@ -190,8 +190,8 @@ def fault_found(name: str, seed: int, blamed: list) -> bool:
 
 
 def main() -> None:
-    import tic_trace.replay.variants as variants
-    variants.STOP_AT_EXACT_CLEAN = False     # every clean variant: each clean side measured against the worst
+    import tic_trace.replay.variant_fit as variant_fit
+    variant_fit.STOP_AT_EXACT_CLEAN = False  # every clean variant: each clean side measured against the worst
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--seq", type=int, default=16)

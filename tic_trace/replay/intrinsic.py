@@ -26,8 +26,8 @@ from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
-from .variants import (DTYPES, VARIANTS, VariantInput, fingerprint, frame, run_variants, tp_degrees,
-                       undeclared_layouts, variant_rows)
+from .variant_fit import fingerprint, frame, run_variants, undeclared_layouts
+from .variants import DTYPES, VARIANTS, VariantInput, tp_degrees, variant_rows
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
 _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")

@@ -146,7 +146,7 @@ def abnormal(e: IntrinsicError, margins: Margins = DEFAULT_MARGINS) -> bool:
 def undeclared_layout(e: IntrinsicError) -> bool:
     """The side is reproduced by a clean row-parallel split at a degree its trace does not declare (a model
     sharded by hand, an engine that does not record its TP degree): an implementation difference to name,
-    not a fault, while its envelope stays the declared degree's (variants.undeclared_layouts)."""
+    not a fault, while its envelope stays the declared degree's (variant_fit.undeclared_layouts)."""
     return getattr(e, "match_layout", "") != "" and e.match_kind == "clean"
 
 
