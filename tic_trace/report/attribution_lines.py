@@ -2,6 +2,7 @@
 printed by the terminal and the HTML page alike. Renderers get any report: malformed parts are skipped."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .schema import num
@@ -76,7 +77,8 @@ def _noise_of(att: dict, gap: Any) -> float | None:
     """The measured clean-implementation noise (`clean_noise.gap`), where the report has one and a gap."""
     cn = att.get("clean_noise") if isinstance(att.get("clean_noise"), dict) else {}
     est = _val(cn.get("gap"))
-    return est if cn.get("measured") is True and est is not None and isinstance(gap, float) else None
+    ok = est is not None and math.isfinite(est) and est >= 0          # a saved report is read untrusted
+    return est if cn.get("measured") is True and ok and isinstance(gap, float) else None
 
 
 def _within(att: dict, gap: Any) -> str:
