@@ -78,3 +78,32 @@ def test_the_slime_image_pins_are_exact_and_include_slimes_stack():
     pins = read_pins(REPO / "requirements" / "slime-image.txt")
     assert {k: pins[k] for k in ("torch", "transformers", "sglang", "megatron-core")} == {
         "torch": "2.11.0", "transformers": "5.12.1", "sglang": "0.5.15.post1", "megatron-core": "0.16.0rc0"}
+
+
+def test_every_extra_admits_every_slime_pin_it_names():
+    """The cheap static half of the CI check: each extra's requirement on a package slime's image pins admits
+    that pin (pip's resolution, with transitive requirements, is scripts/check_slime_pins.py in .ci/run)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    sys.path.insert(0, str(CHECKER.parent))
+    try:
+        from check_slime_pins import canonical, read_pins
+    finally:
+        sys.path.remove(str(CHECKER.parent))
+    pins = read_pins(REPO / "requirements" / "slime-image.txt")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]["optional-dependencies"]
+    base = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    named, moved = 0, []
+    for extra, spec in {"(no extra)": {"file": []}, **extras}.items():
+        lines = list(base) if extra == "(no extra)" else []
+        for f in spec["file"]:
+            lines += [ln.split("#", 1)[0].strip() for ln in (REPO / f).read_text().splitlines()]
+        for req in (Requirement(ln) for ln in lines if ln):
+            pin = pins.get(canonical(req.name))
+            if pin is not None:
+                named += 1
+                if not req.specifier.contains(pin, prereleases=True):
+                    moved.append(f"{extra}: {req} excludes slime's {req.name}=={pin}")
+    assert named >= 5 and moved == [], moved
