@@ -63,3 +63,21 @@ def test_the_answer_says_whether_the_gap_is_within_clean_noise(tmp_path, fault, 
     noise_line = next(ln for ln in lines if ln.startswith("  clean-implementation noise of this model:"))
     assert f"is {word} it" in noise_line and "not measured" not in noise_line
     assert html.escape(f"{word} this model's clean-implementation noise ({cn['gap']:.3g})") in render_html(doc)
+
+
+def test_clean_forwards_that_fail_leave_the_attribution_and_say_not_measured(tmp_path, monkeypatch):
+    """The clean-noise estimate never breaks the attribution it stands beside: where its forwards fail, the
+    answer is made and the noise is said to be not measured, with why."""
+    import tic_trace.replay.clean_noise as cn_mod
+
+    def broken(*_a, **_k):
+        raise TypeError("planted: an op the clean forwards cannot run")
+    monkeypatch.setattr(cn_mod, "run_exact", broken)
+    doc = _report(tmp_path, "rmsnorm_no_upcast", 1)
+    att = doc["attribution"]
+    assert att["first"] == "L1.attn_norm"
+    assert att["clean_noise"]["measured"] is False and "TypeError" in att["clean_noise"]["why"]
+    lines = attribution_lines(doc)
+    assert "clean-implementation noise (" not in lines[0]
+    assert any(ln.startswith("  clean-implementation noise of this model: not measured: the clean forwards failed")
+               for ln in lines)

@@ -39,7 +39,7 @@ def clean_noise(side: SideReplayer, points: list[Key], rows: list[RowId], tokens
         with torch.no_grad():
             lp = [_logprobs(run_exact(side.ref, points, rows, tokens, n_layers, routing, side.has_qk_norm,
                                       post=_post(side, dtypes, worst, rows)), lp_rows) for worst in (False, True)]
-    except (NotReplayable, RuntimeError, ValueError, KeyError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 - an estimate beside the answer never breaks the attribution
         return {"measured": False, "why": f"not measured: the clean forwards failed ({type(e).__name__}: "
                                           f"{str(e)[:200]})"}
     gap = float((lp[1] - lp[0]).abs().sum())
