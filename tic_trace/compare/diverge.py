@@ -18,6 +18,7 @@ from typing import Callable
 
 from ..graph.canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed,
                                key_name, order_key, parse_key)
+from ..report.coverage import build as build_coverage
 from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points
@@ -104,14 +105,22 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
         la, lb = structure["layers"]["a"], structure["layers"]["b"]
         not_comparable += [{"key": key_name(*k), "reason": f"{layers_text(la, lb)}: {key_name(*k)} follows the "
                             "last layer, another layer on each side"} for k in after_layers]
+    att = attribution_of(va, vb, ref, verdict.findings, attribution_tokens, progress) if attribution else None
     return Report(
         verdict=verdict.verdict, first=first, findings=verdict.findings, notes=arch_notes + verdict.notes,
         points=points, not_comparable=not_comparable, rows=rows,
         worst_tokens=worst, routing=routing,
         settings={**_settings(tol, accept_near_tie, margins, ref, accept), "allow_unverified": bool(allow_unverified)},
         sides=sides, token_errors=token_errors,
-        contract=contract, structure=structure, identity=ident,
-        attribution=attribution_of(va, vb, ref, verdict.findings, attribution_tokens, progress) if attribution else None)
+        contract=contract, structure=structure, identity=ident, attribution=att,
+        coverage=build_coverage(points, not_comparable, rows, only_a=[key_name(*k) for k in only_a],
+                                only_b=[key_name(*k) for k in only_b], replayed=ref is not None, attribution=att,
+                                attribution_budget=_budget(attribution_tokens) if attribution else None))
+
+
+def _budget(tokens: int | None) -> int:
+    from ..replay.attribution import DEFAULT_TOKENS
+    return DEFAULT_TOKENS if tokens is None else tokens
 
 
 def _structure(va: CanonicalView, vb: CanonicalView, both: list) -> tuple[dict, list]:

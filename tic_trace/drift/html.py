@@ -9,6 +9,7 @@ from typing import Any
 
 from ..report.html.style import EXTRA_COLORS, HEAD_COLORS, SERIES_COLORS
 from ..report.schema import num
+from .schema import coverage_text
 from .terminal import others_lines, rollout_line
 
 MAX_ROLLOUTS = 2000
@@ -93,6 +94,8 @@ def render_drift_html(doc: dict) -> str:
                                               doc.get("onset_note") or "no onset") + "</p>"]
     if since:
         head.append('<p class="bad">' + _e("DIVERGENT: " + since["summary"]) + "</p>")
+    if coverage_text(doc):
+        head.append('<p class="coverage">' + _e(coverage_text(doc)) + "</p>")
     rows = "".join(f"<tr><td><pre>{_e(rollout_line(r))}</pre></td></tr>" for r in rollouts)
     tail = f"<p>… {more} more rollouts not shown (see the JSON)</p>" if more > 0 else ""
     tail += "".join(f"<p><code>{_e(line)}</code></p>" for line in others_lines(doc.get("others") or []))

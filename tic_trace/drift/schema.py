@@ -97,6 +97,7 @@ class Drift:
     schema: str = SCHEMA
     divergent_since: dict | None = None           # {rollout_id, rollouts, summary}: onset.divergent_since
     others: list[dict] = field(default_factory=list)  # the run directory's entries that are no rollout: {name, reason}
+    coverage: dict = field(default_factory=dict)  # {"rollouts": {compared, total, skipped: {count, first}}}
 
     def to_json(self) -> dict:
         return _encode(asdict(self))
@@ -160,6 +161,7 @@ def validate(doc: Any) -> dict:
             _number(doc["onset"].get(name), f"drift.onset.{name}")
     if doc.get("divergent_since") is not None:
         _need(doc["divergent_since"], {"rollout_id": int, "rollouts": int, "summary": str}, "drift.divergent_since")
+    _coverage(doc.get("coverage"))
     if not isinstance(doc.get("others", []), list):
         raise DriftSchemaError("drift.others: expected list")
     for i, o in enumerate(doc.get("others") or []):
@@ -168,6 +170,49 @@ def validate(doc: Any) -> dict:
         _need(doc["weight_sync"], {"from_rollout": int, "points": list, "parameters": list, "summary": str},
               "drift.weight_sync")
     return doc
+
+
+def rollout_coverage(rollouts: list[RolloutEntry]) -> dict:
+    """The verdict's coverage: rollouts compared N of M, the skipped ones named (at most `SKIPPED_NAMED`)."""
+    skipped = [{"rollout_id": e.rollout_id, "reason": e.reason[:500]} for e in rollouts if e.status != "compared"]
+    return {"rollouts": {"compared": len(rollouts) - len(skipped), "total": len(rollouts),
+                         "skipped": {"count": len(skipped), "first": skipped[:SKIPPED_NAMED]}}}
+
+
+SKIPPED_NAMED = 16
+
+
+def _coverage(cov: Any) -> None:
+    """A saved `coverage` (absent in documents written before it): counts and at most 64 named rollouts."""
+    if cov is None:
+        return
+    _need(cov, {"rollouts": dict}, "drift.coverage")
+    r = cov["rollouts"]
+    _need(r, {"compared": int, "total": int, "skipped": dict}, "drift.coverage.rollouts")
+    _need(r["skipped"], {"count": int, "first": list}, "drift.coverage.rollouts.skipped")
+    if not 0 <= r["compared"] <= r["total"] or len(r["skipped"]["first"]) > 64:
+        raise DriftSchemaError("drift.coverage.rollouts: expected 0 <= compared <= total and at most 64 named")
+    for i, x in enumerate(r["skipped"]["first"]):
+        _need(x, {"rollout_id": int, "reason": str}, f"drift.coverage.rollouts.skipped.first[{i}]")
+
+
+def coverage_text(doc: dict) -> str | None:
+    """"rollouts compared N of M (K skipped: 3 (why), ...)" for the drift verdict line; None without coverage.
+    Renderers read documents `validate` passed; still, a junk value prints as "?" rather than raising."""
+    cov = doc.get("coverage") if isinstance(doc, dict) else None
+    r = cov.get("rollouts") if isinstance(cov, dict) else None
+    if not isinstance(r, dict):
+        return None
+
+    def n(v: Any) -> str:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else "?"
+    sk = r.get("skipped") if isinstance(r.get("skipped"), dict) else {}
+    first = sk.get("first") if isinstance(sk.get("first"), list) else []
+    named = [f"{n(x.get('rollout_id'))} ({str(x.get('reason'))[:300]})" for x in first[:5] if isinstance(x, dict)]
+    count = sk.get("count") if isinstance(sk.get("count"), int) else 0
+    more = count - len(named)
+    tail = f" ({count} skipped: {'; '.join(named)}{f' and {more} more' if more > 0 else ''})" if count > 0 else ""
+    return f"covered: rollouts compared {n(r.get('compared'))} of {n(r.get('total'))}{tail}"
 
 
 def error_value(v: Any) -> float | None:

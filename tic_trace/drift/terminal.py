@@ -10,6 +10,7 @@ from rich.console import Console
 from ..graph.canonical import unit_of
 from ..report.schema import num
 from ..report.text import text
+from .schema import coverage_text
 
 MAX_ROLLOUTS = 200        # rollout lines shown; a 10k-rollout run's JSON holds every one
 MAX_OTHERS = 20           # other entries of the run directory named; the JSON holds every one
@@ -64,6 +65,8 @@ def render_drift(doc: dict, console: Console) -> None:
     since = doc.get("divergent_since")
     if since:
         console.print(text("DIVERGENT: " + since["summary"], style="bold red"), soft_wrap=True)
+    if coverage_text(doc):                # what the verdict covered, under it (schema.rollout_coverage)
+        console.print(text(coverage_text(doc)), soft_wrap=True)
     rollouts = doc.get("rollouts") or []
     for r in rollouts[:MAX_ROLLOUTS]:
         console.print(text(rollout_line(r), style="red" if r["status"] != "compared" else ""), soft_wrap=True)

@@ -19,7 +19,7 @@ from ..report.schema import num
 from ..view.align import CanonicalView
 from ..view.weight_map import weight_hashes_by_point
 from .listing import PRUNED_MARK, RolloutDirs, RunDirError, list_run, missing  # noqa: F401 - the run's listing
-from .schema import RolloutEntry, WeightCheck
+from .schema import RolloutEntry, WeightCheck, rollout_coverage
 
 SLIME_SIDES = ("megatron", "sglang")
 
@@ -139,4 +139,4 @@ def build_drift(run_dir: str | os.PathLike, sides: tuple[str, str] = SLIME_SIDES
     code = EXIT_NOTHING if not compared else EXIT_DRIFT if (onset or sync or since) else EXIT_STEADY
     return Drift(str(run_dir), list(sides), {"factor": factor, "floor": floor, "min_baseline": 2}, entries, sync,
                  onset, note, exit_code=code, divergent_since=since,
-                 others=[{"name": o.name, "reason": o.reason} for o in others])
+                 others=[{"name": o.name, "reason": o.reason} for o in others], coverage=rollout_coverage(entries))

@@ -328,6 +328,7 @@ class Report(_Indexable):
     structure: dict = field(default_factory=dict)      # structural differences ({"layers"|"experts": {"a", "b"}})
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     attribution: dict | None = None                    # which difference explains how much of the gap (attribution.py)
+    coverage: dict = field(default_factory=dict)       # what the verdict covered (report/coverage.py)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
@@ -345,13 +346,15 @@ class Report(_Indexable):
         }
         if self.attribution is not None:
             doc["attribution"] = self.attribution
+        if self.coverage:
+            doc["coverage"] = self.coverage
         return encode({**self.extra, **doc})
 
     @classmethod
     def from_json(cls, d: dict) -> "Report":
         known = {"schema", "verdict", "exit_code", "contract", "first_divergence", "findings", "notes", "points",
                  "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors",
-                 "structure", "identity", "attribution"}
+                 "structure", "identity", "attribution", "coverage"}
         fd = d.get("first_divergence")
         wt_names = {f.name for f in fields(WorstToken)}
         return cls(
@@ -370,6 +373,7 @@ class Report(_Indexable):
             structure=dict(d.get("structure") or {}) if isinstance(d.get("structure"), dict) else {},
             identity=dict(d.get("identity") or {}) if isinstance(d.get("identity"), dict) else {},
             attribution=_decode_attribution(d.get("attribution")),
+            coverage=dict(d["coverage"]) if isinstance(d.get("coverage"), dict) else {},
             extra={k: v for k, v in d.items() if k not in known})
 
 

@@ -15,6 +15,7 @@ from rich.text import Text
 from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, parse_key
 from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
+from .coverage import coverage_line
 from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint, ulp_na, ulp_text
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
@@ -173,7 +174,9 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     c = console or Console()
     # the answer is line 0, whatever the width: CI logs grep it. It counts every point; the rest shows at
     # most bounds.TERMINAL of each list and says how many it left out.
-    c.print(text(headline(report), style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
+    covered = coverage_line(report)       # what the verdict covered, on its line (report/coverage.py)
+    c.print(text(headline(report) + (f" — {covered}" if covered else ""),
+                 style=_VERDICT_STYLE.get(report.get("verdict"), "bold yellow")), soft_wrap=True)
     report = bounded(report, TERMINAL)
     fd = report.get("first_divergence")
     contract = [d for d in report.get("contract") or [] if isinstance(d, dict)]

@@ -388,6 +388,57 @@ class ReportSettings(TypedDict, total=False):
     allow_unverified: bool
 
 
+class CoverageKey(TypedDict, total=False):
+    key: Required[ShortText]
+    reason: ShortText
+
+
+Named = Annotated[list[CoverageKey], Check("a list of at most 64 names", lambda v: len(v) <= 64)]
+
+
+class CoverageNamed(TypedDict):
+    count: Count
+    first: Named
+
+
+class CoveragePoints(TypedDict):
+    compared: Count
+    total: Count
+    only_a: CoverageNamed
+    only_b: CoverageNamed
+    not_comparable: CoverageNamed
+
+
+class CoverageRows(TypedDict):
+    compared: Count
+    total: Count
+    only_a: Count
+    only_b: Count
+    different_tokens: Count
+
+
+class CoverageReplay(TypedDict):
+    replayed: Count
+    total: Count
+    derived: Count
+    not_replayed: CoverageNamed
+
+
+class CoverageAttribution(TypedDict, total=False):
+    tokens: Required[Count]
+    total: Required[Count | None]
+    budget: Required[Count | None]
+    unavailable: ShortText
+
+
+class ReportCoverage(TypedDict, total=False):
+    """What the verdict covered (`report/coverage.py`): every renderer prints it, so each count is checked."""
+    points: Required[CoveragePoints]
+    rows: Required[CoverageRows]
+    replay: CoverageReplay
+    attribution: CoverageAttribution
+
+
 class ReportDoc(TypedDict, total=False):
     """A saved JSON report (`report.schema.Report.to_json()`), as `report --from-json` reads it back."""
     schema: Literal["tic-trace.report/1", "tic-trace.report/2"]
@@ -408,6 +459,7 @@ class ReportDoc(TypedDict, total=False):
     attribution: ReportAttribution
     identity: ReportIdentity
     structure: ReportStructure
+    coverage: ReportCoverage
 
 
 # ---------------------------------------------------------------- validation

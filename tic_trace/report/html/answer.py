@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from ..coverage import coverage_line
 from ..lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint
 from ..schema import architecture_refusal, unverified_sides
 from .cells import _anchor, _d, _e, _gen, _growth, _is_ids, _l, _layer_of, _meaning, _num, _pill, _point_of, _sci
@@ -60,6 +61,9 @@ def answer_section(c: Ctx) -> str:
     if unverified_sides(r):
         msg += (" <strong>Unverified mapping:</strong> "
                 + " ".join(_e(n.get("summary")) for n in unverified_sides(r)))
+    covered = coverage_line(r)        # what the verdict covered, on the banner (report/coverage.py)
+    if covered:
+        msg += f' <span class="coverage">{_e(covered)}</span>'
     out.append(f'<div class="banner v-{vcls}"><span class="verdict">{_e(STATUS_LABEL.get(verdict, verdict) or "?")}'
                f'</span><span class="msg">{msg}</span></div>')
     out.append('<div class="body">')
