@@ -95,6 +95,16 @@ def test_rows_only_one_side_has_are_counted_on_the_verdict_line(sides):
     assert "points compared 34 of 34;" in line, line
 
 
+def test_rows_whose_tokens_differ_are_counted_on_the_verdict_line(sides, tmp_path):
+    ids = IDS.clone()
+    ids[1, -1] = (ids[1, -1] + 1) % 50        # the last row of sample s1 holds another token on side B
+    trace_hf(_model(), tmp_path / "b", ids)
+    doc = find_divergence(sides["a"], str(tmp_path / "b")).to_json()
+    line = _covered(doc)
+    assert "rows compared 15 of 16 (1 with different tokens)" in line, line
+    assert doc["coverage"]["rows"] == {"compared": 15, "total": 16, "only_a": 0, "only_b": 0, "different_tokens": 1}
+
+
 def test_points_not_replayed_are_named_with_why(sides):
     doc = find_divergence(sides["a"], sides["no_mlp1"], reference=sides["ck"]).to_json()
     line = _covered(doc)
