@@ -44,7 +44,8 @@ def _load_report(path: str) -> dict:
     """A saved JSON report, checked against the report schema before anything renders it."""
     from tic_trace import TraceFormatError
     from tic_trace.store.format import read_bounded
-    from tic_trace.store.schema import ReportDoc, validate
+    from tic_trace.store.report_doc import ReportDoc
+    from tic_trace.store.schema import validate
     p = Path(path)
     try:
         raw = read_bounded(p, p.parent, _MAX_REPORT_BYTES, "JSON report")

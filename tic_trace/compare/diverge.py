@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..graph.canonical import (BY_NAME, LOGPROBS, OUTPUT_POINTS, ROUTER_LOGITS, feeds_of, is_ids, is_routed,
                                key_name, order_key, parse_key)
-from ..report.coverage import build as build_coverage
+from .coverage import build as build_coverage
 from ..report.schema import (ARCHITECTURE_NOTE, SCHEMA_ID, FirstDivergence, Note, OpsRegion, Point, Report,  # noqa: F401
                              WorstToken)
 from ..view.align import CanonicalView, RowId, common_points

@@ -328,7 +328,7 @@ class Report(_Indexable):
     structure: dict = field(default_factory=dict)      # structural differences ({"layers"|"experts": {"a", "b"}})
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     attribution: dict | None = None                    # which difference explains how much of the gap (attribution.py)
-    coverage: dict = field(default_factory=dict)       # what the verdict covered (report/coverage.py)
+    coverage: dict = field(default_factory=dict)       # what the verdict covered (compare/coverage.py builds it)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
