@@ -131,17 +131,11 @@ def fused_norm(model) -> None:
     _wrap(model.model.norm, _gain_before_cast)
 
 
-@contextlib.contextmanager
-def rope_fp32_tables(model) -> Iterator[None]:
-    """RoPE with fp32 cos/sin tables, q and k rotated in fp32 and rounded back once (bf16 outputs), for every
-    layer of `model` while the context is open (the modeling module's function is restored after: the other
-    side, in the same process, keeps HF's bf16 tables). Trace inside the context."""
-    attn0 = model.model.layers[0].self_attn
-    ns = sys.modules[type(attn0).__module__]
-    orig = ns.apply_rotary_pos_emb
-
+def _rotate_in_fp32(orig: Callable) -> Callable:
+    """`apply_rotary_pos_emb` that rotates q and k in fp32 and rounds back once when handed fp32 tables; a call
+    with tables in q's dtype (another model's: HF's bf16 tables) runs HF's own `orig`."""
     def rotate(q, k, cos, sin, *a, **kw):
-        if cos.dtype == q.dtype:                # another model's call (bf16 tables): HF's own code
+        if cos.dtype == q.dtype:
             return orig(q, k, cos, sin, *a, **kw)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         half = q.shape[-1] // 2
@@ -150,16 +144,32 @@ def rope_fp32_tables(model) -> Iterator[None]:
             xf = x.float()
             return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
         return rot(q), rot(k)
+    return rotate
 
-    pre = fp32_rope_tables(model)
-    hooks = [lay.self_attn.register_forward_pre_hook(pre, with_kwargs=True) for lay in model.model.layers]
-    ns.apply_rotary_pos_emb = rotate
+
+@contextlib.contextmanager
+def rotated_in_fp32(model, pre_hook_of: Callable) -> Iterator[None]:
+    """While open: every layer's attention gets the forward pre-hook `pre_hook_of(layer)` (it hands the layer
+    fp32 position embeddings) and the modeling module rotates with them in fp32. The module's function and the
+    hooks are restored after, so the other side, in the same process, keeps HF's bf16 tables."""
+    ns = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    orig = ns.apply_rotary_pos_emb
+    hooks = [lay.self_attn.register_forward_pre_hook(pre_hook_of(lay), with_kwargs=True)
+             for lay in model.model.layers]
+    ns.apply_rotary_pos_emb = _rotate_in_fp32(orig)
     try:
         yield
     finally:
         ns.apply_rotary_pos_emb = orig
         for h in hooks:
             h.remove()
+
+
+def rope_fp32_tables(model) -> contextlib.AbstractContextManager:
+    """RoPE with fp32 cos/sin tables, q and k rotated in fp32 and rounded back once (bf16 outputs), for every
+    layer of `model` while the context is open. Trace inside the context."""
+    pre = fp32_rope_tables(model)
+    return rotated_in_fp32(model, lambda lay: pre)
 
 
 def _fused_add_norm_layer(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,

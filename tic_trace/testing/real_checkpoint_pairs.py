@@ -14,7 +14,6 @@ their own planters where the Llama-family ones in clean_variants.py / precision_
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -140,23 +139,10 @@ def fused_add_norm(model) -> None:
         _wrap(lay.pre_feedforward_layernorm, _fused_norm)
 
 
-@contextlib.contextmanager
-def rope_fp32_tables(model) -> Iterator[None]:
+def rope_fp32_tables(model) -> contextlib.AbstractContextManager:
     """RoPE with fp32 cos/sin tables (each layer type's own base), q and k rotated in fp32 and rounded back
     once, while the context is open (HF's bf16 tables restored after). Trace inside the context."""
-    ns = sys.modules[type(_layer(model, 0).self_attn).__module__]
-    orig, rotary = ns.apply_rotary_pos_emb, model.model.rotary_emb
-
-    def rotate(q, k, cos, sin, *a, **kw):
-        if cos.dtype == q.dtype:
-            return orig(q, k, cos, sin, *a, **kw)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = q.shape[-1] // 2
-
-        def rot(x):
-            xf = x.float()
-            return (xf * cos + torch.cat([-xf[..., half:], xf[..., :half]], dim=-1) * sin).to(x.dtype)
-        return rot(q), rot(k)
+    rotary = model.model.rotary_emb
 
     def pre_for(layer_type):
         def pre(mod, args, kwargs):
@@ -168,15 +154,7 @@ def rope_fp32_tables(model) -> Iterator[None]:
             return args, kwargs
         return pre
 
-    hooks = [lay.self_attn.register_forward_pre_hook(pre_for(lay.self_attn.layer_type), with_kwargs=True)
-             for lay in model.model.layers]
-    ns.apply_rotary_pos_emb = rotate
-    try:
-        yield
-    finally:
-        ns.apply_rotary_pos_emb = orig
-        for h in hooks:
-            h.remove()
+    return cv.rotated_in_fp32(model, lambda lay: pre_for(lay.self_attn.layer_type))
 
 
 @dataclass(frozen=True)
