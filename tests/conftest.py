@@ -180,6 +180,18 @@ def bf16_model(moe=True, seed=0, **cfg):
     return build_hf_model_stable(tiny_qwen3_config(moe=moe, **cfg), seed=seed, dtype=torch.bfloat16)
 
 
+def changed_pair(d, dtype, moe, change, ids):
+    """(A trace, B trace, checkpoint) as paths in `d`: A the tiny Qwen3 (seed 0) saved and traced, B the same
+    weights with `change(model)` applied to its computation."""
+    from tic_trace.testing.hf_models import build_hf_model_stable, tiny_qwen3_config
+    a = build_hf_model_stable(tiny_qwen3_config(moe=moe), seed=0, dtype=dtype)
+    ck, ta = checkpointed_trace(d, a, ids)
+    b = build_hf_model_stable(tiny_qwen3_config(moe=moe), seed=0, dtype=dtype)
+    change(b)
+    trace_hf(b, d / "b", ids)
+    return str(ta), str(d / "b"), str(ck)
+
+
 def checkpointed_trace(d, model, ids):
     """`model` saved as an HF checkpoint in `d/ck` and traced into `d/a`: (checkpoint dir, trace dir)."""
     model.save_pretrained(d / "ck")

@@ -25,7 +25,7 @@ from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, ti
 from tic_trace.testing.precision_faults import CLEAN, PRECISION_FAULTS
 from tic_trace.tools.cli import main as cli
 
-from conftest import trace_hf
+from conftest import changed_pair
 
 IDS = sample_tokens(2, 16)
 
@@ -35,14 +35,7 @@ def _model(dtype, moe):
 
 
 def _pair(tmp_path, dtype, moe, change):
-    """(A trace, B trace, checkpoint): A the model as saved, B the same weights with `change` applied."""
-    a = _model(dtype, moe)
-    a.save_pretrained(tmp_path / "ck")
-    trace_hf(a, tmp_path / "a", IDS)
-    b = _model(dtype, moe)
-    change(b)
-    trace_hf(b, tmp_path / "b", IDS)
-    return tmp_path / "a", tmp_path / "b", tmp_path / "ck"
+    return changed_pair(tmp_path, dtype, moe, change, IDS)
 
 
 def _attributed(a, b, ck):

@@ -11,27 +11,16 @@ import torch
 
 from tic_trace import find_divergence
 from tic_trace.testing.faults import plant
-from tic_trace.testing.hf_models import build_hf_model_stable, sample_tokens, tiny_qwen3_config
+from tic_trace.testing.hf_models import sample_tokens
 from tic_trace.tools.cli import main as cli
 
-from conftest import trace_hf
+from conftest import changed_pair
 
 IDS = sample_tokens(2, 16)
 
 
-def _model(dtype, moe):
-    return build_hf_model_stable(tiny_qwen3_config(moe=moe), seed=0, dtype=dtype)
-
-
 def _pair(tmp, dtype, moe, change):
-    """(A trace, B trace, checkpoint): A the model as saved, B the same weights with `change` applied."""
-    a = _model(dtype, moe)
-    a.save_pretrained(tmp / "ck")
-    trace_hf(a, tmp / "a", IDS)
-    b = _model(dtype, moe)
-    change(b)
-    trace_hf(b, tmp / "b", IDS)
-    return str(tmp / "a"), str(tmp / "b"), str(tmp / "ck")
+    return changed_pair(tmp, dtype, moe, change, IDS)
 
 
 @pytest.fixture(scope="module")
