@@ -18,17 +18,9 @@ _POLL_S = 1.0
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, CPU ticks of the process and of its reaped children) from /proc; None when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    try:
-        return int(fields[1]), sum(int(x) for x in fields[11:15])      # ppid; utime, stime, cutime, cstime
-    except (IndexError, ValueError):
-        return None
+    """(parent pid, CPU ticks of the process and of its reaped children); None when unreadable."""
+    f = spawn.proc_stat(pid)
+    return None if f is None else (f[0], sum(f[1:]))
 
 
 def tree_ticks(root: int) -> int | None:

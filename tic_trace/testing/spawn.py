@@ -25,9 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_ticks(pid: int) -> int | None:
-    """CPU time (user + system, in clock ticks) of process `pid` and its threads; None when it cannot be read
-    (the process is gone, or no /proc: then no stall can be seen and nothing is killed)."""
+def proc_stat(pid: int) -> tuple[int, int, int, int, int] | None:
+    """(ppid, utime, stime, cutime, cstime) of process `pid` from /proc (CPU times in clock ticks); None when it
+    cannot be read (the process is gone, or no /proc: then no stall can be seen and nothing is killed)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
@@ -35,9 +35,15 @@ def cpu_ticks(pid: int) -> int | None:
         return None
     fields = stat[stat.rfind(")") + 2:].split()      # after the command name, which may hold spaces
     try:
-        return int(fields[11]) + int(fields[12])     # utime, stime (fields 14 and 15 of proc(5))
+        return int(fields[1]), int(fields[11]), int(fields[12]), int(fields[13]), int(fields[14])
     except (IndexError, ValueError):
         return None
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time (user + system, in clock ticks) of process `pid` and its threads; None when it cannot be read."""
+    f = proc_stat(pid)
+    return None if f is None else f[1] + f[2]
 
 
 class StallWatch:
