@@ -29,7 +29,7 @@ import numpy as np
 
 from ..graph.canonical import BY_NAME, feeds_of
 from ..store.dtypes import dtype_info, known_dtype
-from ..view.align import CanonicalView, RowId
+from ..view.align import CanonicalView, RowId, next_token_logprobs
 
 # A clean log-softmax's own error bound is multiplied by this: the bound counts one rounding per step, and real
 # kernels (a blocked max, a pairwise or atomic sum) may take a few more.
@@ -82,22 +82,11 @@ def logprob_inherited(va: CanonicalView, vb: CanonicalView, rows: list[RowId], l
     if not ok:
         return out
     at, in_a, in_b, tok = (np.array([int(w[k]) for w in ok], dtype=np.int64) for k in range(4))
-    implied = np.abs(_logprob_at(za.values, in_a, tok) - _logprob_at(zb.values, in_b, tok))
+    implied = np.abs(next_token_logprobs(za.values, in_a, tok) - next_token_logprobs(zb.values, in_b, tok))
     for lp, dt, der in ((lp_a, dtypes[0], derived[0]), (lp_b, dtypes[1], derived[1])):
         if not der:
             implied = implied + logsoftmax_rounding(lp[at], dt, vocab)
     out[at] = implied
-    return out
-
-
-def _logprob_at(logits: np.ndarray, rows: np.ndarray, tok: np.ndarray, elems: int = 1 << 18) -> np.ndarray:
-    """log_softmax(logits[rows[i]])[tok[i]] in float64, a block of rows (at most `elems` values) at a time."""
-    out = np.empty(rows.size)
-    block = max(1, elems // max(int(np.prod(logits.shape[1:], dtype=np.int64)), 1))
-    for s in range(0, rows.size, block):
-        x = logits[rows[s:s + block]].reshape(min(block, rows.size - s), -1).astype(np.float64)
-        x -= x.max(axis=-1, keepdims=True)
-        out[s:s + block] = x[np.arange(x.shape[0]), tok[s:s + block]] - np.log(np.exp(x).sum(axis=-1))
     return out
 
 

@@ -322,7 +322,7 @@ class CanonicalView:
                                               f"{width} logits ({', '.join(outside[:4])})")
         if not keep:
             return ct
-        ct.values = _next_token_logprobs(lg.values, np.asarray(keep), np.asarray(nxt))
+        ct.values = next_token_logprobs(lg.values, np.asarray(keep), np.asarray(nxt))[:, None]
         ct.rows = [lg.rows[i] for i in keep]
         return ct
 
@@ -351,16 +351,16 @@ _MAX_ANONYMOUS_ROWS = 1 << 24
 _LOGPROB_BLOCK = 1 << 18     # float64 elements of logits widened at once
 
 
-def _next_token_logprobs(logits: np.ndarray, rows: np.ndarray, nxt: np.ndarray) -> np.ndarray:
-    """[len(rows), 1]: log_softmax(logits[rows[i]])[nxt[i]] in float64, a block of rows at a time (each row's
+def next_token_logprobs(logits: np.ndarray, rows: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+    """[len(rows)]: log_softmax(logits[rows[i]])[nxt[i]] in float64, a block of rows at a time (each row's
     numbers are computed alone, so the block size changes none of them; the heap holds one block)."""
-    out = np.empty((rows.size, 1))
+    out = np.empty(rows.size)
     step = max(1, _LOGPROB_BLOCK // max(int(np.prod(logits.shape[1:], dtype=np.int64)), 1))
     for r in range(0, rows.size, step):
-        x = logits[rows[r:r + step]].astype(np.float64)
+        x = logits[rows[r:r + step]].reshape(min(step, rows.size - r), -1).astype(np.float64)
         x -= x.max(axis=-1, keepdims=True)
         lse = np.log(np.exp(x).sum(axis=-1))
-        out[r:r + step, 0] = x[np.arange(x.shape[0]), nxt[r:r + step]] - lse
+        out[r:r + step] = x[np.arange(x.shape[0]), nxt[r:r + step]] - lse
     return out
 
 
