@@ -180,6 +180,25 @@ def bf16_model(moe=True, seed=0, **cfg):
     return build_hf_model_stable(tiny_qwen3_config(moe=moe, **cfg), seed=seed, dtype=torch.bfloat16)
 
 
+# What Ray prints when its own processes or its C++ core (not a task) ended the driver: without its GCS Ray
+# exits the driver with 1 after 60 s; a failed internal CHECK aborts it. Neither is tic-trace's code, which is
+# why the Ray tests run Ray in a child and retry it.
+RAY_ENDED_IT = ("Failed to connect to GCS", "GCS may have been killed", "LocalRayletDiedError",
+                "Raylet is terminated", "raylet died", "You have likely discovered a bug in Ray")
+
+
+def ray_said_it_ended(r) -> bool:
+    """A child that failed with one of Ray's own messages about its processes or its core (RAY_ENDED_IT)."""
+    return r.returncode != 0 and any(m in r.stdout + r.stderr for m in RAY_ENDED_IT)
+
+
+def ray_ended_the_driver(r) -> bool:
+    """The child ended by Ray's own processes, not by tic-trace: Ray said so, or the child exited 1 with no
+    Python traceback (a failure of the code under test raises in Python and prints one; a crash ends it by a
+    signal; Ray's C++ core exits its driver with 1 and no traceback). Only for a child that should exit 0."""
+    return ray_said_it_ended(r) or (r.returncode == 1 and "Traceback" not in r.stderr)
+
+
 def changed_pair(d, dtype, moe, change, ids):
     """(A trace, B trace, checkpoint) as paths in `d`: A the tiny Qwen3 (seed 0) saved and traced, B the same
     weights with `change(model)` applied to its computation."""

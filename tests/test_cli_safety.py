@@ -29,7 +29,7 @@ from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen
 from tic_trace.tools.cli import build_parser
 from tic_trace.tools.cli import main as cli
 
-from conftest import trace_hf
+from conftest import ray_said_it_ended, trace_hf
 
 IDS = sample_tokens(2, 6)
 REPO = Path(__file__).resolve().parents[1]
@@ -358,9 +358,18 @@ def test_each_worker_failure_is_one_line_without_escapes():
 
 
 def test_ray_worker_failures_print_no_foreign_tracebacks(traces, tmp_path):
+    """Ray's own core can end the child after tic-trace's line (seen: a failed internal CHECK, exit 1): that
+    run is retried, and after three such runs the test is skipped with Ray's words, never passed."""
     import ray  # noqa: F401  (pinned in requirements/test.txt: its absence is a broken set-up, never a skip)
-    p = run_sub(["diff", traces["a"], traces["a2"], "--adapter-b", "failing_adapter:FailingHF", "--workers", "ray:2"],
-                capture_output=True, text=True, env={**_failing_env(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    for _ in range(3):
+        p = run_sub(["diff", traces["a"], traces["a2"], "--adapter-b", "failing_adapter:FailingHF", "--workers",
+                     "ray:2"], capture_output=True, text=True,
+                    env={**_failing_env(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+        if not ray_said_it_ended(p):
+            break
+    else:
+        pytest.skip("Ray's own core ended the CLI three times on this machine (not tic-trace's code): the Ray "
+                    "failure line is unchecked here. The last time:\n" + (p.stdout + p.stderr)[-1500:])
     assert p.returncode == 2, p.stdout + p.stderr
     line = _one_clean_line(p.stdout + p.stderr)
     assert line.startswith("error: diff: work item 0 (point embed) failed: ") and "planted failure in a worker" in line

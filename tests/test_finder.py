@@ -19,7 +19,7 @@ from tic_trace.testing.faults import FAULTS, hf_faults, plant
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.tools.cli import main as cli
 
-from conftest import trace_hf
+from conftest import ray_ended_the_driver, trace_hf
 
 IDS = sample_tokens(2, 10)
 
@@ -423,21 +423,6 @@ ray.shutdown()
 print(json.dumps(out))
 """
 
-# What Ray prints when its own processes (not the tasks) died under the driver: Ray then ends the driver
-# (exit code 1 after 60 s without its GCS, no Python traceback), which is why the test runs Ray in a child.
-_RAY_DIED = ("Failed to connect to GCS", "GCS may have been killed", "LocalRayletDiedError",
-             "Raylet is terminated", "raylet died")
-
-
-def _ray_ended_the_driver(r) -> bool:
-    """The child ended by Ray's own processes, not by tic-trace: a failure of the code under test raises in
-    Python and prints a traceback (a crash ends it by a signal); Ray's C++ core exits its driver with 1 and
-    no traceback."""
-    output = r.stdout + r.stderr
-    return r.returncode != 0 and (any(m in output for m in _RAY_DIED)
-                                  or (r.returncode == 1 and "Traceback" not in r.stderr))
-
-
 def _ray_logs_tail(ray_dir: Path, lines: int = 6) -> str:
     """The last lines Ray's GCS and raylet logged (their periodic state dumps left out)."""
     tails = []
@@ -472,7 +457,7 @@ def test_workers_as_ray_tasks_give_the_same_report(tmp_path, clean_moe):
                            str(tmp_path / "cut"), str(ray_dir), str(Path(__file__).parent)],
                           capture_output=True, text=True, check=False)
             output = r.stdout + r.stderr
-            if not _ray_ended_the_driver(r):
+            if not ray_ended_the_driver(r):
                 break
             deaths.append(f"exit {r.returncode}: {r.stderr.strip()[-800:]}\n{_ray_logs_tail(ray_dir)}")
         finally:
