@@ -31,12 +31,15 @@ ALLOWED = {
     "graph": set(),
     "record": {"store", "graph"},
     "view": {"store", "graph"},
-    "replay": {"store", "graph", "view", "record", "compare"},
+    "replay": {"store", "graph", "view", "record", "compare", "families"},
     "report": {"store", "graph", "view"},
     "compare": {"store", "graph", "view", "replay", "report", "record"},
     # drift over a training run: reads run directories, compares each pair with the finder, renders its own
     # `drift` object (issue 26)
     "drift": {"store", "graph", "view", "compare", "report"},
+    # one folder per model family and their registry (issue 36): a family imports only the core, the replay
+    # dispatches through the registry (tests/test_family_boundaries.py checks the rest)
+    "families": {"store", "graph", "view", "replay"},
 }
 # Where only some modules of an allowed subpackage may be imported: the tracer resolves an adapter by name through
 # the registry and keeps rows by the identity rule both flows read (graph.row_subset); a checkpoint tensor is

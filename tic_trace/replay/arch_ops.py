@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .arch_spec import sliding_window
+from .layer_types import sliding_window
 from .not_replayable import NotReplayable
 from .qwen3next_spec import is_qwen3next, qwen3next_inputs, qwen3next_op
 
@@ -218,24 +218,10 @@ def spans_heads(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dim() >= 2 and w.dim() == 1 and w.numel() != x.shape[-1] and w.numel() == x.shape[-2] * x.shape[-1]
 
 
-# Mixtral checkpoints keep the original layout: router and experts under `block_sparse_moe`, an expert's gate,
-# down and up projections as w1, w2, w3 (transformers 5 loads them into `mlp` and writes them back so).
-_MIXTRAL_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_MIXTRAL_W = {"gate": "w1", "down": "w2", "up": "w3"}
-
-
 def derived_weight(w, name: str) -> torch.Tensor | None:
-    """A weight the checkpoint stores as part of another or under another name (`w`: reference._LayerWeights
-    of one layer): Phi-3's q/k/v rows of `qkv_proj` ([q | k | v]) and gate/up halves of `gate_up_proj`
-    ([gate | up]); Mixtral's `block_sparse_moe` router and w1/w2/w3 experts."""
+    """A weight the checkpoint stores as part of another (`w`: reference._LayerWeights of one layer): Phi-3's
+    q/k/v rows of `qkv_proj` ([q | k | v]) and gate/up halves of `gate_up_proj` ([gate | up])."""
     spec = w.ref.spec
-    if spec.model_type == "mixtral":
-        if name == "mlp.gate.weight":
-            return w.get("block_sparse_moe.gate.weight", optional=True)
-        m = _MIXTRAL_EXPERT.fullmatch(name)
-        if m is not None:
-            return w.get(f"block_sparse_moe.experts.{m.group(1)}.{_MIXTRAL_W[m.group(2)]}.weight", optional=True)
-        return None
     if spec.model_type != "phi3":
         return None
     m = _PHI3_QKV.fullmatch(name)

@@ -1,6 +1,6 @@
 """The config facts of the architectures whose ops differ from the Llama/Qwen family's (Gemma2/3, Phi-3,
-GPT-OSS), read from config.json with model_spec's typed reads into `ModelSpec.extra`, and the RoPE of one
-layer (Gemma3 gives sliding and full attention layers a RoPE each).
+GPT-OSS), read from config.json with model_spec's typed reads into `ModelSpec.extra` (the layers' attention
+kinds and RoPEs: layer_types.py).
 
 The keys of `extra` (absent: the Llama/Qwen convention):
 - `norm_offset`: RMSNorm scales by (offset + weight) — Gemma's (1 + w);
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .layer_types import sliding_window, windows  # noqa: F401 - sliding_window: arch_variants' until it moves (issue 36)
 from .qwen3next_spec import MODEL_TYPE as QWEN3NEXT, qwen3next_facts, qwen3next_shapes
 
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
@@ -38,49 +39,10 @@ def arch_facts(c: Any, model_type: str, hidden: int, ropes: dict) -> dict:
     if model_type == QWEN3NEXT:      # its layer_types name linear-attention layers: qwen3next_spec reads them
         out.update(qwen3next_facts(c))
     else:
-        out.update(_windows(c, model_type))
+        out.update(windows(c, typed=model_type in GEMMA + ("gpt_oss",)))
     if ropes:
         out["layer_ropes"] = ropes
     return out
-
-
-def _windows(c: Any, model_type: str) -> dict:
-    """Which layers attend to the last `sliding_window` keys only, as transformers reads the config: the
-    layers `layer_types` calls sliding (Gemma, GPT-OSS, Qwen2/3 from `use_sliding_window` and
-    `max_window_layers`), or every layer where the config gives a window and no types (Mistral, Mixtral,
-    Qwen3-MoE). A window of 0 or null is none (Qwen2-MoE writes 0 when `use_sliding_window` is off)."""
-    window = c.int("sliding_window", 0, 1 << 31, default=None) or None
-    if model_type in GEMMA + ("gpt_oss",) or (c.has("layer_types") and c.raw("layer_types") != []):
-        return {"layer_types": _layer_types(c), "sliding_window": window}
-    if window is None:
-        return {}
-    return {"layer_types": ["sliding_attention"] * c.int("num_hidden_layers", 1, 1 << 16), "sliding_window": window}
-
-
-def _layer_types(c: Any) -> list[str]:
-    v = c.raw("layer_types")
-    n = c.int("num_hidden_layers", 1, 1 << 16)
-    if v is None or (isinstance(v, list) and not v):
-        return ["full_attention"] * n
-    if not isinstance(v, list) or len(v) != n or not all(x in ("full_attention", "sliding_attention") for x in v):
-        raise c.error("layer_types", f"a list of {n} 'full_attention' / 'sliding_attention' entries", v)
-    return list(v)
-
-
-def layer_type(spec: Any, layer: int | None) -> str:
-    types = spec.extra.get("layer_types") or []
-    return types[layer] if layer is not None and 0 <= layer < len(types) else "full_attention"
-
-
-def sliding_window(spec: Any, layer: int | None) -> int | None:
-    """The keys a query of `layer` sees: the last `sliding_window` positions (None: every earlier one)."""
-    return spec.extra.get("sliding_window") if layer_type(spec, layer) == "sliding_attention" else None
-
-
-def rope_of_layer(spec: Any, layer: int | None):
-    """The RopeSpec of `layer`: its layer type's where the config gives one per type, else the model's."""
-    ropes = spec.extra.get("layer_ropes") or {}
-    return ropes.get(layer_type(spec, layer), spec.rope) if ropes else spec.rope
 
 
 def arch_shapes(rest: str, spec: Any) -> list | None:

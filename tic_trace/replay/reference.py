@@ -19,10 +19,11 @@ from typing import Callable
 
 import torch
 
+from ..families import family_of
 from ..graph.canonical import BY_NAME
 from .arch_ops import (arch_inputs_of, arch_op_of, arch_ops, derived_weight, each_sample,  # Gemma, Phi-3, GPT-OSS
                        spans_heads)
-from .arch_spec import rope_of_layer
+from .layer_types import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .weight_store import WeightStore
 from .grouped_topk import GroupedTopkError, eligible_choice
@@ -164,7 +165,9 @@ class _LayerWeights:
                 self.ref.read.append(full)
                 return self._cache[full]
         for n in names:             # a tensor the checkpoint stores fused (Phi-3's qkv_proj), or under another name
-            t = derived_weight(self, n)
+            t = self.ref.family.derived_weight(self, n)
+            if t is None:           # the families not yet in tic_trace/families/ (issue 36)
+                t = derived_weight(self, n)
             if t is not None:
                 return t
         if optional:
@@ -256,6 +259,7 @@ class ExactReference:
         self.ckpt = ckpt if isinstance(ckpt, HFCheckpoint) else HFCheckpoint(ckpt)
         self.store = store or WeightStore()         # one layer's tensors, shared with the other side's copy
         self.spec = self.ckpt.spec
+        self.family = family_of(self.spec.model_type)      # what the model computes otherwise than the base
         self.device = device
         self.weight_dtypes = weight_dtypes
         self.nonfinite: dict[str, tuple[int, str]] = {}    # tensors read with NaN/Inf: (count, dtype rounded to)

@@ -1,0 +1,52 @@
+"""Model families: one folder per family (`tic_trace/families/<name>/`), and this module, the one registry of them
+by config.json's `model_type`. The contract of a family folder is `base.Family` (docs/architecture.md, "Model
+families"); the core (replay/, the adapters' mechanics) asks `family_of(model_type)` and never names a family.
+
+May import: store, graph, view, replay.
+
+A family's model_types are written in its own `__init__` only; this registry lists the families (one line each)
+and refuses two that claim the same model_type. A model_type no family owns is the base transformer's
+(`BASE`): it is replayed with the base's ops, and its architecture is refused by the adapters unless
+`--allow-unverified`.
+"""
+from __future__ import annotations
+
+from .base import FRAMEWORKS, Family, FrameworkNames
+from . import transformer
+
+# The registry: one line per family folder. BASE first (the plain dense / MoE transformer every family builds on).
+FAMILIES: tuple[Family, ...] = (
+    transformer.FAMILY,
+)
+BASE: Family = transformer.FAMILY
+
+
+def _by_model_type(families: tuple[Family, ...]) -> dict[str, Family]:
+    out: dict[str, Family] = {}
+    for fam in families:
+        for mt in fam.model_types:
+            if mt in out:
+                raise ValueError(f"model_type {mt!r} is claimed by families {out[mt].name} and {fam.name}: "
+                                 f"one family owns each model_type (tic_trace/families/)")
+            out[mt] = fam
+    return out
+
+
+BY_MODEL_TYPE: dict[str, Family] = _by_model_type(FAMILIES)
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family that owns config.json's `model_type` (the base transformer for one no family owns)."""
+    return BY_MODEL_TYPE.get(model_type or "", BASE)
+
+
+def family_named(name: str) -> Family:
+    """A family by its folder name (KeyError naming the known ones)."""
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise KeyError(f"no family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
+
+
+__all__ = ["BASE", "BY_MODEL_TYPE", "FAMILIES", "FRAMEWORKS", "Family", "FrameworkNames", "family_named",
+           "family_of"]

@@ -1,0 +1,126 @@
+"""The contract of a model family: what one folder `tic_trace/families/<name>/` provides (docs/architecture.md,
+"Model families").
+
+A family is everything tic-trace knows about one kind of model that the base transformer (the plain dense / MoE
+decoder every core module computes: `replay/reference.py`'s ops, the canonical graph) does not: the config.json
+`model_type` values it owns, its config facts (`ModelSpec` fields its code fixes, `ModelSpec.extra`), the shapes
+of its checkpoint tensors, the float64 exact ops, op inputs and op names that replace the base's, the clean
+variants and known faults of those ops, and the name tables that map each framework's module and parameter names
+onto its canonical points (strings and `graph.adapter` rows only, no framework import).
+
+Each family's `__init__.py` builds one `Family` (`FAMILY = Family(...)`) and says in its docstring what the
+family is and what is verified per framework; `tic_trace/families/__init__.py` is the registry of them. The core
+asks the registry (`family_of(model_type)`) and calls these hooks; it never names a family. Every hook has a
+default that changes nothing, so a family states only where it differs from the base transformer.
+
+Import rules (tests/test_architecture.py): a family imports only the core (store, graph, view, replay's leaf
+modules) and never another family nor a framework; its `__init__`, facts and shapes import no torch (the exact
+ops and variants may, as replay/ does, and are imported lazily inside the hooks below). A family may not import a
+replay module that dispatches through the registry (reference, model_spec, checkpoint, intrinsic, clean_noise):
+that would be an import circle; it receives what it needs as arguments (the base ops, the config reader).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+#: The frameworks a family states its verification for, in the README's column order.
+FRAMEWORKS = ("hf", "megatron", "sglang")
+
+
+def _no_facts(c: Any, model_type: str, hidden: int) -> dict:
+    return {}
+
+
+def _no_shape(rest: str, spec: Any) -> list | None:
+    return None
+
+
+def _no_ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
+    return {}
+
+
+def _no_inputs(point: str, spec: Any) -> tuple[str, ...] | None:
+    return None
+
+
+def _no_op_name(point: str, spec: Any) -> str:
+    return ""
+
+
+def _no_weight(w: Any, name: str) -> Any:
+    return None
+
+
+def _no_variants() -> dict[str, list]:
+    return {}
+
+
+def _no_names() -> dict[str, "FrameworkNames"]:
+    return {}
+
+
+@dataclass(frozen=True)
+class FrameworkNames:
+    """One framework's name tables for a family: strings and `graph.adapter` rows only (no framework import).
+    The adapter of that framework concatenates every family's tables; it keeps only the mechanics (hooks, TP
+    merges, weight conversion) that must import the framework."""
+    points: tuple = ()                              # graph.adapter.PointMap rows of this family's architectures
+    architectures: tuple = ()                       # graph.adapter.Architecture rows: the classes / structures verified
+    refused: Mapping[str, str] = field(default_factory=dict)   # architecture -> what the table would get wrong
+    tables: Mapping[str, Any] = field(default_factory=dict)    # the adapter's own named tables (module lists,
+    #                                                            parameter names...), by the name the adapter reads
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family folder provides. Hooks take the spec as `Any` (a `replay.model_spec.ModelSpec`: importing
+    it from a family would be an import circle)."""
+    name: str                                   # its folder: tic_trace/families/<name>/
+    title: str                                  # as people name it (the README's family table)
+    model_types: tuple[str, ...]                # config.json model_type values it owns (the registry's keys)
+    description: str                            # what the family is, one or two sentences
+    verified: Mapping[str, str]                 # framework (FRAMEWORKS) -> what is verified there; absent: not
+
+    # --- config.json -> ModelSpec (no torch)
+    # ModelSpec field values where config.json does not state them, by model_type (Qwen2's q/k/v bias)
+    defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # ModelSpec field values its code fixes whatever config.json says, by model_type (Mixtral's renormalised top-k)
+    fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # ModelSpec.extra from config.json: (c, model_type, hidden_size) -> dict, `c` model_spec's typed reader of the
+    # text config (c.int / c.num / c.bool / c.str / c.raw / c.has / c.error). The core adds `layer_ropes`; the
+    # sliding windows are the family's to read (`replay.layer_types.windows`), since layer_types may mean other
+    # layer kinds (Qwen3-Next's linear attention).
+    facts: Callable[[Any, str, int], dict] = _no_facts
+    # the shape config.json implies for a checkpoint tensor under model.layers.N (`rest`: its name there) that
+    # the family stores otherwise than the base transformer; None: not one of its tensors
+    shapes: Callable[[str, Any], list | None] = _no_shape
+
+    # --- the exact replay (may import torch, lazily inside the hook)
+    # point -> float64 op replacing (or adding to) the base transformer's `base` (reference._OPS), for this spec
+    ops: Callable[[Any, Mapping[str, Callable]], dict[str, Callable]] = _no_ops
+    # the recorded points the op producing `point` reads where the family decides (None: the base's feeds)
+    inputs_of: Callable[[str, Any], tuple[str, ...] | None] = _no_inputs
+    # the op replayed at `point` where the family makes it another (its key into `variants`; "": the base's)
+    op_of: Callable[[str, Any], str] = _no_op_name
+    # a weight the checkpoint stores as part of another or under another name: (reference._LayerWeights, the
+    # base transformer's name) -> tensor, or None (Phi-3's fused qkv_proj, Mixtral's block_sparse_moe)
+    derived_weight: Callable[[Any, str], Any] = _no_weight
+    # op name (`op_of`'s) or point -> its clean variants and known faults (replay.variants.Variant lists)
+    variants: Callable[[], dict[str, list]] = _no_variants
+    # ops whose variants run on whole samples (a recurrence), never on a subset of rows
+    whole_sample_ops: frozenset = frozenset()
+    # point -> inputs its op reads only where the trace holds them
+    optional_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    # --- name tables: framework (FRAMEWORKS) -> FrameworkNames, imported lazily (names.py)
+    names: Callable[[], Mapping[str, FrameworkNames]] = _no_names
+
+    def __post_init__(self) -> None:
+        unknown = set(self.verified) - set(FRAMEWORKS)
+        if unknown:
+            raise ValueError(f"family {self.name}: verified names unknown frameworks {sorted(unknown)}; "
+                             f"use {', '.join(FRAMEWORKS)}")
+        stray = (set(self.defaults) | set(self.fixed)) - set(self.model_types)
+        if stray:
+            raise ValueError(f"family {self.name}: defaults/fixed for model_types it does not own: {sorted(stray)}")
