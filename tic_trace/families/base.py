@@ -106,7 +106,8 @@ class Family:
     # a weight the checkpoint stores as part of another or under another name: (reference._LayerWeights, the
     # base transformer's name) -> tensor, or None (Phi-3's fused qkv_proj, Mixtral's block_sparse_moe)
     derived_weight: Callable[[Any, str], Any] = _no_weight
-    # op name (`op_of`'s) or point -> its clean variants and known faults (replay.variants.Variant lists)
+    # op name (`op_of`'s) or point -> its clean variants and known faults (replay.variants.Variant lists); called
+    # for every op replayed: build the table once (functools.cache)
     variants: Callable[[], dict[str, list]] = _no_variants
     # ops whose variants run on whole samples (a recurrence), never on a subset of rows
     whole_sample_ops: frozenset = frozenset()

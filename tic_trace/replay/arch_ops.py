@@ -13,82 +13,19 @@
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Callable
 
 import torch
 
-from .layer_types import sliding_window
+# attention_mask, attention_scale, each_sample, sinks_of, spans_heads: imported from here by modules not yet moved
+# to tic_trace/families/ (issue 36); their home is attention_ops.py
+from .attention_ops import (attention_mask, attention_scale, each_sample, offset_rms_norm,  # noqa: F401
+                            sinks_of, softcap, spans_heads, windowed_attention)
 from .not_replayable import NotReplayable
 from .qwen3next_spec import is_qwen3next, qwen3next_inputs, qwen3next_op
 
 F64 = torch.float64
-
-
-def offset_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * (offset + w)
-
-
-def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return x if not cap else torch.tanh(x / cap) * cap
-
-
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[Tq, Tk] True where query i sees key j: causal, and within the last `window` positions when given."""
-    m = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        m = m & (k_pos[None, :] > q_pos[:, None] - window)
-    return m
-
-
-def attention_scale(spec) -> float:
-    return spec.extra.get("attn_scale") or spec.head_dim ** -0.5
-
-
-def exact_attention(q, k, v, mask, scale: float, cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """One sample's attention in float64: q [Tq, H, d], k/v [Tk, KV, d], mask [Tq, Tk]; scores soft-capped,
-    a sink logit per head added to the softmax's denominator."""
-    rep = q.shape[1] // k.shape[1]
-    kx, vx = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    s = softcap(torch.einsum("qhd,khd->hqk", q, kx) * scale, cap)
-    s = s.masked_fill(~mask[None], -math.inf)
-    if sinks is None:
-        p = torch.softmax(s, dim=-1)
-    else:
-        m = torch.maximum(s.amax(-1, keepdim=True), sinks[:, None, None])
-        e = torch.exp(s - m)
-        p = e / (e.sum(-1, keepdim=True) + torch.exp(sinks[:, None, None] - m))
-    return torch.einsum("hqk,khd->qhd", p, vx)
-
-
-def each_sample(rows, kv_rows, dev):
-    """Per sample: (query indices, query positions, key indices into k/v for positions 0..last, key positions)."""
-    for sample in dict.fromkeys(s for s, _ in rows):
-        qi = [i for i, (s, _) in enumerate(rows) if s == sample]
-        qpos = torch.tensor([rows[i][1] for i in qi], device=dev)
-        last = int(qpos.max())
-        try:
-            kidx = torch.tensor([kv_rows[(sample, p)] for p in range(last + 1)], device=dev)
-        except KeyError as e:
-            raise NotReplayable(f"sample {sample!r}: key/value row {e.args[0]} not recorded") from None
-        yield qi, qpos, kidx, torch.arange(last + 1, device=dev)
-
-
-def sinks_of(ref, layer) -> torch.Tensor | None:
-    return ref.weights(layer).get("self_attn.sinks") if ref.spec.extra.get("sinks") else None
-
-
-def _attention(ref, layer, feeds, rows, tokens):
-    q, k, v = feeds["attn.q_rope"], feeds["attn.k_rope"], feeds["attn.v"]
-    spec = ref.spec
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=F64, device=q.device)
-    window, sinks = sliding_window(spec, layer), sinks_of(ref, layer)
-    for qi, qpos, kidx, kpos in each_sample(rows, feeds["__kv_rows__"], q.device):
-        o = exact_attention(q[qi], k[kidx], v[kidx], attention_mask(qpos, kpos, window), attention_scale(spec),
-                            spec.extra.get("attn_softcap"), sinks)
-        out[qi] = o.reshape(len(qi), -1)
-    return out
 
 
 # ---------------------------------------------------------------- Gemma
@@ -128,7 +65,7 @@ _GEMMA_NORMS = {"attn_norm": "input_layernorm.weight", "attn.post_norm": "post_a
 def _gemma_ops(base: dict[str, Callable]) -> dict[str, Callable]:
     ops = {p: _offset_norm(w, "attn.q" if p == "attn.q_norm" else "attn.k" if p == "attn.k_norm" else None)
            for p, w in _GEMMA_NORMS.items()}
-    ops.update({"embed": _scaled_embed(base["embed"]), "attn.core": _attention,
+    ops.update({"embed": _scaled_embed(base["embed"]), "attn.core": windowed_attention,
                 "logits": _capped_logits(base["logits"])})
     return ops
 
@@ -170,12 +107,10 @@ def _oss_experts(ref, layer, feeds, rows, tokens):
 def arch_ops(spec, base: dict[str, Callable]) -> dict[str, Callable]:
     """The ops of `spec`'s architecture that replace `base`'s (reference._OPS; {} for the Llama/Qwen family)."""
     ops: dict[str, Callable] = {}
-    if spec.extra.get("sliding_window"):     # any family with windowed layers (Mistral, Mixtral, Qwen)
-        ops["attn.core"] = _attention
     if spec.extra.get("norm_offset"):
         ops.update(_gemma_ops(base))
     if spec.model_type == "gpt_oss":
-        ops.update({"attn.core": _attention, "moe.router_logits": _router, "moe.experts_out": _oss_experts})
+        ops.update({"attn.core": windowed_attention, "moe.router_logits": _router, "moe.experts_out": _oss_experts})
     return ops
 
 
@@ -210,12 +145,6 @@ def arch_op_of(point: str, spec) -> str:
 
 _PHI3_QKV = re.compile(r"self_attn\.([qkv])_proj\.weight")
 _PHI3_GATE_UP = re.compile(r"mlp\.(gate|up)_proj\.weight")
-
-
-def spans_heads(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a norm of per-head x [.., heads, d] normalises over the whole projection: its gain is heads x d
-    wide (OLMoE's QK-norm), not d (Qwen3's, Gemma 3's)."""
-    return x.dim() >= 2 and w.dim() == 1 and w.numel() != x.shape[-1] and w.numel() == x.shape[-2] * x.shape[-1]
 
 
 def derived_weight(w, name: str) -> torch.Tensor | None:

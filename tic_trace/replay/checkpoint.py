@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
+from ..families import family_of
 from .arch_spec import arch_shapes
 from .latent import is_latent, latent_shape
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
@@ -61,7 +62,9 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     if m is None:
         return None
     rest = m.group(2)
-    arch = arch_shapes(rest, spec)      # Phi-3's fused projections, GPT-OSS's experts (arch_spec.py)
+    arch = family_of(spec.model_type).shapes(rest, spec)
+    if arch is None:
+        arch = arch_shapes(rest, spec)  # the families not yet in tic_trace/families/ (issue 36)
     if arch is not None:
         return arch
     if is_latent(spec) and latent_shape(rest, spec) is not None:

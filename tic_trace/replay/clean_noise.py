@@ -70,7 +70,8 @@ def _worst_clean(side: SideReplayer, key: Key, feeds: dict, rows: list[RowId], r
     value where the op has none, or none applies to these inputs)."""
     point, layer = key
     op = side.ref.op_of(point, layer) or point
-    variants = [v for v in (ARCH_VARIANTS.get(op) or VARIANTS.get(op) or ()) if v.clean]
+    variants = [v for v in (side.ref.family.variants().get(op) or ARCH_VARIANTS.get(op) or VARIANTS.get(op) or ())
+                if v.clean]
     vin = VariantInput(side.ref, layer, feeds, rows, DTYPES[dt], side.tp, point=point)
     best, far = rounded, 0.0
     for var in variants:

@@ -264,7 +264,8 @@ class SideReplayer:
         feeds = {}
         for f in self.ref.inputs_of(point, self.has_qk_norm, layer):
             k = self._feed_key(f, layer)
-            if k not in self.present and f in OPTIONAL_INPUTS.get(point, ()):
+            if k not in self.present and f in (OPTIONAL_INPUTS.get(point, ())
+                                               + self.ref.family.optional_inputs.get(point, ())):
                 continue
             if k not in self.present:
                 raise NotReplayable(f"input {key_name(*k)} not recorded")
@@ -304,11 +305,13 @@ class SideReplayer:
                        exact: np.ndarray) -> IntrinsicError:
         """The clean variants and known faults of the op, on (at most VARIANT_ROWS of) this side's own
         inputs: the point's envelope and this side's fingerprint (variants.py). 16-bit outputs only."""
-        variants = ARCH_VARIANTS.get(err.envelope_key) or VARIANTS.get(err.envelope_key)
+        variants = (self.ref.family.variants().get(err.envelope_key) or ARCH_VARIANTS.get(err.envelope_key)
+                    or VARIANTS.get(err.envelope_key))
         if err.dtype not in DTYPES or err.kind != "float" or not variants:
             return err
         # an op over each sample's earlier rows (the linear attention's) runs on all of them, not a subset
-        sel = list(range(len(rows))) if err.envelope_key in WHOLE_SAMPLE_OPS else variant_rows(len(rows))
+        whole = err.envelope_key in WHOLE_SAMPLE_OPS or err.envelope_key in self.ref.family.whole_sample_ops
+        sel = list(range(len(rows))) if whole else variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)

@@ -52,7 +52,7 @@ def absorbed_queries(rows, kv_rows: dict, present: "torch.Tensor", dev) -> "torc
     the MHA path (its attention read that kv_b); any other read the latent cache, up-projected inside its
     weights (kv_b never materialised, for any of its keys)."""
     import torch
-    from .arch_ops import each_sample
+    from .attention_ops import each_sample
     out = torch.zeros(len(rows), dtype=torch.bool, device=dev)
     for qi, qpos, kidx, _ in each_sample(rows, kv_rows, dev):
         upto = torch.cumprod(present[kidx].to(torch.int64), 0).bool()      # kv_b at every key 0..p

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from .arch_ops import each_sample
+from .attention_ops import each_sample
 from .latent import LATENT_NORM_EPS, _heads, absorbed_queries, kv_b_present, softmax_scale
 from .attention_kernels import eager as _eager, flash as _flash, scaled_gemm as _scaled_gemm, sdpa as _sdpa
 from .attention_kernels import softmax_bf16 as _softmax_bf16

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .arch_ops import offset_rms_norm
+from .attention_ops import offset_rms_norm
 from .not_replayable import NotReplayable
 from .qwen3next_spec import NORMS, linear_layer
 

@@ -21,8 +21,8 @@ import torch
 
 from ..families import family_of
 from ..graph.canonical import BY_NAME
-from .arch_ops import (arch_inputs_of, arch_op_of, arch_ops, derived_weight, each_sample,  # Gemma, Phi-3, GPT-OSS
-                       spans_heads)
+from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
+from .attention_ops import each_sample, spans_heads, windowed_attention
 from .layer_types import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .weight_store import WeightStore
@@ -194,7 +194,7 @@ class _LayerWeights:
 # ---------------------------------------------------------------- the reference
 
 def op_of(point: str, spec: ModelSpec) -> str:
-    return arch_op_of(point, spec) or _generic_op_of(point, spec)
+    return family_of(spec.model_type).op_of(point, spec) or arch_op_of(point, spec) or _generic_op_of(point, spec)
 
 
 def _generic_op_of(point: str, spec: ModelSpec) -> str:
@@ -216,7 +216,9 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
     """Canonical points whose recorded values the op producing `point` reads (canonical.SCHEMA's feeds, with
     the model's own shape: RoPE reads the projection itself when the model has no QK-norm, a dense MLP only
     its norm; `input`/`final_norm` read the previous layer's `output`, written `<prev>.output`)."""
-    arch = arch_inputs_of(point, spec)
+    arch = family_of(spec.model_type).inputs_of(point, spec)
+    if arch is None:
+        arch = arch_inputs_of(point, spec)      # the families not yet in tic_trace/families/ (issue 36)
     if arch is not None:
         return arch
     latent = latent_inputs(point, spec)
@@ -270,7 +272,9 @@ class ExactReference:
         self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
                                for n in self.ckpt.info)
         # the ops this architecture computes otherwise (arch_ops.py; Qwen3-Next's: qwen3next_ops.py)
-        self.arch_ops = {**arch_ops(self.spec, _OPS), **(qwen3next_ops(_OPS) if is_qwen3next(self.spec) else {})}
+        self.arch_ops = {**({"attn.core": windowed_attention} if self.spec.extra.get("sliding_window") else {}),
+                         **arch_ops(self.spec, _OPS), **(qwen3next_ops(_OPS) if is_qwen3next(self.spec) else {}),
+                         **self.family.ops(self.spec, _OPS)}
 
     def for_view(self, view) -> "ExactReference":
         """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
