@@ -15,7 +15,8 @@ from .arch_spec import sliding_window
 from .latent_variants import LATENT_VARIANTS
 from .qwen3next_variants import qwen3next_variants
 from .attention_kernels import scaled_gemm
-from .variants import Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
+from .act_bf16 import gated_forms
+from .variants import Renderings, Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
 
 
 def _offset_weight(v: VariantInput) -> torch.Tensor:
@@ -110,6 +111,16 @@ def _gated_act(fused: bool, tp: bool = False):
     return run
 
 
+def _gated_act_bf16(v: VariantInput) -> Renderings:
+    """The known fault: the activation evaluated op by op in dt, every step rounded (act_bf16.py), one
+    rendering per form real code writes it in; x up and down_proj as the unfused MLP."""
+    x, dt = v.feeds["mlp_norm"], v.dtype
+    g, u = _gemm(x, v.w("mlp.gate_proj.weight"), dt), _gemm(x, v.w("mlp.up_proj.weight"), dt)
+    wd = v.w("mlp.down_proj.weight")
+    outs = tuple(_gemm(form(g, u, dt), wd, dt) for form in gated_forms(v.spec.hidden_act))
+    return Renderings(outs, outs[0].shape[-1])
+
+
 def _capped_logits(fp32: bool):
     def run(v: VariantInput) -> torch.Tensor:
         head = v.w("lm_head.weight", optional=True)
@@ -159,7 +170,9 @@ def _arch_variants() -> dict[str, list[Variant]]:
         "gated_mlp_act": [Variant("unfused", "unfused act x up", True, _gated_act(False)),
                           Variant("fused_act_up", "fused act x up", True, _gated_act(True)),
                           Variant("row_parallel", "row-parallel down_proj", True, _gated_act(False, tp=True),
-                                  layouts=True)],
+                                  layouts=True),
+                          Variant("act_bf16", "activation evaluated op by op in bf16 (an extra rounding per step)",
+                                  False, _gated_act_bf16)],
         "softcapped_logits": [Variant("eager_cap", "bf16 soft-cap steps", True, _capped_logits(False)),
                               Variant("fp32_cap", "fp32 soft-cap, one rounding", True, _capped_logits(True))],
         "router_bias_gemm": [Variant("fp32_accumulate", "fp32 accumulation", True, _router)],

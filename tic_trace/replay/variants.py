@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention_kernels as K
+from .act_bf16 import gated_forms
 from .arch_ops import each_sample, spans_heads
 
 F64 = torch.float64
@@ -290,14 +291,13 @@ def _attention_variants() -> list[Variant]:
 
 # ---------------------------------------------------------------- gated MLPs and experts
 
-def _act(fused: bool, bf16_silu: bool):
-    """The activation and product of a gated MLP: unfused (silu and product each rounded), fused (one
-    rounding in fp32), or the fault with silu evaluated as x * sigmoid(x) in dt (one more rounding)."""
+def _act(fused: bool):
+    """The activation and product of a gated MLP: unfused (silu and product each rounded), or fused (one
+    rounding in fp32). The fault, silu evaluated op by op in dt, is act_bf16.py's (`_op_by_op`)."""
     def fn(g: torch.Tensor, u: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
         if fused:
             return (F.silu(g.float()) * u.float()).to(dt)
-        a = g * torch.sigmoid(g) if bf16_silu else F.silu(g)
-        return a * u
+        return F.silu(g) * u
     return fn
 
 
@@ -371,12 +371,23 @@ def _rank_slice(w: tuple, k: int, i: int) -> tuple:
     return wg[s], wu[s], wd[:, s]
 
 
-_UNFUSED, _FUSED, _BF16_SILU = _act(False, False), _act(True, False), _act(False, True)
+_UNFUSED, _FUSED = _act(False), _act(True)
+
+
+def _op_by_op(make: Callable[[Callable], Callable[[VariantInput], torch.Tensor]]) -> Callable[[VariantInput], Renderings]:
+    """A fault whose activation is evaluated op by op in dt: one rendering per form real code writes it in
+    (act_bf16.py: SiLU as x * sigmoid(x) or x / (1 + exp(-x))), the nearest chosen per row."""
+    def run(v: VariantInput) -> Renderings:
+        outs = tuple(make(form)(v) for form in gated_forms(v.spec.hidden_act))
+        return Renderings(outs, outs[0].shape[-1])
+    return run
+
+
 _GATED = [Variant("unfused", "unfused silu x up", True, _gated_mlp(_UNFUSED)),
           Variant("fused_silu_up", "fused silu x up", True, _gated_mlp(_FUSED)),
           Variant("row_parallel", "row-parallel down_proj", True, _gated_mlp(_UNFUSED, tp=True), layouts=True),
           Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
-                  _gated_mlp(_BF16_SILU))]
+                  _op_by_op(_gated_mlp))]
 _EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
                     _experts(_UNFUSED, False)),
             Variant("fused_silu_up", "fused silu x up", True, _experts(_FUSED, False)),
@@ -395,13 +406,13 @@ _EXPERTS = [Variant("unfused", "unfused experts, bf16 combine", True,
             Variant("row_parallel_probs_before_down", "row-parallel down_proj, top-k weight applied before "
                     "down_proj", True, _experts(_UNFUSED, False, probs_first=True, tp=True), layouts=True),
             Variant("silu_bf16", "silu in bf16 (an extra rounding)", False,
-                    _experts(_BF16_SILU, False)),
+                    _op_by_op(lambda a: _experts(a, False))),
             # the same fault inside the other engines' experts: SGLang's CPU path combines in fp32,
             # megatron-core's applies the top-k weight before down_proj
             Variant("silu_bf16_fp32_combine", "silu in bf16 (an extra rounding), fp32 combine", False,
-                    _experts(_BF16_SILU, True)),
+                    _op_by_op(lambda a: _experts(a, True))),
             Variant("silu_bf16_probs_before_down", "silu in bf16 (an extra rounding), top-k weight applied "
-                    "before down_proj", False, _experts(_BF16_SILU, False, probs_first=True))]
+                    "before down_proj", False, _op_by_op(lambda a: _experts(a, False, probs_first=True)))]
 
 
 # ---------------------------------------------------------------- top-k weights

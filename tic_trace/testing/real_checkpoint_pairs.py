@@ -14,6 +14,7 @@ their own planters where the Llama-family ones in clean_variants.py / precision_
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -81,6 +82,25 @@ def trace_decode(model, out, ids, prompt: int) -> str:
             cache = model(ids[:, j:j + 1], past_key_values=cache, use_cache=True).past_key_values
     assert t.failed is None, t.failed
     return str(out)
+
+
+def trace_side_b(model, out, ids, clean: str | None = None, fault: tuple[str, int] | None = None,
+                 prompt: int = 16) -> str:
+    """Side B of a pair: a copy of `model` computing as clean variant `clean` (CLEAN) and/or with
+    `fault` = (name, layer) planted (FAULT_LIST), traced as that variant traces (`prompt`: the prefill's
+    positions of a prefill + decode pair). The model itself is left as it was."""
+    m = copy.deepcopy(model)
+    c = CLEAN[clean] if clean else Clean("identical", "")
+    if c.plant:
+        c.plant(m)
+    if fault:
+        FAULT_LIST[fault[0]].plant(m, fault[1])
+    with (c.context(m) if c.context else contextlib.nullcontext()):
+        if c.trace == "split":
+            return trace_split(m, out, ids)
+        if c.trace == "decode":
+            return trace_decode(m, out, ids, prompt)
+        return trace_batch(m, out, ids)
 
 
 # ------------------------------------------------------------------------------------------ clean variants
