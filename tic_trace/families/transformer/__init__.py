@@ -11,18 +11,26 @@ tests/test_megatron_families.py, tests/test_sglang_archs.py, tests/test_sglang_m
 - SGLang: the model classes of all seven, against HF and (but OLMoE) Megatron.
 Mistral's config (sliding windows) is replayed; its HF class is not in the adapters' tables (refused unless
 --allow-unverified).
+
+Folder: spec.py (config facts: its windows), ops.py (Mixtral's checkpoint names), names.py (HF and SGLang
+rows: the base rows every family's rows override, and its architectures').
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from ..base import Family
+from ..base import Family, FrameworkNames
 from .spec import facts
 
 
 def _derived_weight(w: Any, name: str) -> Any:
     from .ops import derived_weight
     return derived_weight(w, name)
+
+
+def _names() -> Mapping[str, FrameworkNames]:
+    from .names import names
+    return names()
 
 
 FAMILY = Family(
@@ -40,4 +48,5 @@ FAMILY = Family(
     fixed={"mixtral": {"norm_topk_prob": True}},
     facts=facts,
     derived_weight=_derived_weight,
+    names=_names,
 )
