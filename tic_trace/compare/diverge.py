@@ -85,7 +85,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     n_layers = min(va.n_layers, vb.n_layers) if "layers" in structure else va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
     if ref is not None:
-        add_replay_facts(points, va, vb, ref, margins, progress)
+        add_replay_facts(points, va, vb, ref, margins, progress, measured=kept)
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
     matched = set().union(*(m.rows for m in kept)) if kept else set()
@@ -199,17 +199,22 @@ def diff_contract_json(va: CanonicalView, vb: CanonicalView, ref) -> list[dict]:
 
 
 def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, ref, margins=None,
-                     progress: Callable[[str], None] | None = None) -> None:
+                     progress: Callable[[str], None] | None = None,
+                     measured: list[PointMeasurement] | None = None) -> None:
     """Each point's intrinsic error on each side (the side's output against the exact op on its own
-    inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`."""
+    inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`; on the rows the judge
+    needs, the same on both sides (replay_rows.py: chosen by the A-B errors of `measured`, and the rows' size)."""
     from ..replay.intrinsic import SideReplayer
+    from ..replay.replay_rows import sample_of
     from .judge import encode_intrinsic
     ra, rb = SideReplayer(va, ref), SideReplayer(vb, ref)
+    by = {(m.point, m.layer): m for m in measured or ()}
     for p in points:
         if progress:
             progress(f"replay {p.key}")
-        p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer), margins),
-                       "b": encode_intrinsic(rb.replay(p.point, p.layer), margins)}
+        s = sample_of(p.point, p.layer, ra, rb, by.get((p.point, p.layer)))
+        p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer, s), margins),
+                       "b": encode_intrinsic(rb.replay(p.point, p.layer, s), margins)}
 
 
 # ------------------------------------------------------------------------------------------------ step 2
@@ -233,7 +238,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
     for m in measured:
         p = Point(m.key, m.point, m.layer, error=m.error, dtype=m.dtype, rows=len(m.rows), only_a=m.only_a,
                   only_b=m.only_b, metrics=m.metrics, stats=m.stats, reason=m.reason, sources=m.sources,
-                  nonfinite=m.nonfinite, carried_error=m.error, dtypes=m.dtypes)
+                  nonfinite=m.nonfinite, carried_error=m.carried_error, dtypes=m.dtypes)
         feeds = feeds_of(m.point, m.layer, compared, n_layers)
         p.inputs = [key_name(*f) for f in feeds]
         ins = [(judged if is_routed(m.point) and is_routed(f[0]) and f[1] == m.layer else carried)[f]
@@ -256,7 +261,7 @@ def build_points(measured: list[PointMeasurement], n_layers: int | None) -> list
                 p.input_error = rows_in     # row-relative, as the error is (docs/report.md)
             row_errors.add(m)
         if m.compared:
-            carried[(m.point, m.layer)] = m.error
+            carried[(m.point, m.layer)] = m.carried_error
             judged[(m.point, m.layer)] = p.error
         points.append(p)
     return points
@@ -342,6 +347,7 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
     errs: dict[RowId, dict] = {r: {} for r in rows}
     flips: dict[RowId, dict] = {r: {} for r in rows}
     inherited: dict[RowId, dict] = {r: {} for r in rows}
+    carried: dict[RowId, dict] = {r: {} for r in rows}
     where: dict[tuple, dict] = {}      # the wanted rows' positions, per distinct row list (most points share one)
     for m in measured:
         if not m.compared or not m.rows:
@@ -359,6 +365,8 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
             errs[r][m.key] = float(m.per_row[i])
             if m.row_inherited is not None:
                 inherited[r][m.key] = float(m.row_inherited[i])
+            if m.per_row_carried is not None:
+                carried[r][m.key] = float(m.per_row_carried[i])
     routers = {m.layer: m for m in measured if m.point == ROUTER_LOGITS}
     for m in measured:
         if is_ids(m.point) and m.flipped:
@@ -366,7 +374,7 @@ def _worst_tokens(measured: list[PointMeasurement], n: int) -> tuple[list[WorstT
                 if row in want:
                     flips[row][str(m.layer)] = "explained" if explained else "unexplained"
     out = [WorstToken(r[0], int(r[1]), d[i], lp.values_a[i], lp.values_b[i], None, bool(flips[r]), flips[r],
-                      inherited[r]) for i, r in zip(order, rows)]
+                      inherited[r], carried[r]) for i, r in zip(order, rows)]
     return out, {_label(r): errs[r] for r in rows}
 
 

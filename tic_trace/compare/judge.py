@@ -15,7 +15,10 @@ flips carry error over tolerance to the output and near ties are not accepted.
 Units (`PointSpec.unit`): a point in nats (the log-probs) is judged in nats, never relative to its value. Its
 inherited error is what its inputs' difference implies through the exact op plus the op's own clean rounding
 (compare/inherited.py), an absolute bound rather than an estimate, so it is divergent when its error is over
-the tolerance (read in nats) and over that bound: no growth factor.
+the tolerance (read in nats) and over that bound: no growth factor. A point in the "mixture" unit (attention's
+output: a convex combination of its value rows) has its error measured against the norm the rows it mixes bound
+it to (compare/mixture.py), since a clean kernel's error scales with them and not with an output that
+cancellation made small; it is then judged by the relative rule, and passes its error against its own norm on.
 """
 from __future__ import annotations
 
@@ -159,8 +162,8 @@ def judge(error: float | None, input_error: float, tol: float, growth: float, ki
     error        the point's error in its unit (None: nothing compared)
     input_error  the largest error the point inherits from the points that feed it (same unit)
     kind         the PointSpec kind: "float" or "ids"
-    unit         the PointSpec unit: "relative" (divergent past growth x the inherited error) or "nats" (the
-                 inherited error bounds what a clean op gives: divergent past it)
+    unit         the PointSpec unit: "relative" or "mixture" (divergent past growth x the inherited error) or
+                 "nats" (the inherited error bounds what a clean op gives: divergent past it)
     nonfinite    NaN/Inf on one side only at this point
     flips        for an ids point: the routing facts
     """

@@ -22,6 +22,7 @@ from .choice import router_choice
 from .inherited import logprob_inherited, norm_inherited
 from .judge import coarser
 from .metrics import compare_routing, compare_stats, compare_values, row_aggregate
+from .mixture import mixture_scale
 
 # Reference router-logit values kept per row: enough for the margin between the k-th and (k+1)-th expert
 # for any k below this.
@@ -48,6 +49,10 @@ class PointMeasurement:
     per_row_abs: np.ndarray | list = field(default_factory=list)  # per-row max |a-b|
     per_row_judged: np.ndarray | None = None  # per_row with near-empty rows floored (compare.ROW_FLOOR);
                                               # None: no row under the floor, the judged errors are per_row
+    per_row_carried: np.ndarray | None = None  # per row, the error later points inherit where it is not the
+                                               # judged one: a point judged in the "mixture" unit passes its
+                                               # rows' errors against their own norms (what a gemm of it
+                                               # sees); None: the judged errors are passed on
     row_inherited: np.ndarray | None = None   # per row: the error the inputs' difference makes where the op
                                               # acts (compare/inherited.py: log-softmax in nats, a norm through
                                               # its gain); None: the feeds' own per-row errors are inherited
@@ -79,6 +84,18 @@ class PointMeasurement:
     def row_errors(self) -> np.ndarray:
         """The per-row errors the worst-row judgement reads (docs/report.md, "The worst rows")."""
         return np.asarray(self.per_row if self.per_row_judged is None else self.per_row_judged, dtype=np.float64)
+
+    @property
+    def carried_row_errors(self) -> np.ndarray:
+        """The per-row errors later points inherit (docs/report.md, "Units": a mixture passes its own)."""
+        return self.row_errors if self.per_row_carried is None else np.asarray(self.per_row_carried, dtype=np.float64)
+
+    @property
+    def carried_error(self) -> float | None:
+        """The all-rows error later points inherit: the judged one, or a mixture's rows' own (same aggregate)."""
+        if self.per_row_carried is None or self.error is None:
+            return self.error
+        return math.inf if self.nonfinite else row_aggregate(self.per_row_carried)
 
 
 def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int | None) -> PointMeasurement:
@@ -123,7 +140,10 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
         return m
     if ta.dtype != tb.dtype and not derived:      # a derived point's dtype is tic-trace's, not a side's
         m.dtypes = _effective_dtypes(ta.dtype, pair.a, tb.dtype, pair.b)
-    met = compare_values(pair.a, pair.b, m.dtype)
+    # a point that mixes rows is measured against the norm they bound it to (docs/report.md, "Units")
+    scale = (mixture_scale(va, point, layer, pair.rows, int(np.prod(pair.a.shape[1:], dtype=np.int64)))
+             if unit_of(point) == "mixture" else None)
+    met = compare_values(pair.a, pair.b, m.dtype, scale)
     m.metrics = met.to_json()
     m.error, m.nonfinite = met.error, met.nonfinite
     # arrays, not lists of Python floats: a trace has thousands of points of thousands of rows each
@@ -131,6 +151,8 @@ def measure_point(va: CanonicalView, vb: CanonicalView, point: str, layer: int |
     m.per_row_abs = np.asarray(met.per_row_max, dtype=np.float64)
     if met.per_row_judged is not None:
         m.per_row_judged = np.asarray(met.per_row_judged, dtype=np.float64)
+    if met.per_row_own is not None:
+        m.per_row_carried = np.asarray(met.per_row_own, dtype=np.float64)
     n = len(pair.rows)
     if unit_of(point) == "nats":          # |Δ| itself, never over the value (docs/report.md, "Units")
         m.per_row, m.per_row_judged = m.per_row_abs.copy(), None

@@ -64,6 +64,9 @@ class Metrics:
     per_row_judged: list[float] | None = None
     # the ROW_QUANTILE quantile of the judged per-row errors: the all-rows error the finder judges
     rel_rows: float = 0.0
+    # where a row scale was given (compare_values' row_scale): the per-row errors against each row's own norm
+    # (floored as above), the relative errors later points inherit; None otherwise
+    per_row_own: list[float] | None = None
     # elements where A is exactly 0 and B is not: a ULP "at |a|" is none there (the ULP of zero is the smallest
     # subnormal, which made one such element read 1e36-1e38 ULP), so they are left out of max_ulp / mean_ulp and
     # counted; renderers say "n/a" where every differing element is one of them (report.lines.ulp_text)
@@ -76,7 +79,7 @@ class Metrics:
         return math.inf if self.nonfinite else self.rel_rows
 
     def to_json(self, per_row: bool = False) -> dict:
-        skip = () if per_row else ("per_row_rel", "per_row_max", "per_row_judged")
+        skip = () if per_row else ("per_row_rel", "per_row_max", "per_row_judged", "per_row_own")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         return {k: ([_finite(x) for x in v] if isinstance(v, list) else _finite(v)) for k, v in d.items()}
 
@@ -208,9 +211,11 @@ def _blocks(n: int, cols: int, block: int):
                 yield slice(r, r + 1), slice(c, min(cols, c + block))
 
 
-def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
+def compare_values(a: np.ndarray, b: np.ndarray, dtype: str, row_scale: np.ndarray | None = None) -> Metrics:
     """Compare aligned arrays [rows, ...]; `a` is the reference side. Streams both in row blocks (see the
-    module docstring): memory-mapped inputs are never loaded whole."""
+    module docstring): memory-mapped inputs are never loaded whole. `row_scale`: per row, a scale the row's
+    error is measured against where it exceeds ‖a_row‖ (a point that mixes rows, compare/mixture.py; NaN:
+    none), for the per-row errors and the judged error; `rel_l2` stays against ‖a‖."""
     n = a.shape[0] if a.ndim else 1
     cols = int(np.prod(a.shape[1:], dtype=np.int64)) if a.ndim else 1
     a2, b2 = a.reshape(n, cols), b.reshape(n, -1 if n else cols)
@@ -224,11 +229,14 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
     norm_a2 = float(acc.na2.sum())
     norm_a, norm_d, nb = math.sqrt(norm_a2), math.sqrt(float(acc.nd2.sum())), math.sqrt(acc.nb2)
     row_na, row_nd = np.sqrt(acc.na2), np.sqrt(acc.nd2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        per_row_rel = np.where(row_na > _TINY, row_nd / np.maximum(row_na, _TINY),
-                               np.where(row_nd > 0, np.inf, 0.0))
-    # a row with NaN/Inf on one side only is not "bit-identical": its error is infinite
-    per_row_rel = np.where(acc.row_nonfinite, np.inf, per_row_rel)
+    own = None
+    if row_scale is not None:
+        own = _row_relative(row_na, row_nd, acc.row_nonfinite)
+        floored = _floored(own, row_na, row_nd, acc.row_nonfinite)
+        own = own if floored is None else floored
+        scale = np.asarray(row_scale, dtype=np.float64).reshape(-1)
+        row_na = np.where(np.isfinite(scale) & (scale > row_na), scale, row_na)
+    per_row_rel = _row_relative(row_na, row_nd, acc.row_nonfinite)
     judged = _floored(per_row_rel, row_na, row_nd, acc.row_nonfinite)
     return Metrics(
         rel_rows=row_aggregate(per_row_rel if judged is None else judged),
@@ -246,7 +254,16 @@ def compare_values(a: np.ndarray, b: np.ndarray, dtype: str) -> Metrics:
         per_row_rel=per_row_rel.tolist(),
         per_row_max=np.where(acc.row_nonfinite, np.inf, acc.rmax).tolist() if numel else [],
         per_row_judged=judged.tolist() if judged is not None else None,
+        per_row_own=None if own is None else own.tolist(),
     )
+
+
+def _row_relative(row_na: np.ndarray, row_nd: np.ndarray, nonfinite: np.ndarray) -> np.ndarray:
+    """‖a_row − b_row‖ / scale per row; inf where the scale is ~0 and the row differs, or NaN/Inf is on one side
+    only (such a row is not "bit-identical")."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(row_na > _TINY, row_nd / np.maximum(row_na, _TINY), np.where(row_nd > 0, np.inf, 0.0))
+    return np.where(nonfinite, np.inf, rel)
 
 
 def row_aggregate(per_row) -> float:

@@ -41,7 +41,7 @@ class RowErrors:
         return len(m.rows) > 0 and len(m.per_row) == len(m.rows)
 
     def add(self, m: PointMeasurement) -> None:
-        self.errors[(m.point, m.layer)] = (self.rows_of(m), m.row_errors)
+        self.errors[(m.point, m.layer)] = (self.rows_of(m), m.carried_row_errors)
 
     def worst(self, m: PointMeasurement, feeds: list, carried: dict, leave_out: set) -> tuple[list[dict], float | None]:
         """The worst rows of `m`, and the inherited error over all rows: `row_aggregate` of each judged row's

@@ -218,7 +218,7 @@ def divergence_start(w: WorstToken, errs: dict, points: list[Point], tolerance: 
                 ie = math.inf              # this token ran other experts in this layer: inherited, not born here
             j = judge(e, ie, p.tol if p.tol is not None else 0.0, tolerance.growth, nonfinite=math.isinf(e),
                       unit=unit_of(p.point))
-            prev[p.key] = e
+            prev[p.key] = _n(w.carried[p.key]) if p.key in (w.carried or {}) else e   # a mixture passes its own
         if j.status == DIVERGENT:
             return p.key
     return None
@@ -248,17 +248,18 @@ def _finding(p: Point) -> Finding | None:
     rows = _rows_detail(p)
     row = next((r for r in p.worst_rows or [] if r.get("row") == p.decided_by_row), None)
     if p.status == DIVERGENT and p.cause == OPERATOR:
+        rel = "relative error" + (" (against the value rows it mixes)" if unit_of(p.point) == "mixture" else "")
         if unit_of(p.point) == "nats":
             head = _nats_head(p, row, rows)
         elif row is not None:
             ie = num(row.get("input_error"))
             grew = ("its own inputs agree exactly" if ie == 0 else
                     f"{_g(num(row.get('growth')))} its own inputs' {_f(ie)}")
-            head = (f"{p.key}: token {row['row']}'s relative error {_f(num(row.get('error')))} over tolerance "
+            head = (f"{p.key}: token {row['row']}'s {rel} {_f(num(row.get('error')))} over tolerance "
                     f"{_f(p.tol)}, {grew} ({len(rows['rows'])} divergent row(s) among the worst shown; over all "
                     f"{p.rows} rows {_f(p.error)})")
         else:
-            head = (f"{p.key}: relative error {_f(p.error)} over tolerance {_f(p.tol)}, {_g(p.growth)} its "
+            head = (f"{p.key}: {rel} {_f(p.error)} over tolerance {_f(p.tol)}, {_g(p.growth)} its "
                     f"inputs' {_f(p.input_error)}" + _worst_text(p))
         return Finding(OPERATOR, p.key, p.layer, True, True,
                        head + ": the operator(s) between this point's inputs and its output compute differently",
@@ -482,7 +483,7 @@ def _accumulated_noise(points: list[Point], findings: list[Finding]) -> Note | N
     if not over:
         return None
     curve = [[p.key, p.error] for p in points if p.point == RESIDUAL or p.layer is None]
-    same_unit = [p for p in over if unit_of(p.point) == "relative"] or over   # not the log-probs' nats
+    same_unit = [p for p in over if unit_of(p.point) != "nats"] or over   # not the log-probs' nats
     largest = max(same_unit, key=lambda p: p.error if p.error is not None else -1)
     text = (f"{len(over)} point(s) over tolerance without a jump anywhere before them (first {over[0].key}, "
             f"largest {largest.key} at {_f(largest.error)}): below-tolerance noise accumulated along the graph, "

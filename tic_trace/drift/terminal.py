@@ -38,7 +38,7 @@ def rollout_line(r: dict) -> str:
                "weights moved together" if w.get("changed_a") or w.get("changed_b") else
                "weights: not comparable across sides")
     errs = [(num(e), f"L{lay}.{k}" if lay != "-" else k) for k, by in (r.get("errors") or {}).items()
-            for lay, e in by.items() if num(e) is not None and unit_of(k) == "relative"]   # not the nats of logprobs
+            for lay, e in by.items() if num(e) is not None and unit_of(k) != "nats"]   # not the nats of logprobs
     worst = max(errs, default=None)
     flips = sum(int(f.get("flipped") or 0) for f in (r.get("flips") or {}).values())
     return (f"rollout {r['rollout_id']:>5}  {str(r.get('verdict')):<14} first {str(fd.get('key') or '-'):<22} "

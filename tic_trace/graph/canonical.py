@@ -37,8 +37,15 @@ class PointSpec:
     # The unit a row's error is judged in (compare/judge.py; docs/report.md, "Units"): "relative" — the row's
     # relative L2, ‖a_row − b_row‖ / ‖a_row‖, every element against the row's scale (a top-k weight or router
     # probability near 0 is never judged against its own value); "nats" — |a − b| itself, for a row that is one
-    # log-prob, against what the logits' difference implies through the log-softmax (compare/inherited.py).
+    # log-prob, against what the logits' difference implies through the log-softmax (compare/inherited.py);
+    # "mixture" — for a row that is a convex (or sub-convex) combination of its feed's rows (attention: Σ_j p_j v_j
+    # with p ≥ 0, Σ p ≤ 1), ‖a_row − b_row‖ over the norm those rows bound it to (or its own, if larger): its
+    # error scales with the rows it mixes, not with its own norm, which cancellation among them can make small
+    # (compare/mixture.py). Judged like "relative".
     unit: str = "relative"
+    # For unit "mixture": the feeds whose rows are mixed, in order of preference (the first the trace holds is
+    # read); each holds, per value head, the mixed vectors in its last (point width / heads) columns.
+    mixes: tuple[str, ...] = ()
 
 
 _L = True
@@ -91,7 +98,7 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v", "attn.gate"), "heads*head_dim",
               meaning="attention output before the output projection (gated attention: times sigmoid(gate))",
               per_head=True, curve=True,
-              mixes_positions=True, op="attention"),
+              mixes_positions=True, op="attention", unit="mixture", mixes=("attn.v", "attn.kv_b")),
     PointSpec("attn.out", _L, ("attn.core", "attn.linear_norm"), "H", meaning="output projection, reduced over TP "
               "(a linear-attention layer's: its out_proj)", curve=True, op="gemm"),
     # Gemma's sandwich norm of the attention branch, before the residual add (absent elsewhere: `mid` then reads
@@ -146,7 +153,7 @@ def is_ids(point: str) -> bool:
 
 
 def unit_of(point: str) -> str:
-    """The unit a point's row errors are judged in: "relative" or "nats" (PointSpec.unit)."""
+    """The unit a point's row errors are judged in: "relative", "nats" or "mixture" (PointSpec.unit)."""
     ps = BY_NAME.get(point)
     return ps.unit if ps else "relative"
 

@@ -304,6 +304,9 @@ class WorstToken(_Indexable):
     # point key -> this token's inherited error where it is measured where the op acts (compare/inherited.py:
     # the log-probs in nats, a norm through its gain), for the per-token walk
     inherited: dict = field(default_factory=dict)
+    # point key -> this token's error passed downstream where it is not its judged one (a point judged in the
+    # "mixture" unit passes its error against its own norm), for the per-token walk
+    carried: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:

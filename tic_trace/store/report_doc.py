@@ -92,6 +92,7 @@ class ReportToken(TypedDict, total=False):
     routing_flip: bool
     flips: dict[str, str]
     inherited: dict[str, Number]
+    carried: dict[str, Number]
 
 
 class ReportRoutingLayer(TypedDict, total=False):
