@@ -12,11 +12,12 @@ and refuses two that claim the same model_type. A model_type no family owns is t
 from __future__ import annotations
 
 from .base import FRAMEWORKS, Family, FrameworkNames
-from . import transformer
+from . import deepseek, transformer
 
 # The registry: one line per family folder. BASE first (the plain dense / MoE transformer every family builds on).
 FAMILIES: tuple[Family, ...] = (
     transformer.FAMILY,
+    deepseek.FAMILY,
 )
 BASE: Family = transformer.FAMILY
 

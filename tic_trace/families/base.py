@@ -97,7 +97,8 @@ class Family:
     shapes: Callable[[str, Any], list | None] = _no_shape
 
     # --- the exact replay (may import torch, lazily inside the hook)
-    # point -> float64 op replacing (or adding to) the base transformer's `base` (reference._OPS), for this spec
+    # point -> float64 op replacing (or adding to) the base transformer's `base` (reference._OPS), for this spec;
+    # `base.f64` is reference itself, whose float64 helpers (linear, rms_norm, attend_by_sample) the ops may use
     ops: Callable[[Any, Mapping[str, Callable]], dict[str, Callable]] = _no_ops
     # the recorded points the op producing `point` reads where the family decides (None: the base's feeds)
     inputs_of: Callable[[str, Any], tuple[str, ...] | None] = _no_inputs

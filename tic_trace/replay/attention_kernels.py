@@ -1,6 +1,6 @@
 """Attention as each implementation computes it, on ``[B, H, T, d]`` tensors in the activations' dtype ``dt``: the
 kernels the replay's clean attention variants (and its known faults) run on a side's own inputs
-(``variants.py``, ``latent_variants.py``, ``arch_variants.py``). Each rounds where that implementation rounds."""
+(``variants.py``, ``arch_variants.py``, the families' ``variants.py``). Each rounds where that implementation rounds."""
 from __future__ import annotations
 
 import math

@@ -24,7 +24,6 @@ from typing import Any
 from ..store.untrusted import file_kind, read_upto
 from ..families import family_of
 from .arch_spec import arch_shapes
-from .latent import is_latent, latent_shape
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -67,8 +66,6 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
         arch = arch_shapes(rest, spec)  # the families not yet in tic_trace/families/ (issue 36)
     if arch is not None:
         return arch
-    if is_latent(spec) and latent_shape(rest, spec) is not None:
-        return latent_shape(rest, spec)
     x = _EXPERT.fullmatch(rest)
     if x is not None:
         return [H, f] if x.group(2) == "down_proj" else [f, H]

@@ -22,7 +22,6 @@ from ..view.align import CanonicalTensor, CanonicalView
 from .grid import (effective_dtype, grid_spacing, round_to, row_relative_excess,  # noqa: F401 - public here too
                    row_relative_excess_sq, row_sq)
 from .exact_model import feed_key
-from .latent import OPTIONAL_INPUTS
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
 from .qwen3next_variants import WHOLE_SAMPLE_OPS
@@ -264,8 +263,7 @@ class SideReplayer:
         feeds = {}
         for f in self.ref.inputs_of(point, self.has_qk_norm, layer):
             k = self._feed_key(f, layer)
-            if k not in self.present and f in (OPTIONAL_INPUTS.get(point, ())
-                                               + self.ref.family.optional_inputs.get(point, ())):
+            if k not in self.present and f in self.ref.family.optional_inputs.get(point, ()):
                 continue
             if k not in self.present:
                 raise NotReplayable(f"input {key_name(*k)} not recorded")
@@ -441,7 +439,7 @@ def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str, names=("attn.k_r
 
 def _latent_kv_feeds(k_pe: CanonicalTensor, kv_b: CanonicalTensor, latent: CanonicalTensor | None, dev: str) -> dict:
     """MLA's key/value rows (all passes): k_pe, and kv_b where the side materialised it (NaN where it did not:
-    an absorbed path), with the normed latent those rows were up-projected from (latent.py's core reads it
+    an absorbed path), with the normed latent those rows were up-projected from (MLA's core op reads it
     where kv_b is NaN). Without the latent, the rows that have a kv_b."""
     if any(t is not None and t.values is None for t in (k_pe, kv_b, latent)):
         raise NotReplayable("attn.k_rope, attn.kv_b or attn.kv_a_norm has no values")

@@ -1,5 +1,5 @@
 """The model facts of an HF checkpoint, read from its config.json under one typed schema (`model_spec`: an error
-names config.json, the key and what was expected), and the RoPE they imply (`yarn_inv_freq_and_scale`).
+names config.json, the key and what was expected), whose RoPE rope.py computes.
 
 `ModelSpec` is what the exact reference needs to know about the model; checkpoint.py reads the file
 (`read_config`: bounded, a regular file, UTF-8) and the tensors.
@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .not_replayable import CheckpointError
+from .rope import ROPE_KINDS
 from ..families import BY_MODEL_TYPE, family_of
 from .arch_spec import arch_facts  # the facts of the families not yet in tic_trace/families/ (issue 36)
 
@@ -18,11 +20,6 @@ CONFIG_MAX_BYTES = 4 << 20
 _BIG = 1 << 31            # bound of any count in config.json: a Python int, never an int64 wrap
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot serve as the reference; the message names the file and the fix."""
-
-
-ROPE_KINDS = ("default", "linear", "yarn", "llama3")      # HF rope_type values the replay computes
 
 
 @dataclass(frozen=True)
@@ -287,7 +284,7 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
     model_type = c.str("model_type", "")
     fam = family_of(model_type)
     dflt = fam.defaults.get(model_type, {})     # ModelSpec fields its code fixes where config.json is silent
-    fields = dict(**_latent_and_dense(c, model_type),
+    fields = dict(**_latent_and_dense(c, dflt),
         model_type=model_type, num_layers=c.int("num_hidden_layers", 1, 1 << 16),
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         vocab_size=c.int("vocab_size", 1, _BIG),
@@ -300,8 +297,7 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         num_experts=experts, num_experts_per_tok=topk,
         # GPT-OSS's softmax over the top-k logits renormalises the top-k weights (moves to its family, issue 36)
         norm_topk_prob=c.bool("norm_topk_prob", dflt.get("norm_topk_prob", False)) or model_type == "gpt_oss",
-        # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code; their configs do not say so
-        scoring_func=c.str("scoring_func", "sigmoid" if model_type in _SIGMOID_ROUTED else "softmax"),
+        scoring_func=c.str("scoring_func", dflt.get("scoring_func", "softmax")),
         routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
         n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,
         shared_expert_intermediate_size=c.int("shared_expert_intermediate_size", 0, 1 << 24, default=0),
@@ -322,12 +318,9 @@ def _extra(c: _Config, model_type: str, hidden: int) -> dict:
     return {**out, "layer_ropes": ropes} if ropes else out
 
 
-_SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
-
-
-def _latent_and_dense(c: _Config, model_type: str) -> dict:
-    """Which layers are dense (DeepSeek-V3 / GLM-4.5's first layers, Qwen-MoE's `mlp_only_layers` and
-    `decoder_sparse_step`), and (MLA) the latent ranks and per-head splits."""
+def _latent_and_dense(c: _Config, dflt: dict) -> dict:
+    """Which layers are dense (`first_k_dense_replace`, Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step`),
+    and (MLA) the latent ranks and per-head splits (`dflt`: the family's defaults, RoPE over interleaved pairs)."""
     out = {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0),
            "mlp_only_layers": c.ints("mlp_only_layers", 0, 1 << 16),
            "decoder_sparse_step": c.int("decoder_sparse_step", 1, 1 << 16, default=1)}
@@ -337,51 +330,6 @@ def _latent_and_dense(c: _Config, model_type: str) -> dict:
                    qk_nope_head_dim=c.int("qk_nope_head_dim", 0, 1 << 16),
                    qk_rope_head_dim=c.int("qk_rope_head_dim", 1, 1 << 16),
                    v_head_dim=c.int("v_head_dim", 1, 1 << 16),
-                   rope_interleave=c.bool("rope_interleave", model_type == "deepseek_v3"))
+                   rope_interleave=c.bool("rope_interleave", dflt.get("rope_interleave", False)))
     return out
 
-
-def llama3_inv_freq(rope: RopeSpec, inv: "torch.Tensor") -> "torch.Tensor":
-    """Llama 3's scaled inverse frequencies as HF's `_compute_llama3_parameters` states them (float64): long
-    wavelengths divided by `factor`, short ones kept, a smooth ramp between (attention scale 1)."""
-    import torch
-    omax, lo, hi = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > omax / lo, inv / rope.factor, inv)
-    smooth = (omax / wavelen - lo) / (hi - lo)
-    medium = (wavelen >= omax / hi) & (wavelen <= omax / lo)
-    return torch.where(medium, (1 - smooth) * scaled / rope.factor + smooth * scaled, scaled)
-
-
-def yarn_inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_pos: int | None):
-    """YaRN's inverse frequencies and attention factor as HF's `_compute_yarn_parameters` states them, in
-    float64 (HF computes them in float32: that rounding is shared by every side and measured as theirs)."""
-    import torch
-    dim = int(head_dim * rope.partial_rotary_factor)
-    base, factor = rope.theta, rope.factor
-    omax = rope.original_max_position_embeddings or max_pos
-    if omax is None:       # model_spec refuses such a config; kept for a RopeSpec built by hand
-        raise CheckpointError("config.json: yarn RoPE needs original_max_position_embeddings")
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    att = rope.attention_factor
-    if att is None:
-        att = (mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
-               if rope.mscale and rope.mscale_all_dim else mscale(factor))
-
-    def corr_dim(rot):
-        return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    extra = 1.0 - ramp
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-    return inv, float(att)

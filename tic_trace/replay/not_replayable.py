@@ -1,4 +1,8 @@
-"""The one exception of the exact replay (reference.py, arch_ops.py): a point it cannot recompute."""
+"""CheckpointError (a checkpoint that cannot serve as the reference), and the one exception of the exact replay (reference.py, arch_ops.py): a point it cannot recompute."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot serve as the reference; the message names the file and the fix."""
 
 
 class NotReplayable(Exception):

@@ -27,7 +27,8 @@ from .layer_types import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
 from .weight_store import WeightStore
 from .grouped_topk import GroupedTopkError, eligible_choice
-from .model_spec import ROPE_KINDS, ModelSpec, llama3_inv_freq, yarn_inv_freq_and_scale
+from .model_spec import ModelSpec
+from .rope import apply_rope, rope_inv_freq  # noqa: F401 - rope_inv_freq: with the ops here
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
 from .qwen3next_ops import qwen3next_ops
 from .qwen3next_spec import is_qwen3next
@@ -62,38 +63,6 @@ def gated_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Ten
     if fn is None:
         raise NotReplayable(f"activation {act!r} is not replayed (known: {sorted(_ACT)})")
     return linear(fn(linear(x, wg)) * linear(x, wu), wd)
-
-
-def rope_inv_freq(spec: ModelSpec, layer: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the cos/sin scale, for the RoPE kinds HF configs state (at `layer`:
-    that layer type's RoPE where the config gives one per layer type, Gemma3)."""
-    r = rope_of_layer(spec, layer)
-    dim = int(spec.head_dim * r.partial_rotary_factor)
-    if r.kind not in ROPE_KINDS:
-        raise NotReplayable(f"RoPE `rope_type: {r.kind}` is not replayed (replayed: {', '.join(ROPE_KINDS)}): the "
-                            "A-B rule alone judges the RoPE points")
-    if r.kind == "yarn":
-        return yarn_inv_freq_and_scale(r, spec.head_dim, spec.max_position_embeddings)
-    inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=F64) / dim))
-    if r.kind == "linear":
-        inv = inv / r.factor
-    elif r.kind == "llama3":
-        inv = llama3_inv_freq(r, inv)
-    return inv, 1.0
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec, layer: int | None = None) -> torch.Tensor:
-    """Rotate-half RoPE of x [rows, heads, head_dim] at `positions` [rows] (partial rotary: first dims only)."""
-    inv, scale = rope_inv_freq(spec, layer)
-    inv = inv.to(x.device)
-    ang = positions.to(F64)[:, None] * inv[None, :]
-    emb = torch.cat([ang, ang], dim=-1)
-    cos, sin = (emb.cos() * scale)[:, None, :], (emb.sin() * scale)[:, None, :]
-    rot = emb.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -203,8 +172,6 @@ def _generic_op_of(point: str, spec: ModelSpec) -> str:
     MoE model's `mlp.out` adds the experts' output and, Qwen2-MoE style, the shared expert's scaled by a
     sigmoid gate (gate GEMM, sigmoid, product, sum: four roundings); without shared experts, or with
     DeepSeek-style ungated ones, it is one addition."""
-    if is_latent(spec) and point in LATENT_OP_KEYS:
-        return LATENT_OP_KEYS[point]
     if point == "moe.shared_out" or (point == "mlp.out" and not spec.num_experts):
         return "gated_mlp"
     if point == "mlp.out" and spec.shared_expert_intermediate_size:
@@ -221,9 +188,8 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
         arch = arch_inputs_of(point, spec)      # the families not yet in tic_trace/families/ (issue 36)
     if arch is not None:
         return arch
-    latent = latent_inputs(point, spec)
-    if latent is not None:
-        return latent
+    if point in ("attn.q", "attn.k", "attn.v"):    # the schema's feeds of attn.q name MLA's q latent too
+        return ("attn_norm",)
     if point == "mid":              # without sandwich norms (attn.post_norm, mlp.post_norm: Gemma's)
         return ("input", "attn.out")
     if point == "output":
@@ -301,8 +267,7 @@ class ExactReference:
                 tokens: dict[RowId, int] | None = None) -> torch.Tensor:
         """The exact output [rows, ...] of the op producing (point, layer) from `feeds` (float64, rows
         aligned with `rows`). Raises NotReplayable with the reason when it cannot."""
-        fn = (self.arch_ops.get(point) or (LATENT_OVERRIDES.get(point) if is_latent(self.spec) else None)
-              or _OPS.get(point))
+        fn = self.arch_ops.get(point) or _OPS.get(point)
         if fn is None:
             raise NotReplayable(f"{point} has no exact reference")
         self.read = []
@@ -477,7 +442,14 @@ def _logprobs(ref: ExactReference, layer, feeds, rows, tokens):
     return lp.gather(-1, nxt[:, None])
 
 
-_OPS: dict[str, Callable] = {
+class OpTable(dict):
+    """point -> float64 op, handed to `Family.ops` (tic_trace/families/base.py) with `f64`, this module: the
+    float64 helpers (linear, rms_norm, attend_by_sample...) a family's ops build on,
+    since a family may not import reference (an import circle)."""
+    f64 = None
+
+
+_OPS = OpTable({
     "embed": _embed,
     "input": _identity,
     "attn_norm": _norm("input_layernorm.weight"),
@@ -502,11 +474,6 @@ _OPS: dict[str, Callable] = {
     "final_norm": _norm("model.norm.weight"),
     "logits": _logits,
     "logprobs": _logprobs,
-}
+})
+_OPS.f64 = sys.modules[__name__]
 
-
-# Multi-latent attention (DeepSeek-V3): its own points, and its own op at attn.q, the RoPE points and attn.core.
-from .latent import LATENT_OP_KEYS, LatentOps, is_latent, latent_inputs  # noqa: E402
-
-_LATENT_OPS, LATENT_OVERRIDES = LatentOps(sys.modules[__name__]).tables()
-_OPS.update(_LATENT_OPS)

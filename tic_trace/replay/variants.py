@@ -224,7 +224,7 @@ def _norm_variants(feed: str | None, weight: Callable[[VariantInput], torch.Tens
 
 def _tables(v: VariantInput, x: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin in fp32 as HF and the engines build them: fp32 inverse frequencies times fp32 positions."""
-    from .reference import rope_inv_freq
+    from .rope import rope_inv_freq
     inv, scale = rope_inv_freq(spec, v.layer)
     pos = torch.tensor([p for _, p in v.rows], dtype=torch.float32, device=x.device)
     ang = pos[:, None] * inv.to(torch.float32).to(x.device)[None, :]

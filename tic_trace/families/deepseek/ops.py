@@ -9,42 +9,21 @@ computes them (transformers 5.24):
 
 RoPE is over interleaved pairs (x0, x1), (x2, x3)... with the output written de-interleaved (the rotated
 even dims, then the rotated odd dims: HF's `apply_rotary_pos_emb_interleave`) when `rope_interleave`, else
-rotate-half. The latent norms are built with HF's default eps (1e-6), not the config's `rms_norm_eps`.
-
-Also: which recorded points each op reads (`latent_inputs`, for every model: attn.q/k/v read attn_norm in a
-model without latents, the schema's feeds name the latent points) and the checkpoint shapes of MLA's
-tensors (`latent_shape`). reference.py builds the ops (`LatentOps`) with its own float64 helpers.
+rotate-half. The latent norms are built with HF's default eps (1e-6), not the config's `rms_norm_eps`
+(spec.py: which points each op reads, the tensors' shapes). The ops are built on the replay's float64 helpers
+(`LatentOps(f)`: reference.py's, handed over with its op table, since a family may not import it; RoPE's are
+replay/rope.py's).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .model_spec import ModelSpec
-from .not_replayable import NotReplayable
+from ...replay.not_replayable import NotReplayable
+from .spec import LATENT_NORM_EPS, softmax_scale
 
-if TYPE_CHECKING:      # torch loads with the replay's ops: checkpoint.py reads the shapes here without it
+if TYPE_CHECKING:      # torch loads with the replay's ops
     import torch
-LATENT_NORM_EPS = 1e-6       # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): the class default, not the config's
-
-
-def is_latent(spec: ModelSpec) -> bool:
-    return spec.kv_lora_rank > 0
-
-
-def latent_inputs(point: str, spec: ModelSpec) -> tuple[str, ...] | None:
-    """The points the op producing `point` reads where MLA (or its absence) decides it; None: the schema's."""
-    if not is_latent(spec):
-        return ("attn_norm",) if point in ("attn.q", "attn.k", "attn.v") else None
-    return {"attn.q": ("attn.q_a_norm",) if spec.q_lora_rank else ("attn_norm",),
-            "attn.q_rope": ("attn.q",), "attn.k_rope": ("attn.kv_a",),
-            "attn.core": ("attn.q", "attn.q_rope", "attn.k_rope", "attn.kv_b", "attn.kv_a_norm")}.get(point)
-
-
-#: Inputs an op reads only where the trace holds them: MLA's core reads the normed kv latent for the keys whose
-#: kv_b was never materialised (the absorbed path); a trace without the latent is replayed from kv_b alone.
-OPTIONAL_INPUTS = {"attn.core": ("attn.kv_a_norm",)}
 
 
 def absorbed_queries(rows, kv_rows: dict, present: "torch.Tensor", dev) -> "torch.Tensor":
@@ -52,7 +31,7 @@ def absorbed_queries(rows, kv_rows: dict, present: "torch.Tensor", dev) -> "torc
     the MHA path (its attention read that kv_b); any other read the latent cache, up-projected inside its
     weights (kv_b never materialised, for any of its keys)."""
     import torch
-    from .attention_ops import each_sample
+    from ...replay.attention_ops import each_sample
     out = torch.zeros(len(rows), dtype=torch.bool, device=dev)
     for qi, qpos, kidx, _ in each_sample(rows, kv_rows, dev):
         upto = torch.cumprod(present[kidx].to(torch.int64), 0).bool()      # kv_b at every key 0..p
@@ -65,13 +44,13 @@ def key_values(ref, layer, feeds: dict, proj) -> tuple:
     latent or None when every key has one, which keys have a recorded one). `proj(ref, layer, x, name)`:
     the float64 projection."""
     s = ref.spec
-    kv_b = _heads(feeds["attn.kv_b"], s)
+    kv_b = heads(feeds["attn.kv_b"], s)
     present = kv_b_present(feeds)
     if bool(present.all()):
         return kv_b, None, present
     if "attn.kv_a_norm" not in feeds:
         raise NotReplayable("kv_b of some key rows not recorded (an absorbed path), nor the kv latent")
-    return kv_b, _heads(proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), s), present
+    return kv_b, heads(proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), s), present
 
 
 def kv_b_present(feeds: dict) -> "torch.Tensor":
@@ -80,33 +59,10 @@ def kv_b_present(feeds: dict) -> "torch.Tensor":
     return ~kv_b.reshape(kv_b.shape[0], -1).isnan().any(dim=1)
 
 
-def latent_shape(rest: str, spec: ModelSpec) -> list[int | None] | None:
-    """The shape config.json gives an MLA model's attention tensor `rest` (relative to its layer)."""
-    H, n = spec.hidden_size, spec.num_attention_heads
-    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-    return {"self_attn.q_a_proj.weight": [spec.q_lora_rank, H], "self_attn.q_a_proj.bias": [spec.q_lora_rank],
-            "self_attn.q_a_layernorm.weight": [spec.q_lora_rank],
-            "self_attn.q_b_proj.weight": [n * qk, spec.q_lora_rank], "self_attn.q_proj.weight": [n * qk, H],
-            "self_attn.kv_a_proj_with_mqa.weight": [spec.kv_lora_rank + spec.qk_rope_head_dim, H],
-            "self_attn.kv_a_proj_with_mqa.bias": [spec.kv_lora_rank + spec.qk_rope_head_dim],
-            "self_attn.kv_a_layernorm.weight": [spec.kv_lora_rank],
-            "self_attn.kv_b_proj.weight": [n * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank],
-            "self_attn.o_proj.weight": [H, n * spec.v_head_dim], "self_attn.o_proj.bias": [H]}.get(rest)
-
-
-def softmax_scale(spec: ModelSpec) -> float:
-    """1/sqrt(qk head dim), x YaRN's mscale(factor, mscale_all_dim)^2 (HF's `yarn_apply_mscale`)."""
-    scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5
-    r = spec.rope
-    if r.kind != "default" and r.mscale_all_dim:
-        m = 1.0 if r.factor <= 1 else 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
-        scale *= m * m
-    return scale
-
-
 class LatentOps:
-    """MLA's ops, with reference.py's float64 helpers (`f`: that module, which builds this at import, so
-    this module never imports it: no import circle) and its op signature (ref, layer, feeds, rows, tokens)."""
+    """MLA's ops, with the replay's float64 helpers (`f`: reference.py's `linear`, `rms_norm`, `attend_by_sample`,
+    handed over as its op table's `f64`: a family never imports reference, no import circle) and its op signature
+    (ref, layer, feeds, rows, tokens)."""
 
     def __init__(self, f):
         self.f = f
@@ -117,13 +73,14 @@ class LatentOps:
                  "attn.kv_a_norm": self.kv_a_norm, "attn.kv_b": self.kv_b},
                 {"attn.q": self.q, "attn.q_rope": self.q_rope, "attn.k_rope": self.k_rope, "attn.core": self.core})
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, spec: Any) -> torch.Tensor:
         """RoPE of MLA's rope dims x [rows, heads, rope_dim] at `positions` [rows]."""
         import torch
+        from ...replay.rope import apply_rope, rope_inv_freq
         rspec = replace(spec, head_dim=spec.qk_rope_head_dim)
         if not spec.rope_interleave:
-            return self.f.apply_rope(x, positions, rspec)
-        inv, scale = self.f.rope_inv_freq(rspec)
+            return apply_rope(x, positions, rspec)
+        inv, scale = rope_inv_freq(rspec)
         ang = positions.to(torch.float64)[:, None] * inv.to(x.device)[None, :]
         cos, sin = (ang.cos() * scale)[:, None, :], (ang.sin() * scale)[:, None, :]
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -148,16 +105,16 @@ class LatentOps:
         return self.f.rms_norm(latent, ref.weights(layer).get("self_attn.kv_a_layernorm.weight"), LATENT_NORM_EPS)
 
     def kv_b(self, ref, layer, feeds, rows, tokens):
-        return _heads(self._proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), ref.spec)
+        return heads(self._proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), ref.spec)
 
     def q(self, ref, layer, feeds, rows, tokens):
         if ref.spec.q_lora_rank:
-            return _heads(self._proj(ref, layer, feeds["attn.q_a_norm"], "q_b_proj"), ref.spec)
-        return _heads(self._proj(ref, layer, feeds["attn_norm"], "q_proj"), ref.spec)
+            return heads(self._proj(ref, layer, feeds["attn.q_a_norm"], "q_b_proj"), ref.spec)
+        return heads(self._proj(ref, layer, feeds["attn_norm"], "q_proj"), ref.spec)
 
     def q_rope(self, ref, layer, feeds, rows, tokens):
         q = feeds["attn.q"]
-        return self.rope(_heads(q, ref.spec)[..., ref.spec.qk_nope_head_dim:], _positions(rows, q), ref.spec)
+        return self.rope(heads(q, ref.spec)[..., ref.spec.qk_nope_head_dim:], _positions(rows, q), ref.spec)
 
     def k_rope(self, ref, layer, feeds, rows, tokens):
         kv = feeds["attn.kv_a"]
@@ -170,7 +127,7 @@ class LatentOps:
         exactly from the recorded latent, for every key: in exact arithmetic the absorbed attention is this."""
         import torch
         s, nope = ref.spec, ref.spec.qk_nope_head_dim
-        q = torch.cat([_heads(feeds["attn.q"], s)[..., :nope], _heads(feeds["attn.q_rope"], s)], dim=-1)
+        q = torch.cat([heads(feeds["attn.q"], s)[..., :nope], heads(feeds["attn.q_rope"], s)], dim=-1)
         kv_b, up, present = key_values(ref, layer, feeds, self._proj)
         k_pe = feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
         absorbed = (absorbed_queries(rows, feeds["__kv_rows__"], present, q.device) if up is not None
@@ -185,16 +142,11 @@ class LatentOps:
         return out
 
 
-def _heads(y: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+def heads(y: torch.Tensor, spec: Any) -> torch.Tensor:
+    """[rows, H * d] -> [rows, H, d]."""
     return y.reshape(y.shape[0], spec.num_attention_heads, -1)
 
 
 def _positions(rows, x: "torch.Tensor") -> "torch.Tensor":
     import torch
     return torch.tensor([p for _, p in rows], dtype=torch.float64, device=x.device)
-
-
-# The op each point's replay is measured as (its clean envelope, intrinsic_verdict.ENVELOPE): not the variants
-# of the standard attention's points, which read q_proj / the full-head q and k.
-LATENT_OP_KEYS = {"attn.q_a_norm": "latent_rmsnorm", "attn.kv_a_norm": "latent_rmsnorm", "attn.q": "latent_gemm",
-                  "attn.q_rope": "latent_rope", "attn.k_rope": "latent_rope", "attn.core": "latent_attention"}

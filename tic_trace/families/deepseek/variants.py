@@ -1,4 +1,4 @@
-"""Clean implementations (and known faults) of multi-latent attention's ops (`latent.py`), on a side's own
+"""Clean implementations (and known faults) of multi-latent attention's ops (`ops.py`), on a side's own
 inputs, as variants.py does for the standard attention's: the latent norms, the RoPE of q's rope dims and of
 the shared k_pe, and the attention over [q_nope, q_rope] . [k_nope, k_pe] with v from kv_b.
 
@@ -7,15 +7,17 @@ inside MLA's attention (a bf16 softmax) stays under: a same-input envelope is wh
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
-from .attention_ops import each_sample
-from .latent import LATENT_NORM_EPS, _heads, absorbed_queries, kv_b_present, softmax_scale
-from .attention_kernels import eager as _eager, flash as _flash, scaled_gemm as _scaled_gemm, sdpa as _sdpa
-from .attention_kernels import softmax_bf16 as _softmax_bf16
-from .variants import Variant, VariantInput, _norm_variants, rotate
+from ...replay.attention_kernels import eager as _eager, flash as _flash, scaled_gemm as _scaled_gemm, sdpa as _sdpa
+from ...replay.attention_kernels import softmax_bf16 as _softmax_bf16
+from ...replay.attention_ops import each_sample
+from ...replay.variants import Variant, VariantInput, _norm_variants, rotate
+from .ops import absorbed_queries, heads as _heads, kv_b_present
+from .spec import LATENT_NORM_EPS, softmax_scale
 
 _NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
           "attn.kv_a_norm": ("attn.kv_a", "self_attn.kv_a_layernorm.weight")}
@@ -54,7 +56,7 @@ def _latent_attention(kernel, same_v_dim: bool = False):
     """q = [q_nope, q_rope], k = [k_nope, k_pe] (k_pe shared by every head), v from kv_b, in the side's
     dtype, through one attention kernel per sample. `same_v_dim`: the kernel needs v's head dim to be q's
     (torch's fused SDPA; otherwise it falls back to the math path, a variant of its own). A query that ran an
-    absorbed path (latent.absorbed_queries) runs the absorbed attention instead (_absorbed)."""
+    absorbed path (ops.absorbed_queries) runs the absorbed attention instead (_absorbed)."""
     def run(v: VariantInput) -> torch.Tensor:
         s, dt = v.spec, v.dtype
         nope = s.qk_nope_head_dim
@@ -121,4 +123,7 @@ def _latent_variants() -> dict[str, list[Variant]]:
     }
 
 
-LATENT_VARIANTS: dict[str, list[Variant]] = _latent_variants()
+@functools.cache
+def latent_variants() -> dict[str, list[Variant]]:
+    """MLA's ops (spec.LATENT_OP_KEYS's names) -> their clean variants and known faults, built once."""
+    return _latent_variants()

@@ -1,0 +1,63 @@
+"""DeepSeek-V2/V3 and the models built on their MoE (GLM-4.5): multi-latent attention (MLA: q and kv pass through
+low-rank latents with their own RMSNorms; every head's k_nope and v decompressed from the kv latent; RoPE on q's
+rope dims and on one k_pe shared by every head, interleaved or rotate-half) and a sigmoid router with a
+selection-only score-correction bias, group-limited top-k (`n_group` / `topk_group`), routed scaling, ungated
+shared experts and dense first layers (`first_k_dense_replace`). GLM-4.5 (`glm4_moe`) shares the MoE and
+computes the base's attention (partial RoPE, q/k/v bias, optional QK-norm). The group-limited top-k, the routed
+scale and the dense first layers are `ModelSpec` facts the core computes for any model that states them
+(replay/grouped_topk.py, replay/reference.py); what is this family's is that its routers are sigmoid in code
+while its configs do not say so, MLA's ops, shapes, variants and name tables.
+
+What is verified per framework:
+- HF: `DeepseekV3ForCausalLM` and `Glm4MoeForCausalLM`, every point, replayed in float64 (tests/test_archs_mla.py,
+  tests/test_supported_archs.py, tests/test_router_choice.py, tests/test_dense_moe_layers.py).
+- Megatron: `MLASelfAttention` with the sigmoid group-limited router, shared experts and a dense first layer
+  (local spec, TP 1 and 2) against HF DeepSeek-V3 (tests/test_megatron_mla.py); the TE spec, SP, EP, CP, PP,
+  fused or YaRN MLA RoPE refused.
+- SGLang: `DeepseekV3ForCausalLM` (prefill, the absorbed decode path, TP 1 and 2) and `Glm4MoeForCausalLM`
+  (TP 1) against HF and Megatron (tests/test_sglang_mla.py); `DeepseekV2ForCausalLM` with V2's softmax routing
+  refused.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from ..base import Family
+from .spec import OPTIONAL_INPUTS, latent_inputs, latent_op, latent_shape
+
+_SIGMOID = {"scoring_func": "sigmoid"}      # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code, not in config
+
+
+def _ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
+    """MLA's ops (its own points and its op at attn.q, the RoPE points and attn.core); none without a kv latent."""
+    from .spec import is_latent
+    if not is_latent(spec):
+        return {}
+    from .ops import LatentOps
+    own, overrides = LatentOps(base.f64).tables()
+    return {**own, **overrides}
+
+
+def _variants() -> dict[str, list]:
+    from .variants import latent_variants
+    return latent_variants()
+
+
+FAMILY = Family(
+    name="deepseek",
+    title="DeepSeek-V2/V3, GLM-4.5",
+    model_types=("deepseek_v2", "deepseek_v3", "glm4_moe"),
+    description="multi-latent attention (DeepSeek-V2/V3) and the sigmoid group-limited MoE with a score-correction "
+                "bias, routed scaling, shared experts and dense first layers (DeepSeek-V3, GLM-4.5)",
+    verified={"hf": "DeepSeek-V3, GLM-4.5: every point, replayed",
+              "megatron": "DeepSeek-V3 (MLASelfAttention, local spec, TP 1 and 2): every point",
+              "sglang": "DeepSeek-V3 (TP 1 and 2, absorbed decode), GLM-4.5 (TP 1): every point the trace holds"},
+    # HF's DeepseekV3Attention rotates interleaved pairs unless the config says otherwise (V2's does not)
+    defaults={"deepseek_v3": {**_SIGMOID, "rope_interleave": True}, "glm4_moe": _SIGMOID},
+    shapes=latent_shape,
+    ops=_ops,
+    inputs_of=latent_inputs,
+    op_of=latent_op,
+    variants=_variants,
+    optional_inputs=OPTIONAL_INPUTS,
+)
