@@ -10,10 +10,13 @@ its side named. One traced baseline (HF eager, one forward over the batch) serve
 
 Where the package is not installed the tests skip, and with CI=true they fail (the vendored-source rule).
 
+Ten faults over depth; the GELU-tanh written out op by op in bf16 at layer 9 (the issue's "extra bf16 rounding in
+one MLP") sits inside the clean envelope (1.09x its worst clean variant, under the 1.12 margin) and is found by
+its fingerprint, the known fault "activation evaluated op by op in bf16" (tic_trace/replay/act_bf16.py).
+
 Not here yet (issue 33, open): eager vs SDPA / flash-style attention (without the reference `L0.attn.core` is
-8.3e-3 against bf16's 7.8e-3 relative tolerance on identical inputs) and the GELU-tanh evaluated in bf16 at
-layer 9 (not found: 1.09x its worst clean variant, under the 1.12 margin, and no variant reproduces it). Each pair costs a traced forward and two comparisons, the reference
-replay most of it (item 5).
+8.3e-3 against bf16's 7.8e-3 relative tolerance on identical inputs). Each pair costs a traced forward and two
+comparisons, the reference replay most of it (item 5).
 """
 from __future__ import annotations
 
