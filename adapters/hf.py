@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
-from tic_trace.adapters import hf_qwen3next as _q3n
+from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
 from tic_trace.adapters.hf_deepseek import (LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts,
@@ -25,6 +25,10 @@ from tic_trace.adapters.hf_deepseek import (LATENT_POINTS, SIGMOID_ROUTED, laten
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
+# the families' HF tables (tic_trace/families/<name>/names.py); what each key means: families.base.FrameworkNames
+_FAM = framework_names("hf")
+_TAPS = {suffix: fns for n in _FAM for suffix, fns in n.tables.get("taps", {}).items()}
+_TOKEN_DIMS = {part: d for n in _FAM for part, d in n.tables.get("token_dims", {}).items()}
 
 POINTS = (
     PointMap("embed", r"model\.embed_tokens:out"),
@@ -53,9 +57,9 @@ POINTS = (
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
     *LATENT_POINTS,
-) + _more.POINTS + _q3n.POINTS     # Gemma2/3, Phi-3, GPT-OSS, Qwen3-Next rows (each for its architectures only)
+) + _more.POINTS + tuple(pm for n in _FAM for pm in n.points)    # the families' rows (each for its architectures)
 # (point, architecture) pairs whose generic row is replaced by one of those
-_OVERRIDDEN = _more.OVERRIDDEN | frozenset((pm.point, a) for pm in _q3n.POINTS for a in pm.opts["archs"])
+_OVERRIDDEN = _more.OVERRIDDEN.union(*(n.tables.get("overridden", ()) for n in _FAM))
 
 
 _QK = ("attn.q_norm", "attn.k_norm")
@@ -85,10 +89,10 @@ ARCHITECTURES = {a.name: a for a in (
                  _T, lacks=_SHARED),
     *_more.ARCHITECTURES,
     *SIGMOID_ROUTED,
-    *_q3n.ARCHITECTURES,
+    *(a for n in _FAM for a in n.architectures),
 )}
 
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {a: why for n in _FAM for a, why in n.refused.items()}
 
 
 class HFAdapter(Adapter):
@@ -111,16 +115,16 @@ class HFAdapter(Adapter):
                         if hasattr(ns, "apply_rotary_pos_emb_interleave"):     # DeepSeek-V3's MLA
                             tracer.tap_function(ns, "apply_rotary_pos_emb_interleave")
                         tapped.add(ns.__name__)
-                if name.endswith("linear_attn"):                               # Qwen3-Next's linear attention
-                    ns = sys.modules.get(type(mod).__module__)
-                    if ns is not None and ns.__name__ + ":linear" not in tapped:
-                        for fn in _q3n.TAPPED:
+                for suffix, fns in _TAPS.items():                              # a family's module functions
+                    ns = sys.modules.get(type(mod).__module__) if name.endswith(suffix) else None
+                    if ns is not None and f"{ns.__name__}:{suffix}" not in tapped:
+                        for fn in fns:
                             if hasattr(ns, fn):
                                 tracer.tap_function(ns, fn)
-                        tapped.add(ns.__name__ + ":linear")
+                        tapped.add(f"{ns.__name__}:{suffix}")
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
                                  "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$",
-                                 "re:\\.linear_attn\\.out_proj$"])
+                                 *(r for n in _FAM for r in n.tables.get("record_inputs", ()))])
 
     def describe(self, models: list) -> dict:
         cfg = getattr(models[0], "config", None)
@@ -159,7 +163,7 @@ class HFAdapter(Adapter):
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
             **latent_facts(text),
             **(selection_facts(models[0], text) if n_exp else {}),
-            **_q3n.linear_facts(text),
+            **{k: v for n in _FAM if "describe" in n.tables for k, v in n.tables["describe"](text).items()},
         }
         arch = self.architecture(out)
         if arch is not None:
@@ -211,8 +215,8 @@ class HFAdapter(Adapter):
         only, arch = pm.opts.get("archs"), config.get("architecture")
         if (arch not in only) if only is not None else (pm.point, arch) in _OVERRIDDEN:
             return False                    # a row for other architectures, or one they replace
-        if _q3n.linear_applies(pm, config) is False:
-            return False                    # no layer runs linear attention
+        if any(n.tables["applies"](pm, config) is False for n in _FAM if "applies" in n.tables):
+            return False                    # a family's row its model lacks (no layer runs linear attention)
         latent = latent_applies(pm, config)
         if latent is not None:
             return latent and super().applies(pm, config)
@@ -232,10 +236,11 @@ class HFAdapter(Adapter):
         return [i * s + s - k + j for i in range(b) for j in range(k)]
 
     def token_dims(self, record_name: str) -> int | None:
-        if "apply_rotary_pos_emb" in record_name or "/fn:causal_conv1d" in record_name:
-            return 0                        # [B, heads, S, d] / [B, channels, S]: stored whole, the transform reads it
-        if "_gated_delta_rule:out[1]" in record_name:
-            return 0                        # Qwen3-Next's recurrent state [B, heads, dk, dv]: not per token
+        for part, dim in _TOKEN_DIMS.items():       # a family's tapped functions' layouts
+            if part in record_name:
+                return dim
+        if "apply_rotary_pos_emb" in record_name:
+            return 0                        # [B, heads, S, d]: stored whole, the transform reads it
         if ".mlp.gate:" in record_name or ".mlp.router:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2

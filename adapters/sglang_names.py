@@ -8,6 +8,7 @@ import re
 import numpy as np
 
 from tic_trace.adapters import sglang_deepseek as sgl_ds
+from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_merge, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
@@ -269,12 +270,7 @@ REFUSED = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
                              "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "
                              "never run against another framework (the DeepSeek-V3 class is)",
-    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
-                            "SGLang kernels are Triton only: the linear attention's gated norm "
-                            "(`Qwen3GatedDeltaNet.norm` in `srt/models/qwen3_next.py`) is `FusedRMSNormGated` "
-                            "(`kernels/ops/attention/fla/fused_norm_gate.py`, a Triton kernel) or `RMSNormGated` "
-                            "(`layernorm_gated.py`, whose `_get_sm_count` calls `torch.cuda.get_device_properties`), "
-                            "so SGLang's model code never ran against another framework's here (the HF table maps it)",
+    **{a: why for n in framework_names("sglang") for a, why in n.refused.items()},     # the families' refusals
 }
 
 

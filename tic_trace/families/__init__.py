@@ -12,12 +12,13 @@ and refuses two that claim the same model_type. A model_type no family owns is t
 from __future__ import annotations
 
 from .base import FRAMEWORKS, Family, FrameworkNames
-from . import deepseek, transformer
+from . import deepseek, qwen3_next, transformer
 
 # The registry: one line per family folder. BASE first (the plain dense / MoE transformer every family builds on).
 FAMILIES: tuple[Family, ...] = (
     transformer.FAMILY,
     deepseek.FAMILY,
+    qwen3_next.FAMILY,
 )
 BASE: Family = transformer.FAMILY
 
@@ -41,6 +42,11 @@ def family_of(model_type: str | None) -> Family:
     return BY_MODEL_TYPE.get(model_type or "", BASE)
 
 
+def framework_names(framework: str) -> tuple[FrameworkNames, ...]:
+    """Every family's name tables for one framework (FRAMEWORKS), in registry order: what its adapter reads."""
+    return tuple(n for n in (fam.names().get(framework) for fam in FAMILIES) if n is not None)
+
+
 def family_named(name: str) -> Family:
     """A family by its folder name (KeyError naming the known ones)."""
     for fam in FAMILIES:
@@ -50,4 +56,4 @@ def family_named(name: str) -> Family:
 
 
 __all__ = ["BASE", "BY_MODEL_TYPE", "FAMILIES", "FRAMEWORKS", "Family", "FrameworkNames", "family_named",
-           "family_of"]
+           "family_of", "framework_names"]

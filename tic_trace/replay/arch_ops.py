@@ -23,7 +23,6 @@ import torch
 from .attention_ops import (attention_mask, attention_scale, each_sample, offset_rms_norm,  # noqa: F401
                             sinks_of, softcap, spans_heads, windowed_attention)
 from .not_replayable import NotReplayable
-from .qwen3next_spec import is_qwen3next, qwen3next_inputs, qwen3next_op
 
 F64 = torch.float64
 
@@ -115,10 +114,7 @@ def arch_ops(spec, base: dict[str, Callable]) -> dict[str, Callable]:
 
 
 def arch_inputs_of(point: str, spec) -> tuple[str, ...] | None:
-    """The sandwich norms' residual adds read the norms; Qwen3-Next's ops read its gate and linear-attention
-    points (None: the generic feeds)."""
-    if is_qwen3next(spec):
-        return qwen3next_inputs(point, spec, bool(spec.extra.get("at_linear_layer")))
+    """The sandwich norms' residual adds read the norms (None: the generic feeds)."""
     if spec.extra.get("sandwich") and point in ("mid", "output"):
         return ("input", "attn.post_norm") if point == "mid" else ("mid", "mlp.post_norm")
     return None
@@ -126,9 +122,6 @@ def arch_inputs_of(point: str, spec) -> tuple[str, ...] | None:
 
 def arch_op_of(point: str, spec) -> str:
     """The op replayed at `point` where the architecture makes it another (its variants: arch_variants.py)."""
-    own = qwen3next_op(point, bool(spec.extra.get("at_linear_layer"))) if is_qwen3next(spec) else ""
-    if own:
-        return own
     if spec.extra.get("norm_offset") and point in _GEMMA_NORMS:
         return "offset_rmsnorm"
     if point == "attn.core" and (spec.extra.get("sinks") or spec.extra.get("attn_softcap")

@@ -13,14 +13,12 @@ The keys of `extra` (absent: the Llama/Qwen convention):
 - `layer_ropes`: {layer type: RopeSpec} (Gemma3);
 - `sinks`: one learned logit per head in the softmax's denominator (GPT-OSS);
 - `swiglu_alpha`, `swiglu_limit`: GPT-OSS's clamped SwiGLU with biases;
-- Qwen3-Next's (gated attention, linear-attention layers and sizes, dense layers): qwen3next_spec.py.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from .layer_types import sliding_window, windows  # noqa: F401 - sliding_window: arch_variants' until it moves (issue 36)
-from .qwen3next_spec import MODEL_TYPE as QWEN3NEXT, qwen3next_facts, qwen3next_shapes
 
 GEMMA = ("gemma2", "gemma3_text", "gemma3")
 
@@ -36,10 +34,7 @@ def arch_facts(c: Any, model_type: str, hidden: int, ropes: dict) -> dict:
     if model_type == "gpt_oss":
         out.update(sinks=True, swiglu_alpha=c.num("swiglu_alpha", -1e6, 1e6, default=1.702),
                    swiglu_limit=c.num("swiglu_limit", 0.0, 1e9, default=7.0, lo_open=True))
-    if model_type == QWEN3NEXT:      # its layer_types name linear-attention layers: qwen3next_spec reads them
-        out.update(qwen3next_facts(c))
-    else:
-        out.update(windows(c, typed=model_type in GEMMA + ("gpt_oss",)))
+    out.update(windows(c, typed=model_type in GEMMA + ("gpt_oss",)))
     if ropes:
         out["layer_ropes"] = ropes
     return out
@@ -54,8 +49,6 @@ def arch_shapes(rest: str, spec: Any) -> list | None:
         f = spec.intermediate_size or None
         return {"self_attn.qkv_proj.weight": [q + 2 * kv, H], "mlp.gate_up_proj.weight": [2 * f if f else None, H]
                 }.get(rest)
-    if spec.model_type == QWEN3NEXT:
-        return qwen3next_shapes(rest, spec)
     if spec.model_type == "gpt_oss":
         e, f = spec.num_experts or None, spec.intermediate_size or None
         return {"mlp.experts.gate_up_proj": [e, H, 2 * f if f else None], "mlp.experts.gate_up_proj_bias":

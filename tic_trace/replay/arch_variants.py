@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swiglu, each_sample, oss_expert, sinks_of
 from .arch_spec import sliding_window
-from .qwen3next_variants import qwen3next_variants
 from .attention_kernels import scaled_gemm
 from .act_bf16 import gated_forms
 from .variants import Renderings, Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
@@ -177,7 +176,6 @@ def _arch_variants() -> dict[str, list[Variant]]:
         "router_bias_gemm": [Variant("fp32_accumulate", "fp32 accumulation", True, _router)],
         "clamped_swiglu_experts": [Variant("eager", "eager experts, every step rounded", True, _oss_experts(False)),
                                    Variant("fp32", "each expert in fp32", True, _oss_experts(True))],
-        **qwen3next_variants(),
     }
 
 

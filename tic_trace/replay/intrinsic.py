@@ -24,7 +24,6 @@ from .grid import (effective_dtype, grid_spacing, round_to, row_relative_excess,
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
 from .arch_variants import ARCH_VARIANTS
-from .qwen3next_variants import WHOLE_SAMPLE_OPS
 from .variant_fit import fingerprint, frame, run_variants, undeclared_layouts
 from .variants import DTYPES, VARIANTS, VariantInput, tp_degrees, variant_rows
 
@@ -308,7 +307,7 @@ class SideReplayer:
         if err.dtype not in DTYPES or err.kind != "float" or not variants:
             return err
         # an op over each sample's earlier rows (the linear attention's) runs on all of them, not a subset
-        whole = err.envelope_key in WHOLE_SAMPLE_OPS or err.envelope_key in self.ref.family.whole_sample_ops
+        whole = err.envelope_key in self.ref.family.whole_sample_ops
         sel = list(range(len(rows))) if whole else variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
         feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}

@@ -30,8 +30,6 @@ from .grouped_topk import GroupedTopkError, eligible_choice
 from .model_spec import ModelSpec
 from .rope import apply_rope, rope_inv_freq  # noqa: F401 - rope_inv_freq: with the ops here
 from .not_replayable import NotReplayable  # noqa: F401 - imported from here by the replay
-from .qwen3next_ops import qwen3next_ops
-from .qwen3next_spec import is_qwen3next
 
 RowId = tuple[str, int]
 F64 = torch.float64
@@ -237,9 +235,9 @@ class ExactReference:
         # tensor must not change the op replayed at every RoPE point.
         self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
                                for n in self.ckpt.info)
-        # the ops this architecture computes otherwise (arch_ops.py; Qwen3-Next's: qwen3next_ops.py)
+        # the ops this architecture computes otherwise (its family's; arch_ops.py for those not yet moved)
         self.arch_ops = {**({"attn.core": windowed_attention} if self.spec.extra.get("sliding_window") else {}),
-                         **arch_ops(self.spec, _OPS), **(qwen3next_ops(_OPS) if is_qwen3next(self.spec) else {}),
+                         **arch_ops(self.spec, _OPS),
                          **self.family.ops(self.spec, _OPS)}
 
     def for_view(self, view) -> "ExactReference":

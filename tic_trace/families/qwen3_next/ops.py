@@ -1,5 +1,5 @@
-"""The exact float64 ops of Qwen3-Next (config.json model_type `qwen3_next`) where they differ from the Llama/Qwen
-family's (reference.py); its config facts, feeds and op names are qwen3next_spec.py's (no torch there).
+"""The exact float64 ops of Qwen3-Next where they differ from the base transformer's (replay/reference.py); its
+config facts, feeds and op names are spec.py's (no torch there).
 
 What the model computes (our own statement of it, from the architecture's definition):
 - every RMSNorm but the gated one scales by (1 + w): attn_norm, mlp_norm, final_norm, the per-head QK-norms;
@@ -18,13 +18,13 @@ The recurrence is replayed in its sequential form: exact in float64 at any lengt
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
-from .attention_ops import offset_rms_norm
-from .not_replayable import NotReplayable
-from .qwen3next_spec import NORMS, linear_layer
+from ...replay.attention_ops import offset_rms_norm
+from ...replay.not_replayable import NotReplayable
+from .spec import NORMS, linear_layer
 
 L2_EPS = 1e-6       # inside the root of the q/k L2 normalisation
 
@@ -54,7 +54,7 @@ def _q_half(part: str) -> Callable:
 
 
 def _gated_attention(attention: Callable) -> Callable:
-    """The causal softmax attention (`attention`: reference.py's, per sample in query blocks) times sigmoid(gate)."""
+    """The causal softmax attention (`attention`: the base's, per sample in query blocks) times sigmoid(gate)."""
     def op(ref, layer, feeds, rows, tokens):
         return attention(ref, layer, feeds, rows, tokens) * torch.sigmoid(feeds["attn.gate"].reshape(len(rows), -1))
     return op
@@ -164,8 +164,8 @@ def _gated_norm(ref, layer, feeds, rows, tokens):
     return y * (z * torch.sigmoid(z))
 
 
-def qwen3next_ops(base: dict[str, Callable]) -> dict[str, Callable]:
-    """The ops replacing reference._OPS's (`base`) for Qwen3-Next."""
+def ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
+    """The ops replacing reference._OPS's (`base`) for Qwen3-Next (the same for every spec of it)."""
     ops: dict[str, Callable] = {p: _unit_norm(w, f) for p, (w, f) in NORMS.items()}
     ops.update({"attn.q": _q_half("q"), "attn.gate": _q_half("gate"),
                 "attn.core": _gated_attention(base["attn.core"]),

@@ -1,9 +1,9 @@
-"""Clean implementations (and known faults) of Qwen3-Next's own ops (qwen3next_ops.py), on a side's own inputs,
-as variants.py does for the Llama/Qwen family's: each rounds where that implementation rounds, so a point's
+"""Clean implementations (and known faults) of Qwen3-Next's own ops (ops.py), on a side's own inputs, as
+replay/variants.py does for the base transformer's: each rounds where that implementation rounds, so a point's
 envelope is what those implementations give on these inputs.
 
-- gated attention: each attention kernel of variants.py, then the gate as HF's eager code applies it (sigmoid
-  rounded, the product rounded) or fused (fp32 gate and product, one rounding);
+- gated attention: each attention kernel of replay/variants.py, then the gate as HF's eager code applies it
+  (sigmoid rounded, the product rounded) or fused (fp32 gate and product, one rounding);
 - the causal conv: HF's torch fallback (the conv rounded, then SiLU rounded) or a fused conv + SiLU kernel;
 - the delta rule: an fp32 state from the 16-bit q, k, v, with beta = sigmoid(b) rounded (HF, and the FLA
   kernels it calls, read beta as the model computed it) or in fp32 (a fused gating kernel); the decay in fp32;
@@ -17,12 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .qwen3next_ops import delta_rule, l2_normalise, ungroup_ba, ungroup_qkvz, whole_samples
-from .variants import Variant, VariantInput, _attention_variants
-
-# The ops that read every earlier row of a sample (not the query's rows alone, as attention's KV feeds are
-# gathered apart): their variants run on every row (intrinsic.py).
-WHOLE_SAMPLE_OPS = ("attn.linear_conv", "attn.linear_core")
+from ...replay.variants import Variant, VariantInput, _attention_variants
+from .ops import delta_rule, l2_normalise, ungroup_ba, ungroup_qkvz, whole_samples
 
 
 def _gated(att: Variant, fused: bool) -> Variant:
@@ -96,8 +92,8 @@ def _gated_norm(kind: str):
     return run
 
 
-def qwen3next_variants() -> dict[str, list[Variant]]:
-    """By the op's name (`qwen3next_spec.qwen3next_op`) or the point's."""
+def variants() -> dict[str, list[Variant]]:
+    """By the op's name (`spec.op_of`) or the point's."""
     return {
         "gated_attention": _gated_attention_variants(),
         "attn.linear_conv": [Variant("eager", "conv rounded, then SiLU", True, _conv(False)),

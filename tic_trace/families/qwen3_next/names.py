@@ -1,12 +1,16 @@
-"""The HF adapter's Qwen3-Next rows (`Qwen3NextForCausalLM`, transformers 5.24): hybrid layers of Gated DeltaNet
-linear attention and gated softmax attention, each layer one or the other (`config.layer_types`), a sparse MoE
-(softmax router, top-k, a sigmoid-gated `shared_expert`, as Qwen2-MoE's) on every `decoder_sparse_step`-th layer.
+"""Qwen3-Next's name tables: HF's rows (`Qwen3NextForCausalLM`, transformers 5.24) and SGLang's refusal. Strings,
+`graph.adapter` rows and the numpy transforms those rows name; no framework import (adapters/hf.py taps, hooks
+and describes with these tables).
+
+HF's model: hybrid layers of Gated DeltaNet linear attention and gated softmax attention, each layer one or the
+other (`config.layer_types`), a sparse MoE (softmax router, top-k, a sigmoid-gated `shared_expert`, as
+Qwen2-MoE's) on every `decoder_sparse_step`-th layer.
 
 What `modeling_qwen3_next.py` computes, and where the table reads it:
 - Gated attention (`self_attn`): `q_proj` emits, per head, the query then the gate ([q | gate], 2 x head_dim
   columns a head): `attn.q` and `attn.gate` are the two halves. QK-norm per head, partial RoPE
-  (`apply_rotary_pos_emb`, tapped as hf.py taps it). The attention output is multiplied by sigmoid(gate) before
-  `o_proj`: `o_proj`'s input (`attn.core`) is the gated output.
+  (`apply_rotary_pos_emb`, tapped as adapters/hf.py taps it). The attention output is multiplied by sigmoid(gate)
+  before `o_proj`: `o_proj`'s input (`attn.core`) is the gated output.
 - Linear attention (`linear_attn`): `in_proj_qkvz` / `in_proj_ba` (their columns grouped by key head);
   `causal_conv1d_fn` (a module-level function: the `conv1d` module itself is never called; a cached decode
   step calls `causal_conv1d_update`) returns SiLU(causal depthwise conv1d) of q | k | v as [B, channels, S];
@@ -21,14 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_transform
+from ...graph.adapter import Architecture, PointMap, TransformContext, register_transform
+from ..base import FrameworkNames
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
 _LIN = _L + r"\.linear_attn"
 QWEN3NEXT = ("Qwen3NextForCausalLM",)
 _ONLY = {"archs": QWEN3NEXT}
-# functions of the modeling module the table reads (tapped by HFAdapter.prepare)
+# functions of the modeling module the table reads (tapped by HFAdapter.prepare where a module `linear_attn` is)
 TAPPED = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
           "torch_recurrent_gated_delta_rule")
 LINEAR_POINTS = ("attn.linear_qkvz", "attn.linear_ba", "attn.linear_conv", "attn.linear_core", "attn.linear_norm")
@@ -100,7 +105,7 @@ def linear_applies(pm: PointMap, config: dict) -> bool | None:
 
 _T = "`tests/test_archs_qwen3next.py`, `tests/test_supported_archs.py`"
 
-ARCHITECTURES = (
+HF_ARCHITECTURES = (
     Architecture("Qwen3NextForCausalLM", ("Qwen3-Next",),
                  "hybrid layers: gated attention (q and its gate split from `q_proj`, `attn.core` = the gated "
                  "output) or Gated DeltaNet linear attention (`attn.linear_*`: in-projections, causal conv, delta "
@@ -108,3 +113,36 @@ ARCHITECTURES = (
                  "every point: (1 + w) RMSNorms, partial RoPE, the sigmoid gate, the causal conv + SiLU, the gated "
                  "delta rule (recurrent form), the gated RMSNorm", _T),
 )
+
+SGLANG_REFUSED = {
+    "Qwen3NextForCausalLM": "hybrid layers: Gated DeltaNet linear attention besides gated full attention, whose "
+                            "SGLang kernels are Triton only: the linear attention's gated norm "
+                            "(`Qwen3GatedDeltaNet.norm` in `srt/models/qwen3_next.py`) is `FusedRMSNormGated` "
+                            "(`kernels/ops/attention/fla/fused_norm_gate.py`, a Triton kernel) or `RMSNormGated` "
+                            "(`layernorm_gated.py`, whose `_get_sm_count` calls `torch.cuda.get_device_properties`), "
+                            "so SGLang's model code never ran against another framework's here (the HF table maps it)",
+}
+
+# The HF adapter's tables (adapters/hf.py reads each by its key):
+# - overridden: (point, architecture) pairs whose generic row these rows replace;
+# - taps: a module name's last part -> the functions of that module's modeling module to tap;
+# - record_inputs: modules whose inputs are recorded (`attn.linear_norm` is out_proj's input);
+# - token_dims: a record name's part -> the dim its tokens are in (0: stored whole, the transform reads it);
+# - describe: the HF text config -> the manifest's facts; applies: (row, manifest config) -> False where the
+#   row does not apply (None: no say).
+HF_TABLES = {
+    "overridden": frozenset((pm.point, a) for pm in POINTS for a in pm.opts["archs"]),
+    "taps": {"linear_attn": TAPPED},
+    "record_inputs": ("re:\\.linear_attn\\.out_proj$",),
+    "token_dims": {"/fn:causal_conv1d": 0,            # [B, channels, S]: stored whole, `bcs` reads it
+                   "_gated_delta_rule:out[1]": 0},    # the recurrent state [B, heads, dk, dv]: not per token
+    "describe": linear_facts,
+    "applies": linear_applies,
+}
+
+
+def names() -> dict[str, FrameworkNames]:
+    """Qwen3-Next's tables by framework (Megatron: none; its gated attention and Gated DeltaNet switches are
+    refused by adapters/megatron_features.py)."""
+    return {"hf": FrameworkNames(points=POINTS, architectures=HF_ARCHITECTURES, tables=HF_TABLES),
+            "sglang": FrameworkNames(refused=SGLANG_REFUSED)}

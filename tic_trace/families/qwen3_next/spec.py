@@ -1,25 +1,29 @@
-"""Qwen3-Next's config facts (`ModelSpec.extra`, read by arch_spec.arch_facts), its tensors' shapes, and which
-recorded points each of its ops reads (the ops themselves: qwen3next_ops.py). No torch: the checkpoint's
-shape check reads this without the replay's ops.
+"""Qwen3-Next's config facts (`ModelSpec.extra`), its tensors' shapes, and which recorded points each of its ops
+reads and under which op name (the ops themselves: ops.py). No torch: the checkpoint's shape check reads this
+without the replay's ops.
 
-The keys of `extra` for model_type `qwen3_next`: `gated_attention` (q_proj gives each head's query and gate),
-`linear_layers` (the layers running Gated DeltaNet linear attention), `linear_heads` (key heads, value heads),
-`linear_dims` (key, value head dims), `linear_conv` (the conv's taps).
+The keys of `extra` it states: `gated_attention` (q_proj gives each head's query and gate), `linear_layers` (the
+layers running Gated DeltaNet linear attention; `ModelSpec.at_layer` marks them `at_linear_layer`),
+`linear_heads` (key heads, value heads), `linear_dims` (key, value head dims), `linear_conv` (the conv's taps).
+Its `layer_types` name linear-attention layers, not sliding windows: it has none.
 """
 from __future__ import annotations
 
 from typing import Any
 
-MODEL_TYPE = "qwen3_next"
 # the (1 + w) RMSNorms: point -> (weight, the feed it normalises where the point has several)
 NORMS = {"attn_norm": ("input_layernorm.weight", None), "mlp_norm": ("post_attention_layernorm.weight", None),
          "final_norm": ("model.norm.weight", None), "attn.q_norm": ("self_attn.q_norm.weight", "attn.q"),
          "attn.k_norm": ("self_attn.k_norm.weight", "attn.k")}
 
+# The ops that read every earlier row of a sample (not the query's rows alone, as attention's KV feeds are
+# gathered apart): their variants run on every row (intrinsic.py).
+WHOLE_SAMPLE_OPS = frozenset({"attn.linear_conv", "attn.linear_core"})
+
 
 # ---------------------------------------------------------------- config facts
 
-def qwen3next_facts(c: Any) -> dict:
+def facts(c: Any, model_type: str, hidden: int) -> dict:
     """`extra` of a Qwen3-Next config (`c`: model_spec._Config): the layers of each kind and the linear
     attention's sizes."""
     n = c.int("num_hidden_layers", 1, 1 << 16)
@@ -40,9 +44,9 @@ def qwen3next_facts(c: Any) -> dict:
             "linear_conv": c.int("linear_conv_kernel_dim", 1, 1 << 10)}
 
 
-def qwen3next_shapes(rest: str, spec: Any) -> list | None:
-    """The shape config.json gives a Qwen3-Next layer tensor that the Llama/Qwen table gives otherwise, or that
-    only it has (None: not one of them)."""
+def shapes(rest: str, spec: Any) -> list | None:
+    """The shape config.json gives a Qwen3-Next layer tensor that the base transformer's table gives otherwise,
+    or that only it has (None: not one of them)."""
     H, hd, nq = spec.hidden_size, spec.head_dim, spec.num_attention_heads
     (hk, hv), (dk, dv) = spec.extra["linear_heads"], spec.extra["linear_dims"]
     conv = 2 * hk * dk + hv * dv
@@ -54,36 +58,37 @@ def qwen3next_shapes(rest: str, spec: Any) -> list | None:
             "linear_attn.out_proj.weight": [H, hv * dv]}.get(rest)
 
 
-def is_qwen3next(spec: Any) -> bool:
-    return spec.model_type == MODEL_TYPE and bool(spec.extra.get("gated_attention"))
-
-
 def linear_layer(spec: Any, layer: int | None) -> bool:
     return layer is not None and layer in spec.extra.get("linear_layers", ())
 
 
+def _at_linear_layer(spec: Any) -> bool:
+    return bool(spec.extra.get("at_linear_layer"))
+
+
 # ---------------------------------------------------------------- which feeds each op reads, and its op name
 
-def qwen3next_inputs(point: str, spec: Any, layer_is_linear: bool) -> tuple[str, ...] | None:
-    """The recorded points the op producing `point` reads (None: the generic ones)."""
+def inputs_of(point: str, spec: Any) -> tuple[str, ...] | None:
+    """The recorded points the op producing `point` reads (None: the base's); `spec` is one layer's."""
     if point == "attn.core":
         return ("attn.q_rope", "attn.k_rope", "attn.v", "attn.gate")
-    if point == "attn.out" and layer_is_linear:
+    if point == "attn.out" and _at_linear_layer(spec):
         return ("attn.linear_norm",)
     return {"attn.gate": ("attn_norm",), "attn.linear_qkvz": ("attn_norm",), "attn.linear_ba": ("attn_norm",),
             "attn.linear_conv": ("attn.linear_qkvz",), "attn.linear_core": ("attn.linear_conv", "attn.linear_ba"),
             "attn.linear_norm": ("attn.linear_core", "attn.linear_qkvz")}.get(point)
 
 
-def qwen3next_op(point: str, layer_is_linear: bool) -> str:
-    """The op's name (the clean envelopes of variants.py are keyed by it: none of these has one there, so the
-    Llama family's q/o GEMM and attention variants, which would read other tensors, never judge them)."""
+def op_of(point: str, spec: Any) -> str:
+    """The op's name (the clean envelopes of replay/variants.py are keyed by it: none of these has one there, so
+    the base transformer's q/o GEMM and attention variants, which would read other tensors, never judge them);
+    `spec` is one layer's."""
     if point in NORMS:
         return "unit_offset_rmsnorm"
     if point in ("attn.q", "attn.gate"):
         return "gated_q_gemm"
     if point == "attn.core":
         return "gated_attention"
-    if point == "attn.out" and layer_is_linear:
+    if point == "attn.out" and _at_linear_layer(spec):
         return "linear_out_gemm"
     return ""
