@@ -90,8 +90,8 @@ class ModelSpec:
     def at_layer(self, layer: int | None) -> "ModelSpec":
         """The facts of one layer: a dense layer of a MoE model (below `first_k_dense_replace`, in
         `mlp_only_layers`, or off the `decoder_sparse_step` grid, as transformers builds them) computes a dense
-        MLP, so its spec has no experts; a Qwen3-Next linear-attention layer's spec says so
-        (`extra["at_linear_layer"]`)."""
+        MLP, so its spec has no experts; a linear-attention layer's (listed in a family's
+        `extra["linear_layers"]`) spec says so (`extra["at_linear_layer"]`)."""
         from dataclasses import replace
         if layer is None:
             return self
