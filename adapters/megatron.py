@@ -27,8 +27,8 @@ Record names (module paths of the model given to the tracer; wrappers ``module.`
   weighted sum). Not the ``experts`` module output, which is in dispatched (expert-major) order. With
   ``moe_shared_expert_overlap`` the alltoall dispatcher adds the shared output inside ``combine_postprocess``
   and ``shared_experts`` never fires: both MoE-output points are then not promised.
-* Multi-latent attention (``MLASelfAttention``, DeepSeek-V2/V3): its rows are ``megatron_mla.py``'s (the q and
-  kv latents and their norms, the up-projections, the rope dims of core attention's q/k inputs); the router's
+* Multi-latent attention (``MLASelfAttention``, DeepSeek-V2/V3): its rows are the deepseek family's
+  (``tic_trace/families/deepseek/names_megatron.py``: the q and kv latents and their norms, the up-projections, the rope dims of core attention's q/k inputs); the router's
   sigmoid / expert-bias / group-limited path is inside ``router`` and ends in the same ``(probs, routing_map)``.
 * Logits: ``output_layer`` output ``[0]`` ``[s, b, V_pad/tp]``: ``cat:-1``, then the padding columns are cut
   (``vocab``). Megatron only knows the padded vocabulary: pass the tokenizer's size as
@@ -56,7 +56,7 @@ padded vocabulary, a shared expert, packed THD (with a per-segment stand-in for 
 TE-shaped module tree (identity norms, norm inside ``linear_qkv`` / ``linear_fc1``); DeepSeek-V3-style MLA with
 the sigmoid group-limited router, shared experts and a dense first layer against HF ``DeepseekV3ForCausalLM``
 at TP 1 and 2 (``tests/test_megatron_mla.py``; MLA with TP > 2, SP, EP, CP, PP, the TE spec, fused or YaRN RoPE
-is refused: ``megatron_mla.latent_refusal``); GPT-OSS-style (learnable sinks, windows, clamped GLU, biases, YaRN)
+is refused: the family's ``refusals.latent_refusal``); GPT-OSS-style (learnable sinks, windows, clamped GLU, biases, YaRN)
 against HF ``GptOssForCausalLM`` on one rank (``tests/test_megatron_gptoss.py``; other ``TransformerConfig``
 switches the module structure does not show are refused: ``megatron_features.feature_refusal``). Not runnable on CPU,
 so checked by name / pure function only, to be verified on GPU: real Transformer Engine modules
@@ -77,7 +77,7 @@ from tic_trace.graph.adapter import as_ints as _ints
 from tic_trace.graph.adapter import plain_settings, transform
 from tic_trace.replay.grid import round_to
 from tic_trace.adapters.megatron_features import feature_facts, feature_refusal
-from tic_trace.adapters.megatron_mla import STANDARD_ATTN, latent_applies, latent_facts, latent_points, latent_refusal
+from tic_trace.families import framework_names
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
 NUMERICS_FIELDS = (
@@ -97,7 +97,10 @@ _L = _P + r"decoder\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attention"
 _M = _L + r"\.mlp"
 
-_LATENT = latent_points(_A)     # MLASelfAttention's rows (megatron_mla.py)
+# The families' Megatron tables (tic_trace/families/<name>/names.py says what each key means), and the rows of
+# their own attention modules (MLASelfAttention's) with the family whose `applies` decides them.
+_FAM = framework_names("megatron")
+_FAM_ROWS = tuple((n, n.tables["attention_rows"](_A)) for n in _FAM if "attention_rows" in n.tables)
 POINTS = (
     PointMap("embed", _P + r"embedding:out", merge="seq"),
     PointMap("input", _L + r":in(\[0\]|\.hidden_states)", merge="seq",
@@ -114,7 +117,7 @@ POINTS = (
              note="core_attention's query input: post-RoPE"),
     PointMap("attn.k_rope", _A + r"\.core_attention:in\[1\]", "heads", "kv_heads", opts={"heads": "kv"},
              note="core_attention's key input: post-RoPE, before any GQA expansion"),
-    *_LATENT,
+    *(pm for _, rows in _FAM_ROWS for pm in rows),
     PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
     PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
              note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
@@ -360,12 +363,7 @@ ARCHITECTURES = {a.name: a for a in (
                  "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "
                  "RoPE", "every point (GLM-4.5, one rank)",
                  "`tests/test_megatron_adapter.py`, `tests/test_megatron_mla.py`"),
-    Architecture("GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer", ("DeepSeek-V3 (MLA, MoE)",),
-                 "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE of q's rope "
-                 "dims and the shared k_pe); sigmoid router with an expert bias, group-limited top-k, routed "
-                 "scaling, shared experts, dense first layers; local spec, TP 1 and 2 (TP > 2, SP, EP, CP, PP, the "
-                 "TE spec, fused or YaRN RoPE refused)", "every point (TP 1)", "`tests/test_megatron_mla.py`",
-                 lacks=STANDARD_ATTN),
+    *(a for n in _FAM for a in n.architectures),
 )}
 # Components whose presence makes the table map the wrong modules (named in the refusal).
 REFUSED = {
@@ -466,7 +464,7 @@ class MegatronAdapter(Adapter):
             "dtype": _torch_dtype_name(getattr(cfg, "params_dtype", None)),
             "router_scoring": getattr(cfg, "moe_router_score_function", None) if n_exp else None,
             **(_router_facts(cfg, layers) if n_exp else {}),
-            **latent_facts(cfg),
+            **{k: v for n in _FAM if "describe" in n.tables for k, v in n.tables["describe"](cfg).items()},
             **feature_facts(cfg, root),
         })
 
@@ -476,7 +474,7 @@ class MegatronAdapter(Adapter):
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, naming the components known to be mapped wrongly when the structure has any."""
         c = super().check_architecture(config)
-        refusal = (latent_refusal(config) or feature_refusal(config)) if c.verified else None
+        refusal = (_family_refusal(config) or feature_refusal(config)) if c.verified else None
         if refusal:
             return ArchitectureCheck(c.adapter, c.name, False, refusal)
         if c.verified or not c.name:
@@ -589,9 +587,8 @@ class MegatronAdapter(Adapter):
         return True
 
     def applies(self, pm: PointMap, config: dict) -> bool:
-        latent = latent_applies(pm, _LATENT, config)
-        if latent is not None:
-            return latent and super().applies(pm, config)
+        if any(n.tables["applies"](pm, rows, config) is False for n, rows in _FAM_ROWS if "applies" in n.tables):
+            return False                    # a family's row its model lacks, or a standard row it never reads
         if pm.point == "attn_norm" and config.get("fused_input_norm"):
             return False
         if pm.point == "mlp_norm" and config.get("fused_dense_mlp_norm") and not config.get("moe_layers"):
@@ -608,6 +605,11 @@ class MegatronAdapter(Adapter):
 
 ADAPTER = MegatronAdapter
 register_adapter(MegatronAdapter)
+
+
+def _family_refusal(config: dict) -> str | None:
+    """Why a family says this trace's setup is not one its tests ran (None: none says so)."""
+    return next((w for n in _FAM if "refusal" in n.tables for w in (n.tables["refusal"](config),) if w), None)
 
 
 def _router_facts(cfg: Any, layers: list) -> dict:

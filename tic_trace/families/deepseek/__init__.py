@@ -38,6 +38,11 @@ def _ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
     return {**own, **overrides}
 
 
+def _names() -> dict:
+    from .names import names
+    return names()
+
+
 def _variants() -> dict[str, list]:
     from .variants import latent_variants
     return latent_variants()
@@ -60,4 +65,5 @@ FAMILY = Family(
     op_of=latent_op,
     variants=_variants,
     optional_inputs=OPTIONAL_INPUTS,
+    names=_names,
 )

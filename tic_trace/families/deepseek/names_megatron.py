@@ -1,5 +1,6 @@
-"""The Megatron adapter's multi-latent attention rows (megatron-core 0.16.1 ``MLASelfAttention``, DeepSeek-V2/V3):
-the same canonical points as the HF adapter's DeepSeek-V3 rows (``hf_deepseek.py``), from megatron's modules.
+"""Megatron's multi-latent attention rows (megatron-core 0.16.1 ``MLASelfAttention``, DeepSeek-V2/V3), strings
+only: the same canonical points as HF's DeepSeek-V3 rows (``names_hf.py``), from megatron's modules.
+adapters/megatron.py reads them through ``families.framework_names("megatron")``.
 
 What ``MLASelfAttention.get_query_key_value_tensors`` (transformer/multi_latent_attention.py) computes, and the
 record each point reads (``{A}`` = ``decoder.layers.i.self_attention``):
@@ -19,8 +20,8 @@ record each point reads (``{A}`` = ``decoder.layers.i.self_attention``):
   (``_apply_rotary_pos_emb_bshd(multi_latent_attention=True)``) reads interleaved pairs and writes them
   de-interleaved, as HF's ``apply_rotary_pos_emb_interleave``: the fact ``rope_interleave`` is True when
   ``rotary_interleaved`` is False. With ``rotary_interleaved`` it de-interleaves and then rotates pairs, a
-  layout neither HF function computes: refused (:func:`latent_refusal`).
-* ``attn.core`` / ``attn.out``: megatron.py's rows (``core_attention`` output, ``[s, b, heads * v]``; and
+  layout neither HF function computes: refused (``refusals.latent_refusal``).
+* ``attn.core`` / ``attn.out``: adapters/megatron.py's rows (``core_attention`` output, ``[s, b, heads * v]``; and
   ``linear_proj``).
 
 MLA has no ``linear_qkv``, no per-head q/k norms and no k/v of its own: the standard rows of those points never
@@ -30,27 +31,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from ...graph.adapter import Architecture, PointMap
+from . import transforms  # noqa: F401 - registers `latent_heads` and `megatron_mla_rope`, which the rows name
+from .names_hf import STANDARD_ATTN
 
-from tic_trace.adapters import hf_deepseek  # noqa: F401 - registers the `latent_heads` transform the rows use
-from tic_trace.graph.adapter import PointMap, TransformContext, register_transform
-
-# The points MLA lacks (the architecture rows' `lacks`) and the standard rows an MLA model never reads.
-STANDARD_ATTN = ("attn.k", "attn.v", "attn.q_norm", "attn.k_norm")
+# The standard rows an MLA model never reads.
 _STANDARD_ROWS = STANDARD_ATTN + ("attn.q", "attn.q_rope", "attn.k_rope")
 
 
-@register_transform("megatron_mla_rope")
-def _mla_rope_dims(a: np.ndarray, ctx: TransformContext) -> np.ndarray:
-    """Core attention's q or k input ``[..rows.., heads, nope + rope]`` -> its rope dims: q ``[rows, heads, rope]``,
-    k ``[rows, 1, rope]`` (head 0: k_pe is one tensor expanded to every head)."""
-    nope = int(ctx.config["qk_nope_head_dim"])
-    x = a.reshape(ctx.n_rows, a.shape[-2], a.shape[-1])[..., nope:]
-    return np.ascontiguousarray(x if ctx.opts.get("part", "q") == "q" else x[:, :1])
-
-
 def latent_points(attn: str) -> tuple[PointMap, ...]:
-    """MLA's rows, for the self-attention record prefix regex ``attn`` (megatron.py's)."""
+    """MLA's rows, for the self-attention record prefix regex ``attn`` (adapters/megatron.py's)."""
     return (
         PointMap("attn.q_a", attn + r"\.linear_q_down_proj:out\[0\]", merge="cat:-1"),
         PointMap("attn.q_a_norm", attn + r"\.q_layernorm:out", merge="seq",
@@ -82,7 +72,7 @@ def latent_applies(pm: PointMap, rows: tuple[PointMap, ...], config: dict) -> bo
 
 def latent_facts(cfg: Any) -> dict:
     """MLA's config facts for the manifest, in the HF adapter's spelling (none without MLA), and what
-    :func:`latent_refusal` reads."""
+    ``refusals.latent_refusal`` reads."""
     if not getattr(cfg, "multi_latent_attention", False):
         return {}
     return {"q_lora_rank": getattr(cfg, "q_lora_rank", None), "kv_lora_rank": int(cfg.kv_lora_rank),
@@ -93,28 +83,13 @@ def latent_facts(cfg: Any) -> dict:
             "mla_rope_type": getattr(cfg, "rope_type", None)}
 
 
-def latent_refusal(config: dict) -> str | None:
-    """Why an MLA trace's setup is not the one the tests verify (None: it is, or the model is not MLA)."""
-    if not config.get("kv_lora_rank"):
-        return None
-    why = []
-    if not config.get("rope_interleave", True):
-        why.append("`rotary_interleaved=True`: megatron's MLA RoPE then rotates pairs of the de-interleaved dims, "
-                   "a layout no reference computes")
-    if config.get("mla_rope_fusion"):
-        why.append("`apply_rope_fusion` (TE's fused MLA YaRN RoPE): not run in the tests")
-    if config.get("mla_rope_type") not in (None, "rope"):
-        why.append(f"MLA RoPE `{config.get('mla_rope_type')}` (YaRN): not run against a reference in the tests")
-    if config.get("spec") == "te":
-        why.append("the Transformer Engine spec (latent norms fused into `linear_q_up_proj` / `linear_kv_up_proj`): "
-                   "not run in the tests")
-    if int(config.get("tensor_model_parallel_size") or 1) > 2 or config.get("sequence_parallel"):
-        why.append(f"`tensor_model_parallel_size` {config.get('tensor_model_parallel_size')}"
-                   f"{' with sequence parallelism' if config.get('sequence_parallel') else ''}: the tests run MLA "
-                   "at TP 1 and 2, without sequence parallelism")
-    for k in ("context_parallel_size", "pipeline_model_parallel_size"):
-        if int(config.get(k) or 1) > 1:
-            why.append(f"`{k}` {config.get(k)}: not run with MLA in the tests")
-    if int(config.get("expert_model_parallel_size") or 1) > 1:
-        why.append("expert parallelism with MLA: not run in the tests")
-    return "MLA: " + "; ".join(why) if why else None
+# The structure its rows verify (adapters/megatron.py's ARCHITECTURES: structures, the HF or SGLang side of a
+# pair names the family).
+MEGATRON_ARCHITECTURES = (
+    Architecture("GPTModel/TransformerLayer/MLASelfAttention/MLP+MoELayer", ("DeepSeek-V3 (MLA, MoE)",),
+                 "multi-latent attention (q and kv latents, their norms, the decompressed k_nope/v, RoPE of q's rope "
+                 "dims and the shared k_pe); sigmoid router with an expert bias, group-limited top-k, routed "
+                 "scaling, shared experts, dense first layers; local spec, TP 1 and 2 (TP > 2, SP, EP, CP, PP, the "
+                 "TE spec, fused or YaRN RoPE refused)", "every point (TP 1)", "`tests/test_megatron_mla.py`",
+                 lacks=STANDARD_ATTN),
+)

@@ -1,0 +1,39 @@
+"""The DeepSeek family's name tables by framework (`Family.names`): HF's (names_hf.py), Megatron's
+(names_megatron.py), SGLang's (names_sglang.py), strings and `graph.adapter` rows only, no framework import; the
+refusals of setups the tests did not run (refusals.py). What each table key means to its adapter:
+
+- hf: `describe` (the text config -> MLA's manifest facts), `applies` (row, manifest config -> False where MLA
+  decides the row does not apply; None: no say).
+- megatron: `attention_rows` (the self-attention record prefix regex -> MLA's rows), `applies` (row, those rows,
+  manifest config -> False / None as HF's), `describe` (megatron's TransformerConfig -> MLA's manifest facts),
+  `refusal` (manifest config -> why its setup is not verified, or None).
+- sglang: `modules` (module lists by key), `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1
+  only), `inputs` (class -> module inputs recorded), `applies` (row, manifest config -> False / None), `refusal`
+  (manifest config -> why, or None).
+"""
+from __future__ import annotations
+
+from ..base import FrameworkNames
+from . import names_hf as hf
+from . import names_megatron as mg
+from . import names_sglang as sgl
+from .refusals import latent_refusal, setup_refusal
+
+
+def names() -> dict[str, FrameworkNames]:
+    return {"megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
+                                       tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
+                                               "describe": mg.latent_facts, "refusal": latent_refusal})}
+
+
+def _all() -> dict[str, FrameworkNames]:
+    return {"hf": FrameworkNames(points=hf.HF_POINTS, architectures=hf.HF_ARCHITECTURES,
+                                 tables={"describe": hf.latent_facts, "applies": hf.latent_applies}),
+            "megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
+                                       tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
+                                               "describe": mg.latent_facts, "refusal": latent_refusal}),
+            "sglang": FrameworkNames(points=sgl.ROWS, architectures=sgl.SGLANG_ARCHITECTURES,
+                                     refused=sgl.SGLANG_REFUSED,
+                                     tables={"modules": sgl.SGLANG_MODULES, "arch_of_class": sgl.SGLANG_ARCH_OF_CLASS,
+                                             "one_rank": sgl.SGLANG_ONE_RANK, "inputs": sgl.INPUTS,
+                                             "applies": sgl.row_applies, "refusal": setup_refusal})}
