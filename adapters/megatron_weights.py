@@ -38,7 +38,7 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or ``linear_q_proj`` without a q latent),
   ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``, ``linear_proj`` <- ``q_a_proj`` /
   ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``,
-  ``o_proj``, unchanged (see ``_latent_attention``). The router's ``e_score_correction_bias`` ->
+  ``o_proj``, unchanged (the deepseek family's ``names_megatron.MLA_WEIGHTS``; ``_named_attention``). The router's ``e_score_correction_bias`` ->
   ``mlp.router.expert_bias`` (fp32, as megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
   ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``. Qwen2-MoE's one gated shared expert
   (``mlp.shared_expert.*``) the same, its ``mlp.shared_expert_gate.weight`` -> ``mlp.shared_experts.gate_weight``.
@@ -59,6 +59,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
+
+from tic_trace.families import framework_names
 
 __all__ = ["hf_to_megatron_state_dict", "load_into", "WeightLoadError"]
 
@@ -160,24 +162,25 @@ def _gpt_oss_experts(get, mlp: str, dst: str, experts: list[tuple[int, int]], et
     return out
 
 
-# HF DeepseekV3Attention -> megatron MLASelfAttention (local spec): the same row layouts (q per head [nope | rope],
-# kv_a [latent | k_pe], kv_b per head [k_nope | v]; RoPE reads the rope dims as interleaved pairs on both), so
-# every tensor is copied; column-parallel ones are row-sliced per TP rank, linear_proj column-sliced.
-_LATENT_COLUMN = (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"), ("q_proj", "linear_q_proj"),
-                  ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_b_proj", "linear_kv_up_proj"))
-_LATENT_NORMS = (("q_a_layernorm", "q_layernorm"), ("kv_a_layernorm", "kv_layernorm"))
+# Attention modules the families convert by name (their Megatron `attention_weights` tables: multi-latent
+# attention's, HF DeepseekV3Attention -> MLASelfAttention): every tensor copied, column-parallel ones row-sliced
+# per TP rank, linear_proj column-sliced.
+_ATTN_WEIGHTS = tuple(n.tables["attention_weights"] for n in framework_names("megatron")
+                      if "attention_weights" in n.tables)
 
 
-def _latent_attention(get, attn: str, dst: str, tp_rank: int, tp_size: int, what: str) -> dict[str, torch.Tensor]:
-    """MLA's projections and latent norms (``q_a_*`` absent without a q latent: then ``q_proj``)."""
+def _named_attention(get, attn: str, dst: str, names: Mapping, tp_rank: int, tp_size: int,
+                     what: str) -> dict[str, torch.Tensor]:
+    """An attention converted by its family's names (MLA's projections and latent norms: ``q_a_*`` absent
+    without a q latent, then ``q_proj``): a name the checkpoint lacks is skipped."""
     out = {}
-    for hf, mg in _LATENT_COLUMN:
+    for hf, mg in names["column"]:
         try:
             w = get(attn + hf + ".weight")
         except KeyError:
             continue
         out[dst + mg + ".weight"] = _shard(w, tp_rank, tp_size, 0, f"{what} {hf}")
-    for hf, mg in _LATENT_NORMS:
+    for hf, mg in names["norms"]:
         try:
             out[dst + mg + ".weight"] = get(attn + hf + ".weight")
         except KeyError:
@@ -239,8 +242,9 @@ def hf_to_megatron_state_dict(
         src, dst = f"layers.{i}.", f"decoder.layers.{i}."
         out[dst + "input_layernorm.weight"] = get(src + "input_layernorm.weight")
         attn = src + "self_attn."
-        if attn + "kv_a_proj_with_mqa.weight" in sd:      # DeepSeek-V2/V3 multi-latent attention
-            out.update(_latent_attention(get, attn, dst + "self_attention.", tp_rank, tp_size, f"layer {i}"))
+        named = next((w for w in _ATTN_WEIGHTS if attn + w["marker"] in sd), None)
+        if named is not None:       # multi-latent attention (a family's names)
+            out.update(_named_attention(get, attn, dst + "self_attention.", named, tp_rank, tp_size, f"layer {i}"))
         else:
             out.update(_standard_attention(sd, get, attn, dst + "self_attention.", (n_heads, n_groups, head_dim),
                                            tp_rank, tp_size, f"layer {i}"))

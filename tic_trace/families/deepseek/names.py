@@ -6,7 +6,8 @@ refusals of setups the tests did not run (refusals.py). What each table key mean
   decides the row does not apply; None: no say).
 - megatron: `attention_rows` (the self-attention record prefix regex -> MLA's rows), `applies` (row, those rows,
   manifest config -> False / None as HF's), `describe` (megatron's TransformerConfig -> MLA's manifest facts),
-  `refusal` (manifest config -> why its setup is not verified, or None).
+  `refusal` (manifest config -> why its setup is not verified, or None), `attention_weights` (HF -> Megatron
+  parameter names of its attention, adapters/megatron_weights.py).
 - sglang: `modules` (module lists by key), `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1
   only), `inputs` (class -> module inputs recorded), `applies` (row, manifest config -> False / None), `refusal`
   (manifest config -> why, or None).
@@ -23,7 +24,8 @@ from .refusals import latent_refusal, setup_refusal
 def names() -> dict[str, FrameworkNames]:
     return {"megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
                                        tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
-                                               "describe": mg.latent_facts, "refusal": latent_refusal})}
+                                               "describe": mg.latent_facts, "refusal": latent_refusal,
+                                               "attention_weights": mg.MLA_WEIGHTS})}
 
 
 def _all() -> dict[str, FrameworkNames]:

@@ -83,6 +83,16 @@ def latent_facts(cfg: Any) -> dict:
             "mla_rope_type": getattr(cfg, "rope_type", None)}
 
 
+#: HF DeepseekV3Attention -> megatron MLASelfAttention (local spec) parameter names, under the layer's attention
+#: prefix: the same row layouts (q per head [nope | rope], kv_a [latent | k_pe], kv_b per head [k_nope | v]; RoPE
+#: reads the rope dims as interleaved pairs on both), so adapters/megatron_weights.py copies every tensor. `marker`:
+#: the tensor that says a layer's attention is MLA.
+MLA_WEIGHTS = {"marker": "kv_a_proj_with_mqa.weight",
+               "column": (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"),
+                          ("q_proj", "linear_q_proj"), ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
+                          ("kv_b_proj", "linear_kv_up_proj")),
+               "norms": (("q_a_layernorm", "q_layernorm"), ("kv_a_layernorm", "kv_layernorm"))}
+
 # The structure its rows verify (adapters/megatron.py's ARCHITECTURES: structures, the HF or SGLang side of a
 # pair names the family).
 MEGATRON_ARCHITECTURES = (
