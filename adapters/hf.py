@@ -16,7 +16,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tic_trace.adapters import hf_gemma_phi3_gptoss as _more
 from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
@@ -57,9 +56,9 @@ POINTS = (
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
     *LATENT_POINTS,
-) + _more.POINTS + tuple(pm for n in _FAM for pm in n.points)    # the families' rows (each for its architectures)
+) + tuple(pm for n in _FAM for pm in n.points)    # the families' rows (each for its architectures)
 # (point, architecture) pairs whose generic row is replaced by one of those
-_OVERRIDDEN = _more.OVERRIDDEN.union(*(n.tables.get("overridden", ()) for n in _FAM))
+_OVERRIDDEN = frozenset().union(*(n.tables.get("overridden", ()) for n in _FAM))
 
 
 _QK = ("attn.q_norm", "attn.k_norm")
@@ -87,7 +86,6 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
                  "every point (the QK-norms over the whole projection, as their gains are heads x head_dim wide)",
                  _T, lacks=_SHARED),
-    *_more.ARCHITECTURES,
     *SIGMOID_ROUTED,
     *(a for n in _FAM for a in n.architectures),
 )}
@@ -123,7 +121,7 @@ class HFAdapter(Adapter):
                                 tracer.tap_function(ns, fn)
                         tapped.add(f"{ns.__name__}:{suffix}")
         tracer.record_inputs_of(["re:^model\\.layers\\.\\d+$", "re:\\.self_attn\\.o_proj$",
-                                 "re:\\.post_attention_layernorm$", "re:\\.pre_feedforward_layernorm$",
+                                 "re:\\.post_attention_layernorm$",
                                  *(r for n in _FAM for r in n.tables.get("record_inputs", ()))])
 
     def describe(self, models: list) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from tic_trace.families import family_of
 from tic_trace.record.weight_pieces import WeightPiece, rows, whole
 
 _FUSED = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)")
@@ -15,7 +16,7 @@ _FUSED = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)")
 def hf_weight_pieces(models: list, params: dict) -> dict[str, list[WeightPiece]]:
     out: dict[str, list[WeightPiece]] = {}
     for i, model in enumerate(models):
-        per_expert = str(getattr(getattr(model, "config", None), "model_type", "")) != "gpt_oss"
+        per_expert = not _experts_fused_on_disk(model)
         for name, p in model.named_parameters():
             key = name if i == 0 else f"{i}:{name}"
             if key not in params:
@@ -23,6 +24,12 @@ def hf_weight_pieces(models: list, params: dict) -> dict[str, list[WeightPiece]]
             m = _FUSED.fullmatch(name)
             out[key] = _experts(m.group(1), m.group(2), p) if m and per_expert and p.dim() == 3 else whole(name, p)
     return out
+
+
+def _experts_fused_on_disk(model) -> bool:
+    """Whether the checkpoint keeps the fused expert tensors as they are (its family's HF table says so)."""
+    own = family_of(str(getattr(getattr(model, "config", None), "model_type", ""))).names().get("hf")
+    return bool(own and own.tables.get("checkpoint_fuses_experts"))
 
 
 def _experts(stem: str, kind: str, p) -> list[WeightPiece]:

@@ -8,7 +8,7 @@ import re
 import numpy as np
 
 from tic_trace.adapters import sglang_deepseek as sgl_ds
-from tic_trace.families import framework_names
+from tic_trace.families import BASE, FAMILIES, framework_names
 from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_merge, register_transform
 
 _L = r"model\.layers\.(?P<layer>\d+)"
@@ -66,33 +66,9 @@ POINTS = (
              note="only with SGLangAdapter(input_logprobs=True); else derived from logits"),
 )
 
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_L0_IN = r"model\.layers\.0\.input_layernorm:in\[0\]"
 #: Rows that hold only for the classes in ``opts["archs"]``; for those the generic row of the same point does
-#: not apply (``OVERRIDDEN``). Gemma (gemma2.py, gemma3_causal.py): the embedding is scaled by sqrt(hidden)
-#: after ``embed_tokens`` (Gemma2: in place on its output), so the scaled stream is layer 0's
-#: ``input_layernorm`` input; ``post_attention_layernorm(attn_out)`` is the attention branch's sandwich norm
-#: (one output); ``pre_feedforward_layernorm(branch, residual)`` returns ``(mlp_norm, mid)``;
-#: ``post_feedforward_layernorm`` normalises the MLP branch. Gemma3's QK-norm is the ``q_norm`` / ``k_norm``
-#: modules on ``[T, heads, d]`` (no ``apply_qk_norm``). GPT-OSS's router is ``mlp.router``.
-ARCH_POINTS = (
-    PointMap("embed", _L0_IN, opts={"archs": GEMMA}, note="Gemma: the embedding after its sqrt(hidden) scale"),
-    PointMap("input", _L0_IN, opts={"layer": 0, "archs": GEMMA}),
-    PointMap("input", _L + r"\.input_layernorm:out\[1\]", opts={"archs": GEMMA}),
-    PointMap("attn.post_norm", _L + r"\.post_attention_layernorm:out(\[0\])?", opts={"archs": GEMMA},
-             note="Gemma: the attention branch's norm, before the residual add"),
-    PointMap("mid", _L + r"\.pre_feedforward_layernorm:out\[1\]", opts={"archs": GEMMA},
-             note="pre_feedforward_layernorm(attn branch, residual) returns (normed, residual after attention)"),
-    PointMap("mlp_norm", _L + r"\.pre_feedforward_layernorm:out\[0\]", opts={"archs": GEMMA}),
-    PointMap("mlp.post_norm", _L + r"\.post_feedforward_layernorm:out(\[0\])?", opts={"archs": GEMMA},
-             note="Gemma: the MLP branch's norm, before the residual add"),
-    PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", "sgl_heads_q",
-             opts={"heads": "q", "archs": ("Gemma3ForCausalLM",)}),
-    PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", "sgl_heads_kv",
-             opts={"heads": "kv", "archs": ("Gemma3ForCausalLM",)}),
-    PointMap("moe.router_logits", _M + r"\.router:out(\[0\])?", opts={"archs": ("GptOssForCausalLM",)},
-             note="GPT-OSS: the router (with bias) is `mlp.router`, returning (logits, None)"),
-)
+#: not apply (``OVERRIDDEN``). The families' own rows are in their folders (tic_trace/families/<name>/names.py).
+ARCH_POINTS: tuple = ()
 OLMOE = ("OlmoeForCausalLM",)
 #: OLMoE (olmoe.py): QK-norm modules over the whole q / k projection, ``[T, heads * d]``.
 ARCH_POINTS += (
@@ -111,10 +87,14 @@ ARCH_POINTS += (
     PointMap("mlp.out", _B + r":out(\[0\])?", opts={"archs": MIXTRAL}),
 )
 ARCH_POINTS += sgl_ds.ROWS
+# the families' rows, tables and verified classes (families.base.FrameworkNames; the base transformer's are still
+# this module's own, above and below)
+_FAM = tuple(n for fam in FAMILIES if fam is not BASE for n in (fam.names().get("sglang"),) if n is not None)
+ARCH_POINTS += tuple(pm for n in _FAM for pm in n.points)
 #: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
 OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
 #: Module inputs an architecture's rows read (``tracer.record_inputs_of`` patterns).
-ARCH_INPUTS = {**{name: (r"re:^model\.layers\.0\.input_layernorm$",) for name in GEMMA}, **sgl_ds.INPUTS}
+ARCH_INPUTS = {**{k: v for n in _FAM for k, v in n.tables.get("inputs", {}).items()}, **sgl_ds.INPUTS}
 
 
 def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
@@ -122,11 +102,6 @@ def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
     only = pm.opts.get("archs")
     return arch in only if only is not None else (pm.point, arch) not in OVERRIDDEN
 
-_GEMMA_MODULES = ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
-                  "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
-                  "model.layers.N.post_attention_layernorm", "model.layers.N.pre_feedforward_layernorm",
-                  "model.layers.N.mlp", "model.layers.N.post_feedforward_layernorm", "model.norm",
-                  "logits_processor")
 #: Module paths (regexes, layer index written N) each architecture must have for its table rows.
 ARCH_MODULES: dict[str, tuple[str, ...]] = {
     "qwen_dense": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
@@ -152,25 +127,20 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                  "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                  "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
                  "model.norm", "logits_processor"),
-    "gemma2": _GEMMA_MODULES,
-    "gemma3": _GEMMA_MODULES + ("model.layers.N.self_attn.q_norm", "model.layers.N.self_attn.k_norm"),
-    "gpt_oss": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
-                "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
-                "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.router",
-                "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.norm", "logits_processor"),
     "deepseek_mla": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.o_proj",
                      "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
                      "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
                      "model.norm", "logits_processor"),
+    **{k: v for n in _FAM for k, v in n.tables.get("modules", {}).items()},
 }
 #: SGLang class name -> entry of ARCH_MODULES.
 ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
-    "LlamaForCausalLM": "qwen_dense", "Phi3ForCausalLM": "qwen_dense",   # llama.py: the same module tree
-    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "GptOssForCausalLM": "gpt_oss",
+    "LlamaForCausalLM": "qwen_dense",
     "Glm4MoeForCausalLM": "glm4_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
+    **{k: v for n in _FAM for k, v in n.tables.get("arch_of_class", {}).items()},
 }
 
 
@@ -199,17 +169,6 @@ ARCHITECTURES = {a.name: a for a in (
                  lacks=_QK + _MOE),
     Architecture("LlamaForCausalLM", ("Llama",), "dense, fused `qkv_proj` / `gate_up_proj`; prefill and decode "
                  "rows, TP=1 and 2", "every point the trace holds", _TP2_TESTS, lacks=_QK + _MOE),
-    Architecture("Phi3ForCausalLM", ("Phi-3",), "SGLang's Llama model code (`llama.py`) on a checkpoint whose "
-                 "`qkv_proj` / `gate_up_proj` are fused on disk; prefill and decode rows, TP=1 and 2",
-                 "every point the trace holds", _TP2_TESTS, lacks=_QK + _MOE),
-    Architecture("Gemma2ForCausalLM", ("Gemma 2",), "sandwich norms (`attn.post_norm`, `mlp.post_norm`), pre-MLP "
-                 "norm `pre_feedforward_layernorm`, the scaled embedding as layer 0's norm input; prefill and decode "
-                 "rows (TP=1)", "every point the trace holds: (1 + w) norms, soft-capped scores and logits, "
-                 "sliding windows", _ARCH_TESTS + "; attention soft-cap through a CPU backend shim",
-                 lacks=_QK + _MOE),
-    Architecture("Gemma3ForCausalLM", ("Gemma 3 (text)",), "as Gemma 2, QK-norm modules `q_norm` / `k_norm` on "
-                 "[T, heads, d]; prefill and decode rows (TP=1)", "every point the trace holds: as Gemma 2, "
-                 "one RoPE per layer type", _ARCH_TESTS, lacks=_MOE),
     Architecture("Qwen2MoeForCausalLM", ("Qwen2-MoE",), "MoE with a sigmoid-gated shared expert "
                  "(`moe.shared_out` is `shared_expert`'s output, before the gate that the block's fused kernel "
                  "applies with the add), q/k/v bias; prefill and decode rows (TP=1)", "every point the trace holds",
@@ -227,13 +186,6 @@ ARCHITECTURES = {a.name: a for a in (
                  "fp32 and bf16 replayed)", lacks=_QK + ("moe.shared_out",),
                  # TopK(renormalize=True) in mixtral.py: the top-k weights renormalised, whatever the config
                  defaults={"norm_topk_prob": True}),
-    Architecture("GptOssForCausalLM", ("GPT-OSS",), "router `mlp.router` (with bias), top-k, experts, attention "
-                 "with sinks; prefill and decode rows (TP=1). SGLang keeps the sinks in bf16 (fp32 only with "
-                 "`trtllm_mha`): an fp32 checkpoint's sinks are rounded", "every point the trace holds: router "
-                 "bias, clamped SwiGLU experts with biases, sinks, sliding windows, YaRN RoPE",
-                 _ARCH_MG_TESTS + "; attention sinks through a CPU backend shim", lacks=_QK + ("moe.shared_out",),
-                 # TopK(renormalize=True) in gpt_oss.py: the top-k weights renormalised, whatever the config
-                 defaults={"norm_topk_prob": True}),
     Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",), "MoE: sigmoid router (`mlp.gate`) with a "
                  "score-correction bias, group-limited top-k, routed scaling (multiplied into `moe.topk_weights` "
                  "and `moe.experts_out` where SGLang applies it later), `shared_experts`, dense first layers; "
@@ -249,12 +201,13 @@ ARCHITECTURES = {a.name: a for a in (
                  "of its recorded latent; at TP 2 the MoE block's output (a sum of per-rank partials) is said as "
                  "not replayed", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
                  lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
+    *(a for n in _FAM for a in n.architectures),
 )}
 #: Classes whose rows ran at TP=1 only (the table rows say "(TP=1)"): a trace at TP > 1 is refused by name. The
 #: Qwen3 / Qwen3-MoE rows ran at TP=2 (tests/test_sglang_adapter.py), Llama / Qwen2 / Phi-3's too
 #: (tests/test_sglang_tp2_archs.py), DeepSeek-V3's at TP 1 and 2 (sglang_deepseek.mla_refusal says above).
-ONE_RANK = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
-                      "MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"})
+ONE_RANK = frozenset({"Glm4MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"}
+                     ).union(*(n.tables.get("one_rank", ()) for n in _FAM))
 
 
 def tp_refusal(config: dict) -> str | None:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tic_trace.families import family_of, framework_names
 from tic_trace.record.weight_pieces import WeightPiece, cols, rows, whole
 
-_REPLICATED = ("RMSNorm", "GemmaRMSNorm", "LayerNorm", "ReplicatedLinear", "Gemma3RMSNorm")
+# replicated layers (a family may add its own norm classes: its SGLang table `replicated`)
+_REPLICATED = ("RMSNorm", "LayerNorm", "ReplicatedLinear",
+               *(c for n in framework_names("sglang") for c in n.tables.get("replicated", ())))
 _ROW_PARALLEL = ("RowParallelLinear",)
 _COLUMN_PARALLEL = ("ColumnParallelLinear",)
 
@@ -30,7 +33,7 @@ def sglang_weight_pieces(models: list, params: dict) -> dict[str, list[WeightPie
     """{parameter name (as ParameterHasher names it): its pieces}; names it cannot map are left out."""
     out: dict[str, list[WeightPiece]] = {}
     for i, model in enumerate(models):
-        fused_ckpt = str(getattr(getattr(model, "config", None), "model_type", "")) == "phi3"
+        fused_ckpt = _fused_on_disk(model)
         for mname, mod in model.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
                 full = f"{mname}.{pname}" if mname else pname
@@ -44,6 +47,12 @@ def sglang_weight_pieces(models: list, params: dict) -> dict[str, list[WeightPie
                 if pieces:
                     out[key] = pieces
     return out
+
+
+def _fused_on_disk(model: Any) -> bool:
+    """Whether the model's checkpoint itself fuses q/k/v and gate/up (its family's SGLang table says so)."""
+    own = family_of(str(getattr(getattr(model, "config", None), "model_type", ""))).names().get("sglang")
+    return bool(own and own.tables.get("checkpoint_fuses_qkv"))
 
 
 def _pieces(mod: Any, mname: str, pname: str, p, fused_ckpt: bool) -> list[WeightPiece] | None:

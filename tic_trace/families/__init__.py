@@ -12,12 +12,15 @@ and refuses two that claim the same model_type. A model_type no family owns is t
 from __future__ import annotations
 
 from .base import FRAMEWORKS, Family, FrameworkNames
-from . import deepseek, qwen3_next, transformer
+from . import deepseek, gemma, gpt_oss, phi3, qwen3_next, transformer
 
 # The registry: one line per family folder. BASE first (the plain dense / MoE transformer every family builds on).
 FAMILIES: tuple[Family, ...] = (
     transformer.FAMILY,
     deepseek.FAMILY,
+    gemma.FAMILY,
+    phi3.FAMILY,
+    gpt_oss.FAMILY,
     qwen3_next.FAMILY,
 )
 BASE: Family = transformer.FAMILY

@@ -5,7 +5,7 @@ tensor compute in fp32 and round once (HF's `gelu`, `gelu_pytorch_tanh`, `silu`;
 megatron-core's unfused `glu`), and the fused act-and-mul kernels round once or twice (SGLang's jit kernel: the
 activation in fp32, optionally rounded, times `up` in fp32, rounded; megatron-core's `bias_geglu` /
 `bias_swiglu` under `torch.compile`, which keeps the whole expression in fp32). Those are the *clean* variants
-(variants.py / arch_variants.py: unfused, fused). The fault is the same formula written as tensor ops and run in
+(variants.py / fact_variants.py: unfused, fused). The fault is the same formula written as tensor ops and run in
 bf16, every step rounded: HF's Python forms (`gelu_new`, `gelu_python_tanh`, `gelu_fast`, `gelu_python`),
 SGLang's `NewGELU.forward_native`, megatron-core's fusion functions run without their fuser, a model ported with
 the textbook formula. Where the config names one activation (say `gelu_pytorch_tanh`) and a side computes it

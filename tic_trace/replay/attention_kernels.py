@@ -1,6 +1,6 @@
 """Attention as each implementation computes it, on ``[B, H, T, d]`` tensors in the activations' dtype ``dt``: the
 kernels the replay's clean attention variants (and its known faults) run on a side's own inputs
-(``variants.py``, ``arch_variants.py``, the families' ``variants.py``). Each rounds where that implementation rounds."""
+(``variants.py``, ``fact_variants.py``, the families' ``variants.py``). Each rounds where that implementation rounds."""
 from __future__ import annotations
 
 import math
@@ -26,7 +26,7 @@ def flash(q, k, v, mask, scale, dt):
 def scaled_gemm(q, k, v, mask, scale, dt, cap=None, sinks=None):
     """megatron-core's local ``DotProductAttention``: the scale inside the score GEMM (``baddbmm(alpha=scale)``: one
     rounding of the scaled scores), softmax in fp32 (``attention_softmax_in_fp32``; GPT-OSS's sinks as one more
-    column, ``SoftmaxOne``), probabilities rounded before P.V. (arch_variants.py reuses it with caps and sinks.)"""
+    column, ``SoftmaxOne``), probabilities rounded before P.V. (fact_variants.py reuses it with caps and sinks.)"""
     s = ((q.float() @ k.float().transpose(-1, -2)) * scale).to(dt).float()
     if cap:
         s = torch.tanh(s / cap) * cap

@@ -23,7 +23,6 @@ from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
 from ..families import family_of
-from .arch_spec import arch_shapes
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -61,9 +60,7 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     if m is None:
         return None
     rest = m.group(2)
-    arch = family_of(spec.model_type).shapes(rest, spec)
-    if arch is None:
-        arch = arch_shapes(rest, spec)  # the families not yet in tic_trace/families/ (issue 36)
+    arch = family_of(spec.model_type).shapes(rest, spec)     # the family's own layout (fused, with biases)
     if arch is not None:
         return arch
     x = _EXPERT.fullmatch(rest)

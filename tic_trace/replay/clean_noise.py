@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from .arch_variants import ARCH_VARIANTS
 from .exact_model import Key, RowId, run_exact
 from .intrinsic import SideReplayer
 from .reference import F64, NotReplayable
+from .fact_variants import FACT_VARIANTS
 from .variants import DTYPES, Renderings, VariantInput, VARIANTS
 
 HOW = ("two clean forwards of the exact model on these tokens (side A's weights and routing): every point "
@@ -70,7 +70,7 @@ def _worst_clean(side: SideReplayer, key: Key, feeds: dict, rows: list[RowId], r
     value where the op has none, or none applies to these inputs)."""
     point, layer = key
     op = side.ref.op_of(point, layer) or point
-    variants = [v for v in (side.ref.family.variants().get(op) or ARCH_VARIANTS.get(op) or VARIANTS.get(op) or ())
+    variants = [v for v in (side.ref.family.variants().get(op) or FACT_VARIANTS.get(op) or VARIANTS.get(op) or ())
                 if v.clean]
     vin = VariantInput(side.ref, layer, feeds, rows, DTYPES[dt], side.tp, point=point)
     best, far = rounded, 0.0

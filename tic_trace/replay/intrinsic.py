@@ -23,8 +23,8 @@ from .grid import (effective_dtype, grid_spacing, round_to, row_relative_excess,
                    row_relative_excess_sq, row_sq)
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
-from .arch_variants import ARCH_VARIANTS
 from .variant_fit import fingerprint, frame, run_variants, undeclared_layouts
+from .fact_variants import FACT_VARIANTS
 from .variants import DTYPES, VARIANTS, VariantInput, tp_degrees, variant_rows
 
 # attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
@@ -302,8 +302,8 @@ class SideReplayer:
                        exact: np.ndarray) -> IntrinsicError:
         """The clean variants and known faults of the op, on (at most VARIANT_ROWS of) this side's own
         inputs: the point's envelope and this side's fingerprint (variants.py). 16-bit outputs only."""
-        variants = (self.ref.family.variants().get(err.envelope_key) or ARCH_VARIANTS.get(err.envelope_key)
-                    or VARIANTS.get(err.envelope_key))
+        key = err.envelope_key
+        variants = self.ref.family.variants().get(key) or FACT_VARIANTS.get(key) or VARIANTS.get(key)
         if err.dtype not in DTYPES or err.kind != "float" or not variants:
             return err
         # an op over each sample's earlier rows (the linear attention's) runs on all of them, not a subset

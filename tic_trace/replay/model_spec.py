@@ -12,8 +12,7 @@ from typing import Any
 
 from .not_replayable import CheckpointError
 from .rope import ROPE_KINDS
-from ..families import BY_MODEL_TYPE, family_of
-from .arch_spec import arch_facts  # the facts of the families not yet in tic_trace/families/ (issue 36)
+from ..families import family_of
 
 # A real config.json is a few KB (multimodal ones tens of KB): anything this large is not one.
 CONFIG_MAX_BYTES = 4 << 20
@@ -221,7 +220,7 @@ def layer_rope_specs(c: _Config) -> dict[str, RopeSpec]:
 
 def _rope_spec(c: _Config) -> RopeSpec:
     by_type = layer_rope_specs(c)
-    if by_type:     # the model's RoPE is the full-attention layers' (each layer's: arch_spec.rope_of_layer)
+    if by_type:     # the model's RoPE is the full-attention layers' (each layer's: layer_types.rope_of_layer)
         return by_type.get("full_attention") or next(iter(by_type.values()))
     return _rope_from(c, rope_params(c))
 
@@ -295,8 +294,8 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         attention_bias=c.bool("attention_bias", dflt.get("attention_bias", False)),
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         num_experts=experts, num_experts_per_tok=topk,
-        # GPT-OSS's softmax over the top-k logits renormalises the top-k weights (moves to its family, issue 36)
-        norm_topk_prob=c.bool("norm_topk_prob", dflt.get("norm_topk_prob", False)) or model_type == "gpt_oss",
+        # a family's code may fix it whatever the config says (Family.fixed: Mixtral's, GPT-OSS's)
+        norm_topk_prob=c.bool("norm_topk_prob", dflt.get("norm_topk_prob", False)),
         scoring_func=c.str("scoring_func", dflt.get("scoring_func", "softmax")),
         routed_scaling_factor=c.num("routed_scaling_factor", 0.0, 1e6, default=1.0, lo_open=True),
         n_group=c.int("n_group", 0, 1 << 16, default=1) or 1, topk_group=c.int("topk_group", 0, 1 << 16, default=1) or 1,
@@ -311,8 +310,6 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
 
 def _extra(c: _Config, model_type: str, hidden: int) -> dict:
     """`ModelSpec.extra`: the family's config facts, and the RoPE per layer type where the config gives one."""
-    if model_type not in BY_MODEL_TYPE:     # a family not yet moved into tic_trace/families/ (issue 36)
-        return arch_facts(c, model_type, hidden, layer_rope_specs(c))
     out = family_of(model_type).facts(c, model_type, hidden)
     ropes = layer_rope_specs(c)
     return {**out, "layer_ropes": ropes} if ropes else out

@@ -1,4 +1,4 @@
-"""CheckpointError (a checkpoint that cannot serve as the reference), and the one exception of the exact replay (reference.py, arch_ops.py): a point it cannot recompute."""
+"""CheckpointError (a checkpoint that cannot serve as the reference), and the one exception of the exact replay (reference.py, the families' ops): a point it cannot recompute."""
 
 
 class CheckpointError(ValueError):

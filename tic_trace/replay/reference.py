@@ -21,7 +21,6 @@ import torch
 
 from ..families import family_of
 from ..graph.canonical import BY_NAME
-from .arch_ops import arch_inputs_of, arch_op_of, arch_ops, derived_weight  # Gemma, Phi-3, GPT-OSS
 from .attention_ops import each_sample, spans_heads, windowed_attention
 from .layer_types import rope_of_layer
 from .checkpoint import FLOAT_DTYPES, HFCheckpoint
@@ -133,8 +132,6 @@ class _LayerWeights:
                 return self._cache[full]
         for n in names:             # a tensor the checkpoint stores fused (Phi-3's qkv_proj), or under another name
             t = self.ref.family.derived_weight(self, n)
-            if t is None:           # the families not yet in tic_trace/families/ (issue 36)
-                t = derived_weight(self, n)
             if t is not None:
                 return t
         if optional:
@@ -161,7 +158,7 @@ class _LayerWeights:
 # ---------------------------------------------------------------- the reference
 
 def op_of(point: str, spec: ModelSpec) -> str:
-    return family_of(spec.model_type).op_of(point, spec) or arch_op_of(point, spec) or _generic_op_of(point, spec)
+    return family_of(spec.model_type).op_of(point, spec) or _generic_op_of(point, spec)
 
 
 def _generic_op_of(point: str, spec: ModelSpec) -> str:
@@ -169,7 +166,14 @@ def _generic_op_of(point: str, spec: ModelSpec) -> str:
     `mlp.out` and a shared expert are a gated MLP (gate, up, act, product, down: five roundings in bf16); a
     MoE model's `mlp.out` adds the experts' output and, Qwen2-MoE style, the shared expert's scaled by a
     sigmoid gate (gate GEMM, sigmoid, product, sum: four roundings); without shared experts, or with
-    DeepSeek-style ungated ones, it is one addition."""
+    DeepSeek-style ungated ones, it is one addition. Some ops are chosen by config facts any family may state
+    (their variants: fact_variants.py): attention over windows, with soft-capped scores, a scale of its own or
+    sinks; a dense gated MLP whose activation is not SiLU."""
+    if point == "attn.core" and any(spec.extra.get(k) for k in ("sinks", "attn_softcap", "attn_scale",
+                                                                  "sliding_window")):
+        return "attention_ext"
+    if point == "mlp.out" and not spec.num_experts and spec.hidden_act not in ("silu", "swish"):
+        return "gated_mlp_act"
     if point == "moe.shared_out" or (point == "mlp.out" and not spec.num_experts):
         return "gated_mlp"
     if point == "mlp.out" and spec.shared_expert_intermediate_size:
@@ -182,8 +186,6 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
     the model's own shape: RoPE reads the projection itself when the model has no QK-norm, a dense MLP only
     its norm; `input`/`final_norm` read the previous layer's `output`, written `<prev>.output`)."""
     arch = family_of(spec.model_type).inputs_of(point, spec)
-    if arch is None:
-        arch = arch_inputs_of(point, spec)      # the families not yet in tic_trace/families/ (issue 36)
     if arch is not None:
         return arch
     if point in ("attn.q", "attn.k", "attn.v"):    # the schema's feeds of attn.q name MLA's q latent too
@@ -206,7 +208,7 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
         return ("<last>.output",)
     if point in ("embed", "logprobs"):
         return ()     # read the tokens
-    # the feeds only some architectures compute (canonical.PointSpec.optional) are theirs to name (arch_inputs_of)
+    # the feeds only some architectures compute (canonical.PointSpec.optional) are theirs to name (Family.inputs_of)
     return tuple(f for f in BY_NAME[point].feeds if f not in BY_NAME or not BY_NAME[f].optional)
 
 
@@ -235,9 +237,8 @@ class ExactReference:
         # tensor must not change the op replayed at every RoPE point.
         self.has_qk_norm = any(n.startswith("model.layers.") and n.endswith(".self_attn.q_norm.weight")
                                for n in self.ckpt.info)
-        # the ops this architecture computes otherwise (its family's; arch_ops.py for those not yet moved)
+        # the ops this architecture computes otherwise (its family's)
         self.arch_ops = {**({"attn.core": windowed_attention} if self.spec.extra.get("sliding_window") else {}),
-                         **arch_ops(self.spec, _OPS),
                          **self.family.ops(self.spec, _OPS)}
 
     def for_view(self, view) -> "ExactReference":

@@ -62,7 +62,7 @@ def run_variants(key: str, vin: VariantInput, fr: Frame | None, variants: list[V
                  envelope: bool = True, says: str = "") -> list[VariantResult]:
     """Every variant of `key` (a point, or the op replayed: `reference.op_of`) on these inputs, measured
     against the exact value and against the side's output (`fr`, both [rows, ...] of the same rows).
-    `variants`: these instead of VARIANTS' (the architecture-specific ops': arch_variants.py); `envelope`:
+    `variants`: these instead of VARIANTS' (a family's own ops': its variants.py); `envelope`:
     False for results that may name the side but not set its envelope (`undeclared_layouts`), `says` then what
     the trace declares instead."""
     out: list[VariantResult] = []

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import attention_kernels as K
 from .act_bf16 import gated_forms
-from .arch_ops import each_sample, spans_heads
+from .attention_ops import each_sample, spans_heads
 
 F64 = torch.float64
 VARIANT_ROWS = 256          # rows a variant is computed on: bounds its cost whatever the trace's length

@@ -1,7 +1,11 @@
-"""Clean implementations (and a known fault) of the ops `arch_ops.arch_op_of` names for Gemma2/3 and GPT-OSS,
-on a side's own inputs, as variants.py does for the Llama/Qwen family's: each rounds where that
-implementation rounds (HF's eager code rounds every elementwise step of a bf16 tensor; fused kernels keep
-fp32 and round once), so a point's envelope is what those implementations give on these inputs.
+"""Clean implementations (and known faults) of the ops any family computes by its config facts, not by its
+model_type (`reference._generic_op_of` names them): attention over sliding windows, with soft-capped scores, a
+scale of its own or learned sinks (`attention_ext`: Mistral, the Qwen families' windows, Gemma, GPT-OSS), and a
+gated MLP whose activation is not SiLU (`gated_mlp_act`: Gemma's GELU-tanh). As variants.py does for the base
+transformer's ops, each rounds where that implementation rounds (HF's eager code rounds every elementwise step of
+a bf16 tensor; fused kernels keep fp32 and round once), so a point's envelope is what those implementations give
+on these inputs. The replay looks an op up in its family's variants, then here (FACT_VARIANTS), then in
+variants.VARIANTS.
 """
 from __future__ import annotations
 
@@ -10,15 +14,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .arch_ops import _GEMMA_NORMS, attention_mask, attention_scale, clamped_swiglu, each_sample, oss_expert, sinks_of
-from .arch_spec import sliding_window
-from .attention_kernels import scaled_gemm
 from .act_bf16 import gated_forms
-from .variants import Renderings, Variant, VariantInput, _gemm, _norm_variants, _row_parallel, _tp_worst
-
-
-def _offset_weight(v: VariantInput) -> torch.Tensor:
-    return v.spec.extra["norm_offset"] + v.w(_GEMMA_NORMS[v.point])
+from .attention_kernels import scaled_gemm
+from .attention_ops import attention_mask, attention_scale, each_sample, sinks_of
+from .layer_types import sliding_window
+from .variants import Renderings, Variant, VariantInput, _gemm, _row_parallel, _tp_worst
 
 
 # ---------------------------------------------------------------- attention with caps, windows, sinks
@@ -89,7 +89,7 @@ def _attention(kernel):
     return run
 
 
-# ---------------------------------------------------------------- MLPs, logits, GPT-OSS's router and experts
+# ---------------------------------------------------------------- a gated MLP with another activation
 
 _ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": torch.relu}
 
@@ -119,47 +119,9 @@ def _gated_act_bf16(v: VariantInput) -> Renderings:
     return Renderings(outs, outs[0].shape[-1])
 
 
-def _capped_logits(fp32: bool):
-    def run(v: VariantInput) -> torch.Tensor:
-        head = v.w("lm_head.weight", optional=True)
-        head = head if head is not None else v.w("model.embed_tokens.weight")
-        cap = v.spec.extra["final_softcap"]
-        y = v.feeds["final_norm"].float() @ head.float().T
-        y = (torch.tanh(y / cap) * cap).to(v.dtype) if fp32 else torch.tanh(y.to(v.dtype) / cap) * cap
-        return y[:, :v.spec.vocab_size]
-    return run
 
-
-def _router(v: VariantInput) -> torch.Tensor:
-    return _gemm(v.feeds["mlp_norm"], v.w("mlp.router.weight"), v.dtype, v.w("mlp.router.bias", optional=True))
-
-
-def _oss_experts(fp32: bool):
-    """HF's eager experts in dt (every step rounded, outputs summed in dt), or each expert in fp32 rounded once."""
-    def run(v: VariantInput) -> torch.Tensor:
-        x, ids, wts, dt = v.feeds["mlp_norm"], v.feeds["moe.topk_ids"].long(), v.feeds["moe.topk_weights"], v.dtype
-        a, lim = v.spec.extra["swiglu_alpha"], v.spec.extra["swiglu_limit"]
-        lw = v.ref.weights(v.layer)
-        out = torch.zeros(x.shape, dtype=dt, device=x.device)
-        for e in torch.unique(ids).tolist():
-            r, slot = torch.nonzero(ids == e, as_tuple=True)
-            gu, gub, dn, dnb = oss_expert(lw, e)
-            w = wts[r, slot, None]
-            if fp32:
-                h = clamped_swiglu(x[r].float() @ gu.float() + gub.float(), a, lim)
-                y = ((h @ dn.float() + dnb.float()) * w.float()).to(dt)
-            else:
-                g = (x[r].to(dt) @ gu.to(dt)) + gub.to(dt)
-                h = clamped_swiglu(g, a, lim)
-                y = ((h @ dn.to(dt)) + dnb.to(dt)) * w.to(dt)
-            out.index_add_(0, r, y)
-        return out
-    return run
-
-
-def _arch_variants() -> dict[str, list[Variant]]:
+def _fact_variants() -> dict[str, list[Variant]]:
     return {
-        "offset_rmsnorm": _norm_variants(None, _offset_weight),
         "attention_ext": [Variant("eager", "eager attention", True, _attention(_eager)),
                           Variant("fp32_scores", "fp32 scores and softmax (fused kernel)", True, _attention(_fp32)),
                           Variant("scaled_gemm", "scale inside the score GEMM, fp32 softmax (megatron-core local)",
@@ -171,12 +133,7 @@ def _arch_variants() -> dict[str, list[Variant]]:
                                   layouts=True),
                           Variant("act_bf16", "activation evaluated op by op in bf16 (an extra rounding per step)",
                                   False, _gated_act_bf16)],
-        "softcapped_logits": [Variant("eager_cap", "bf16 soft-cap steps", True, _capped_logits(False)),
-                              Variant("fp32_cap", "fp32 soft-cap, one rounding", True, _capped_logits(True))],
-        "router_bias_gemm": [Variant("fp32_accumulate", "fp32 accumulation", True, _router)],
-        "clamped_swiglu_experts": [Variant("eager", "eager experts, every step rounded", True, _oss_experts(False)),
-                                   Variant("fp32", "each expert in fp32", True, _oss_experts(True))],
     }
 
 
-ARCH_VARIANTS: dict[str, list[Variant]] = _arch_variants()
+FACT_VARIANTS: dict[str, list[Variant]] = _fact_variants()
