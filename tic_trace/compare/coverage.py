@@ -45,8 +45,11 @@ def build(points: list, not_comparable: list[dict], rows: dict, *, only_a: Itera
 
 def _replay(compared: list) -> dict:
     """Points replayed against the reference on both sides, of the compared points (a derived point, computed
-    from others by the side's own arithmetic, is replayed through them and counted apart)."""
+    from others by the side's own arithmetic, is replayed through them and counted apart); the rows they were
+    replayed on, of the rows they have, summed over them (the finder replays a sample of a long trace's rows:
+    replay/replay_rows.py), and the logits' vocabulary columns where a sample of them was replayed."""
     done, missing, derived = 0, [], 0
+    rows, columns = {"replayed": 0, "total": 0, "points_sampled": 0}, {"replayed": 0, "total": 0}
     for p in compared:
         why = [f"{s.upper()}: {e['not_replayed']}" for s, e in sorted((p.intrinsic or {}).items())
                if isinstance(e, dict) and "not_replayed" in e]
@@ -58,7 +61,29 @@ def _replay(compared: list) -> dict:
             missing.append({"key": p.key, "reason": "; ".join(why)})
         else:
             done += 1
-    return {"replayed": done, "total": done + len(missing), "derived": derived, "not_replayed": _named(missing)}
+            _add_sampled(rows, columns, [e for e in p.intrinsic.values() if isinstance(e, dict)])
+    out = {"replayed": done, "total": done + len(missing), "derived": derived, "not_replayed": _named(missing),
+           "rows": rows}
+    if columns["total"]:
+        out["columns"] = columns
+    return out
+
+
+def _count(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _add_sampled(rows: dict, columns: dict, sides: list[dict]) -> None:
+    """One replayed point's rows (and sampled columns), both sides': the fewer replayed, of the more there were."""
+    got = [_count(e.get("rows")) for e in sides]
+    had = [_count(e.get("rows_total")) or _count(e.get("rows")) for e in sides]
+    rows["replayed"] += min(got, default=0)
+    rows["total"] += max(had, default=0)
+    rows["points_sampled"] += any(_count(e.get("rows_total")) for e in sides)
+    cols = [(_count(e.get("columns")), _count(e.get("columns_total"))) for e in sides if _count(e.get("columns"))]
+    if cols:
+        columns["replayed"] += min(c for c, _ in cols)
+        columns["total"] += max(t for _, t in cols)
 
 
 def _attribution(att: dict, budget: int | None) -> dict:

@@ -85,7 +85,7 @@ def find_divergence(a: CanonicalView | str, b: CanonicalView | str, *, tolerance
     n_layers = min(va.n_layers, vb.n_layers) if "layers" in structure else va.n_layers or vb.n_layers
     points = build_points(kept, n_layers)
     if ref is not None:
-        add_replay_facts(points, va, vb, ref, margins, progress)
+        add_replay_facts(points, va, vb, ref, margins, progress, measured=kept)
     worst, token_errors = _worst_tokens(kept, worst_tokens)
     routing = _routing_summary(kept)
     matched = set().union(*(m.rows for m in kept)) if kept else set()
@@ -199,17 +199,22 @@ def diff_contract_json(va: CanonicalView, vb: CanonicalView, ref) -> list[dict]:
 
 
 def add_replay_facts(points: list[Point], va: CanonicalView, vb: CanonicalView, ref, margins=None,
-                     progress: Callable[[str], None] | None = None) -> None:
+                     progress: Callable[[str], None] | None = None,
+                     measured: list[PointMeasurement] | None = None) -> None:
     """Each point's intrinsic error on each side (the side's output against the exact op on its own
-    inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`."""
+    inputs), saved in the point for the judge (`judge.judge_replay`) and for `rejudge`; on the rows the judge
+    needs, the same on both sides (replay_rows.py: chosen by the A-B errors of `measured`, and the rows' size)."""
     from ..replay.intrinsic import SideReplayer
+    from ..replay.replay_rows import RowSampler
     from .judge import encode_intrinsic
     ra, rb = SideReplayer(va, ref), SideReplayer(vb, ref)
+    sampler = RowSampler(ra, rb, measured)
     for p in points:
         if progress:
             progress(f"replay {p.key}")
-        p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer), margins),
-                       "b": encode_intrinsic(rb.replay(p.point, p.layer), margins)}
+        s = sampler.of(p.point, p.layer)
+        p.intrinsic = {"a": encode_intrinsic(ra.replay(p.point, p.layer, s), margins),
+                       "b": encode_intrinsic(rb.replay(p.point, p.layer, s), margins)}
 
 
 # ------------------------------------------------------------------------------------------------ step 2

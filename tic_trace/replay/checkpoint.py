@@ -245,15 +245,18 @@ class HFCheckpoint:
         with safe_open(str(t.file), framework="pt", device="cpu") as h:
             return h.get_tensor(self._stored.get(name, name))
 
-    def tensor(self, name: str, device: str = "cpu", dtype: str | None = None):
+    def tensor(self, name: str, device: str = "cpu", dtype: str | None = None, rows=None):
         """One parameter as float64 on `device`, first rounded to `dtype` (the dtype the side held it in) when
-        given: bf16/fp16/fp32 widen exactly, so the float64 tensor holds exactly the values that side ran."""
+        given: bf16/fp16/fp32 widen exactly, so the float64 tensor holds exactly the values that side ran.
+        `rows` (an index tensor): only those rows, taken before widening (`ExactReference.vocab_entries`)."""
         import torch
         info = self.info.get(name)
         if info is not None and info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name} is stored as {info.dtype}, not a float dtype "
                                   "(a quantized checkpoint): the exact reference needs the float weights")
         t = self._get(name)
+        if rows is not None:
+            t = t[rows]
         want = getattr(torch, dtype, None) if dtype in FLOAT_DTYPES else None
         if want is not None and t.dtype != want:
             t = t.to(want)

@@ -23,6 +23,7 @@ from .grid import (effective_dtype, grid_spacing, round_to, row_relative_excess,
                    row_relative_excess_sq, row_sq)
 from .exact_model import feed_key
 from .reference import ExactReference, NotReplayable
+from .replay_rows import EVERYTHING, Sample
 from .variant_fit import fingerprint, frame, run_variants, undeclared_layouts
 from .fact_variants import FACT_VARIANTS
 from .variants import DTYPES, VARIANTS, VariantInput, tp_degrees, variant_rows
@@ -72,6 +73,10 @@ class IntrinsicError:
                                # the layout the trace declares ("TP 1"); the side is named, not blamed
     sampled_excess: float = 0.0  # this side's excess on the rows its variants ran on, where those are a subset
                                  # (over VARIANT_ROWS rows): carries the envelope to all rows (Margins.limit_of)
+    rows_total: int = 0        # the rows this side has at the point, where only `rows` of them were replayed
+                               # (the finder's sample, replay_rows.py; 0: every row)
+    columns: int = 0           # the columns replayed of a wide point's rows (the logits' vocabulary; 0: all)
+    columns_total: int = 0     # of that many
 
     @property
     def excess(self) -> float:
@@ -231,27 +236,46 @@ class SideReplayer:
     def _feed_key(self, feed: str, layer: int | None) -> tuple[str, int | None]:
         return feed_key(feed, layer, self.view.n_layers)
 
-    def replay(self, point: str, layer: int | None) -> IntrinsicError | NotReplayed:
+    def replay(self, point: str, layer: int | None, sample: Sample = EVERYTHING) -> IntrinsicError | NotReplayed:
+        """This side's point against the exact op, on the rows (and columns) of `sample` it has (the finder's:
+        replay_rows.py; every row by default)."""
         self._enter(layer)
+        out = self.recorded(point, layer)
+        if sample.columns is not None and not (out is not None and out.values.ndim == 2
+                                               and out.values.shape[1] == sample.columns_total):
+            sample = dataclasses.replace(sample, columns=None)      # this side's rows are another width
         try:
-            return self._replay(point, layer)
+            with self.ref.vocab_entries(sample.columns):
+                return self._replay(point, layer, sample)
         except NotReplayable as e:
             return NotReplayed(point, layer, str(e))
 
-    def _replay(self, point: str, layer: int | None) -> IntrinsicError:
-        rows, y, exact, dtype, x = self._exact(point, layer)
+    def _replay(self, point: str, layer: int | None, sample: Sample) -> IntrinsicError:
+        rows, y, exact, dtype, x, (rows_total, columns) = self._exact(point, layer, sample)
         op = self.ref.op_of(point, layer)
         err = intrinsic_error(point, layer, y, exact, judged_dtype(op, dtype, self.view.config.get("dtype")),
                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None, op=op)
+        if rows_total or columns:
+            err = dataclasses.replace(err, rows_total=rows_total, columns=columns,
+                                      columns_total=sample.columns_total if columns else 0)
         return self._with_variants(err, layer, x, rows, y, exact)
+
+    def recorded(self, point: str, layer: int | None) -> CanonicalTensor | None:
+        """This side's record of (point, layer) where it holds values (loaded once: its replay reads it again)."""
+        if (point, layer) not in self.present:
+            return None
+        t = self._load(point, layer)
+        return t if t.values is not None else None
 
     def exact_pair(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str]:
         """(rows, this side's output at them, the exact op on this side's own inputs, the output's dtype):
         the output shaped like the exact value. Raises NotReplayable with the reason."""
         return self._exact(point, layer)[:4]
 
-    def _exact(self, point: str, layer: int | None) -> tuple[list[RowId], np.ndarray, np.ndarray, str, dict]:
-        """exact_pair, and the side's inputs as the exact op read them (float64 tensors by feed name)."""
+    def _exact(self, point: str, layer: int | None,
+               sample: Sample = EVERYTHING) -> tuple[list[RowId], np.ndarray, np.ndarray, str, dict, tuple]:
+        """exact_pair, the side's inputs as the exact op read them (float64 tensors by feed name), and what of
+        the point `sample` kept: (rows it had where fewer were kept, else 0; columns kept, else 0)."""
         self._enter(layer)
         self._check_not_rank_partials(point, layer)
         out = self._load(point, layer)
@@ -274,8 +298,10 @@ class SideReplayer:
         # Attention reads every earlier key/value row of a sample, not the query's row: those are gathered apart.
         aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f not in _KV_FEEDS}
         rows, idx = _common_rows(out, list(aligned.values()))
+        rows, idx, rows_total = sample.keep(rows, idx)
         if not rows:
-            raise NotReplayable("no row recorded in both the point and its inputs")
+            raise NotReplayable("no row recorded in both the point and its inputs"
+                                + (" among the rows replayed" if rows_total else ""))
         dev = self.ref.device
         x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
         if point == "attn.core" and "attn.kv_b" in feeds:
@@ -291,12 +317,14 @@ class SideReplayer:
                                 "says") from None
         if not np.isfinite(exact).all():
             raise NotReplayable(self._nonfinite_reason(exact, x))
-        y = out.values[idx[0]]
+        y, columns = out.values[idx[0]], 0
+        if sample.columns is not None:          # replay() checked this side's width
+            y, columns = y[:, sample.columns], len(sample.columns)
         if y.size != exact.size:
             raise NotReplayable(f"this side's output has {list(y.shape[1:])} per row where the checkpoint's "
                                 f"config gives {list(exact.shape[1:])}: the side computes another op (another "
                                 "top-k, head count or size)")
-        return rows, y.reshape(exact.shape), exact, out.dtype, x
+        return rows, y.reshape(exact.shape), exact, out.dtype, x, (rows_total, columns)
 
     def _with_variants(self, err: IntrinsicError, layer, x: dict, rows: list, y: np.ndarray,
                        exact: np.ndarray) -> IntrinsicError:
@@ -310,7 +338,8 @@ class SideReplayer:
         whole = err.envelope_key in self.ref.family.whole_sample_ops
         sel = list(range(len(rows))) if whole else variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
-        feeds = {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS else v) for f, v in x.items()}
+        feeds = x if len(sel) == len(rows) else {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS
+                                                     else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
         fr = frame(y[sel], exact[sel], err.dtype)
         results = run_variants(err.envelope_key, vin, fr, variants)

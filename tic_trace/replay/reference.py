@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from ..families import family_of
@@ -32,6 +34,7 @@ from .not_replayable import NotReplayable  # noqa: F401 - imported from here by 
 
 RowId = tuple[str, int]
 F64 = torch.float64
+VOCAB_TENSORS = ("lm_head.weight", "model.embed_tokens.weight")    # indexed by token: ExactReference.vocab_entries
 
 
 # ---------------------------------------------------------------- pure float64 ops
@@ -111,25 +114,29 @@ class _LayerWeights:
         self._cache: dict[str, torch.Tensor] = {}
 
     def get(self, *names: str, optional: bool = False) -> torch.Tensor | None:
-        """The first of `names` (relative to the layer) the checkpoint has."""
+        """The first of `names` (relative to the layer) the checkpoint has (a vocabulary-indexed tensor: only
+        the entries being replayed, where `ExactReference.vocab_entries` says which)."""
         for n in names:
             full = n if n.startswith(("model.", "lm_head")) else self.prefix + n
-            if full not in self._cache and self.ckpt.has(full):
+            cols = self.ref.entries if full in VOCAB_TENSORS else None
+            key = full if cols is None else (full, cols[1])
+            if key not in self._cache and self.ckpt.has(full):
                 info = self.ckpt.info[full]
                 if info.dtype not in FLOAT_DTYPES:
                     raise NotReplayable(f"checkpoint tensor {full} is stored as {info.dtype} (quantized), not "
                                         "the float weights the op ran with")
                 dtype = self.ref.weight_dtype(full)
-                got = self.ref.store.get((full, dtype))      # the other side's read of the same values
+                got = self.ref.store.get((key, dtype))      # the other side's read of the same values
                 if got is None:
-                    got = self.ref.store.put((full, dtype), self.ckpt.tensor(full, self.device, dtype))
+                    got = self.ref.store.put((key, dtype), self.ckpt.tensor(full, self.device, dtype,
+                                                                            rows=None if cols is None else cols[0]))
                 t, bad = got
-                self._cache[full] = t
+                self._cache[key] = t
                 if bad:
                     self.ref.nonfinite[full] = (bad, dtype or info.dtype)
-            if full in self._cache:
+            if key in self._cache:
                 self.ref.read.append(full)
-                return self._cache[full]
+                return self._cache[key]
         for n in names:             # a tensor the checkpoint stores fused (Phi-3's qkv_proj), or under another name
             t = self.ref.family.derived_weight(self, n)
             if t is not None:
@@ -232,6 +239,7 @@ class ExactReference:
         self.weight_dtypes = weight_dtypes
         self.nonfinite: dict[str, tuple[int, str]] = {}    # tensors read with NaN/Inf: (count, dtype rounded to)
         self.read: list[str] = []                          # tensors the current `compute` read
+        self.entries: tuple[torch.Tensor, bytes] | None = None  # vocab_entries' (indices, their key) while set
         self._w = _LayerWeights(self, None)
         # Any layer's q_norm says the model has QK-norm (a replayer also asks the side's own trace): one missing
         # tensor must not change the op replayed at every RoPE point.
@@ -240,6 +248,22 @@ class ExactReference:
         # the ops this architecture computes otherwise (its family's)
         self.arch_ops = {**({"attn.core": windowed_attention} if self.spec.extra.get("sliding_window") else {}),
                          **self.family.ops(self.spec, _OPS)}
+
+    @contextmanager
+    def vocab_entries(self, entries: np.ndarray | None) -> Iterator[None]:
+        """While open, the vocabulary-indexed tensors (VOCAB_TENSORS: the embedding table, lm_head) are read
+        at those entries (rows) only: the logits' exact op and every implementation of it (its variants, any
+        family's) then compute those vocabulary columns alone (replay_rows.py), the embedding those tokens'
+        rows, without widening a 262144-row table to float64. None: every entry."""
+        if entries is None:
+            yield
+            return
+        idx = np.ascontiguousarray(entries, dtype=np.int64)
+        before, self.entries = self.entries, (torch.from_numpy(idx), idx.tobytes())
+        try:
+            yield
+        finally:
+            self.entries = before
 
     def for_view(self, view) -> "ExactReference":
         """This reference for one side: the same checkpoint, each tensor rounded to the dtype that side ran."""
@@ -420,9 +444,10 @@ def _token_ids(ref: ExactReference, rows: list[RowId], tokens: dict[RowId, int],
 
 
 def _embed(ref: ExactReference, layer, feeds, rows, tokens):
-    ids = _token_ids(ref, rows, tokens, 0)
-    w = ref.weights(None).get("model.embed_tokens.weight")
-    return w[torch.tensor(ids, device=w.device)]
+    entries, at = np.unique(np.asarray(_token_ids(ref, rows, tokens, 0), dtype=np.int64), return_inverse=True)
+    with ref.vocab_entries(entries):        # the rows' tokens only, not the whole table widened
+        w = ref.weights(None).get("model.embed_tokens.weight")
+    return w[torch.from_numpy(at.reshape(-1)).to(w.device)]
 
 
 def _logits(ref: ExactReference, layer, feeds, rows, tokens):

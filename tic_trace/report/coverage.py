@@ -51,6 +51,13 @@ def _rows_text(r: dict) -> str:
 def _replay_text(r: dict) -> str:
     nr = _d(r.get("not_replayed"))
     s = f"points replayed {_n(r.get('replayed'))} of {_n(r.get('total'))}"
+    rows, cols, sampled = _d(r.get("rows")), _d(r.get("columns")), []
+    if rows.get("points_sampled"):      # the finder replays a sample of a long trace's rows (docs/replay.md)
+        sampled.append(f"rows replayed {_n(rows.get('replayed'))} of {_n(rows.get('total'))} summed over the points")
+    if cols:
+        sampled.append(f"logits columns {_n(cols.get('replayed'))} of {_n(cols.get('total'))}")
+    if sampled:
+        s += f" ({'; '.join(sampled)})"
     if _count(nr):
         s += f" (not replayed: {_names(nr)})"
     return s + (f", {_n(r['derived'])} derived" if r.get("derived") else "")

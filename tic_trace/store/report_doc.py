@@ -248,11 +248,24 @@ class CoverageRows(TypedDict):
     different_tokens: Count
 
 
-class CoverageReplay(TypedDict):
+class CoverageReplayRows(TypedDict):
     replayed: Count
     total: Count
-    derived: Count
-    not_replayed: CoverageNamed
+    points_sampled: Count
+
+
+class CoverageReplayColumns(TypedDict):
+    replayed: Count
+    total: Count
+
+
+class CoverageReplay(TypedDict, total=False):
+    replayed: Required[Count]
+    total: Required[Count]
+    derived: Required[Count]
+    not_replayed: Required[CoverageNamed]
+    rows: CoverageReplayRows            # absent in reports saved before the finder replayed a sample of rows
+    columns: CoverageReplayColumns
 
 
 class CoverageAttribution(TypedDict, total=False):
