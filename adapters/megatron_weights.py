@@ -17,7 +17,7 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   (group ``g`` owns query heads ``g*NH/NG ... (g+1)*NH/NG-1``), and TP rank ``r`` holds the contiguous
   ``r``-th 1/tp slice of those rows (whole groups when ``NG >= tp``). ``attention_bias`` models get
   ``linear_qkv.bias`` in the same order. Phi-3's fused ``qkv_proj`` (``[q | k | v]`` rows) and ``gate_up_proj``
-  (``[gate | up]``) are split first.
+  (``[gate | up]``) are split first (the phi3 family's Megatron tables ``fused_qkv`` / ``fused_gate_up``).
 * ``...self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hn]`` <- ``q_norm`` / ``k_norm``.
 * ``...self_attention.linear_proj.weight`` ``[H, NH*hn/tp]``: column slice ``r`` of ``o_proj``
   (``RowParallelLinear``; head order is preserved).
@@ -44,7 +44,8 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   (``mlp.shared_expert.*``) the same, its ``mlp.shared_expert_gate.weight`` -> ``mlp.shared_experts.gate_weight``.
 * GPT-OSS (a layer with ``mlp.router.weight``): ``o_proj.bias`` -> ``linear_proj.bias``, ``self_attn.sinks`` ->
   ``core_attention.softmax_offset``, ``mlp.router.{weight,bias}`` -> ``mlp.router.{weight,bias}``, the experts as
-  ``_gpt_oss_experts`` says (gate and up de-interleaved from alternate columns).
+  ``_interleaved_experts`` says (gate and up de-interleaved from alternate columns; the names: the gpt_oss
+  family's Megatron table ``interleaved_experts``).
 * ``decoder.final_layernorm.weight`` <- ``model.norm.weight``.
 * ``output_layer.weight`` ``[V/tp, H]`` <- ``lm_head.weight`` (row slice). With ``tie_word_embeddings``
   megatron shares ``embedding.word_embeddings.weight`` (``share_embeddings_and_output_weights=True``) and
@@ -108,14 +109,20 @@ def _pad_rows(t: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
 
 
+# Checkpoints that fuse q/k/v ([q | k | v] rows, under self_attn.) and gate/up ([gate | up] rows, under mlp.) on disk:
+# the families' Megatron tables `fused_qkv` / `fused_gate_up` name those tensors
+_FUSED_QKV = tuple(n.tables["fused_qkv"] for n in framework_names("megatron") if "fused_qkv" in n.tables)
+_FUSED_GATE_UP = tuple(n.tables["fused_gate_up"] for n in framework_names("megatron") if "fused_gate_up" in n.tables)
+
+
 def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str, shape: tuple[int, int, int],
                         tp_rank: int, tp_size: int, what: str) -> dict[str, torch.Tensor]:
     """q/k/v/o (and q/k/v bias, QK-norm) -> ``linear_qkv`` (per-group interleaved), the norms, ``linear_proj``."""
     n_heads, n_groups, head_dim = shape
     out = {}
-    if attn + "qkv_proj.weight" in sd:      # Phi-3: [q | k | v] rows of one fused projection
-        q, k, v = get(attn + "qkv_proj.weight").split([n_heads * head_dim, n_groups * head_dim,
-                                                        n_groups * head_dim])
+    fused = next((f for f in _FUSED_QKV if attn + f in sd), None)
+    if fused is not None:                   # a family's checkpoint: [q | k | v] rows of one fused projection
+        q, k, v = get(attn + fused).split([n_heads * head_dim, n_groups * head_dim, n_groups * head_dim])
         qkv = _interleave_qkv(q, k, v, n_heads, n_groups, head_dim)
     else:
         qkv = _interleave_qkv(get(attn + "q_proj.weight"), get(attn + "k_proj.weight"),
@@ -144,14 +151,21 @@ def _local_experts(n_experts: int, ep_rank: int, ep_size: int) -> list[tuple[int
     return [(k, ep_rank * n_local + k) for k in range(n_local)]
 
 
-def _gpt_oss_experts(get, mlp: str, dst: str, experts: list[tuple[int, int]], etp: tuple[int, int],
-                     what: str) -> dict[str, torch.Tensor]:
-    """GPT-OSS's router (weight and bias) and experts: ``gate_up_proj [E, H, 2F]`` with gate and up in alternate
-    columns, ``down_proj [E, F, H]`` (both input-major), their biases -> per expert ``linear_fc1`` ``[gate; up]``
-    and ``linear_fc2`` (output-major), with biases."""
-    out = {dst + "mlp.router.weight": get(mlp + "router.weight"), dst + "mlp.router.bias": get(mlp + "router.bias")}
-    gate_up, gate_up_b = get(mlp + "experts.gate_up_proj"), get(mlp + "experts.gate_up_proj_bias")
-    down, down_b = get(mlp + "experts.down_proj"), get(mlp + "experts.down_proj_bias")
+# MoE blocks the families convert by name (their Megatron `interleaved_experts` tables: a router with a bias,
+# experts stored fused and input-major with biases, gate and up in alternate columns)
+_INTERLEAVED_EXPERTS = tuple(n.tables["interleaved_experts"] for n in framework_names("megatron")
+                             if "interleaved_experts" in n.tables)
+
+
+def _interleaved_experts(get, mlp: str, dst: str, names: Mapping, experts: list[tuple[int, int]],
+                         etp: tuple[int, int], what: str) -> dict[str, torch.Tensor]:
+    """A router (weight and bias) and experts whose ``gate_up [E, H, 2F]`` holds gate and up in alternate columns,
+    ``down [E, F, H]`` (both input-major), with their biases (`names`: the family's HF names of each) -> per expert
+    ``linear_fc1`` ``[gate; up]`` and ``linear_fc2`` (output-major), with biases."""
+    out = {dst + "mlp.router.weight": get(mlp + names["router_weight"]),
+           dst + "mlp.router.bias": get(mlp + names["router_bias"])}
+    gate_up, gate_up_b = get(mlp + names["gate_up"]), get(mlp + names["gate_up_bias"])
+    down, down_b = get(mlp + names["down"]), get(mlp + names["down_bias"])
     for k, e in experts:
         edst = f"{dst}mlp.experts.local_experts.{k}."
         w, b = gate_up[e].T, gate_up_b[e]
@@ -251,9 +265,10 @@ def hf_to_megatron_state_dict(
         out[dst + "pre_mlp_layernorm.weight"] = get(src + "post_attention_layernorm.weight")
 
         mlp = src + "mlp."
-        if mlp + "router.weight" in sd:     # GPT-OSS
-            experts = _local_experts(int(get(mlp + "router.weight").shape[0]), ep_rank, ep_size)
-            out.update(_gpt_oss_experts(get, mlp, dst, experts, (etp_rank, etp_size), f"layer {i}"))
+        moe = next((n for n in _INTERLEAVED_EXPERTS if mlp + n["router_weight"] in sd), None)
+        if moe is not None:                 # a family's biased router and interleaved experts (its names)
+            experts = _local_experts(int(get(mlp + moe["router_weight"]).shape[0]), ep_rank, ep_size)
+            out.update(_interleaved_experts(get, mlp, dst, moe, experts, (etp_rank, etp_size), f"layer {i}"))
         elif mlp + "gate.weight" in sd:  # MoE layer
             out[dst + "mlp.router.weight"] = get(mlp + "gate.weight")
             fused = mlp + "experts.gate_up_proj" in sd
@@ -281,8 +296,9 @@ def hf_to_megatron_state_dict(
                                                             tp_rank, tp_size, f"layer {i} shared fc1")
                 out[shdst + "linear_fc2.weight"] = _shard(get(sh + "down_proj.weight"), tp_rank, tp_size, 1,
                                                           f"layer {i} shared fc2")
-        else:  # dense layer (Phi-3: gate and up as the two halves of one fused gate_up_proj)
-            gate, up = (get(mlp + "gate_up_proj.weight").chunk(2, dim=0) if mlp + "gate_up_proj.weight" in sd
+        else:  # dense layer (a family's checkpoint may hold gate and up as the two halves of one fused tensor)
+            fused = next((f for f in _FUSED_GATE_UP if mlp + f in sd), None)
+            gate, up = (get(mlp + fused).chunk(2, dim=0) if fused is not None
                         else (get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")))
             out[dst + "mlp.linear_fc1.weight"] = _glu_fc1(gate, up, tp_rank, tp_size, f"layer {i} fc1")
             out[dst + "mlp.linear_fc2.weight"] = _shard(

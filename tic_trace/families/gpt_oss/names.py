@@ -1,4 +1,4 @@
-"""GPT-OSS's HF and SGLang name tables (strings and `graph.adapter` rows only): its router is `mlp.router`
+"""GPT-OSS's HF, SGLang and Megatron name tables (strings and `graph.adapter` rows only): its router is `mlp.router`
 (HF: returning logits, top-k weights and top-k ids as the base's `mlp.gate` does; SGLang: `(logits, None)`), and
 for its class the base rows of those points do not apply."""
 from __future__ import annotations
@@ -43,8 +43,17 @@ SGLANG_ARCHITECTURES = (
 )
 
 
+# HF -> Megatron (adapters/megatron_weights.py): the router with its bias and the experts, fused and input-major
+# with biases, gate and up in alternate columns of gate_up_proj (names under model.layers.N.mlp.)
+MEGATRON_EXPERTS = {"router_weight": "router.weight", "router_bias": "router.bias",
+                    "gate_up": "experts.gate_up_proj", "gate_up_bias": "experts.gate_up_proj_bias",
+                    "down": "experts.down_proj", "down_bias": "experts.down_proj_bias"}
+
+
 def names() -> dict[str, FrameworkNames]:
     return {
+        # its structure is megatron.py's GPTModel MoE row (shared with other families); its weights' names here
+        "megatron": FrameworkNames(tables={"interleaved_experts": MEGATRON_EXPERTS}),
         "hf": FrameworkNames(points=HF_POINTS, architectures=HF_ARCHITECTURES, tables={
             # (point, class) pairs whose base row these rows replace
             "overridden": frozenset((pm.point, a) for pm in HF_POINTS for a in pm.opts["archs"]),

@@ -1,4 +1,4 @@
-"""Phi-3's HF and SGLang name tables (strings, `graph.adapter` rows, and the numpy transform that reads q, k and
+"""Phi-3's HF, SGLang and Megatron name tables (strings, `graph.adapter` rows, and the numpy transform that reads q, k and
 v out of the fused `qkv_proj` output; no framework import).
 
 - HF (modeling_phi3.py): q, k and v are the column blocks [q | k | v] of the fused `qkv_proj` output.
@@ -53,6 +53,8 @@ SGLANG_ARCHITECTURES = (
 
 def names() -> dict[str, FrameworkNames]:
     return {
+        # the GPTModel dense structure is megatron.py's (shared); the fused tensors the weight conversion splits
+        "megatron": FrameworkNames(tables={"fused_qkv": "qkv_proj.weight", "fused_gate_up": "gate_up_proj.weight"}),
         "hf": FrameworkNames(points=HF_POINTS, architectures=HF_ARCHITECTURES, tables={
             # (point, class) pairs whose base row these rows replace
             "overridden": frozenset((pm.point, a) for pm in HF_POINTS for a in pm.opts["archs"])}),
