@@ -8,7 +8,7 @@ The table's module names mean these points only in the architectures of `ARCHITE
 model class, e.g. `Qwen3ForCausalLM`; transformers 5.24): pre-norm decoders whose `post_attention_layernorm`
 is the pre-MLP norm, with `q_proj`/`k_proj`/`v_proj`, and an `mlp.gate` router returning (logits, top-k
 weights, top-k ids); DeepSeek-V3's multi-latent attention and the DeepSeek/GLM-4.5 MoE rows are
-`hf_deepseek.py`'s. Any other class is recorded as unverified and refused at compare time
+the deepseek family's (tic_trace/families/deepseek/names_hf.py). Any other class is recorded as unverified and refused at compare time
 (docs/adapters.md); `REFUSED` says what the table would get wrong for the ones known to differ.
 """
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
 
-from tic_trace.adapters.hf_deepseek import (LATENT_POINTS, SIGMOID_ROUTED, latent_applies, latent_facts,
-                                           selection_facts)
+from tic_trace.adapters.router_facts import selection_facts
 
 _L = r"model\.layers\.(?P<layer>\d+)"
 _A = _L + r"\.self_attn"
@@ -55,7 +54,6 @@ POINTS = (
     PointMap("output", _L + r":out(\[0\])?"),
     PointMap("final_norm", r"model\.norm:out"),
     PointMap("logits", r"lm_head:out", "vocab"),
-    *LATENT_POINTS,
 ) + tuple(pm for n in _FAM for pm in n.points)    # the families' rows (each for its architectures)
 # (point, architecture) pairs whose generic row is replaced by one of those
 _OVERRIDDEN = frozenset().union(*(n.tables.get("overridden", ()) for n in _FAM))
@@ -86,7 +84,6 @@ ARCHITECTURES = {a.name: a for a in (
     Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
                  "every point (the QK-norms over the whole projection, as their gains are heads x head_dim wide)",
                  _T, lacks=_SHARED),
-    *SIGMOID_ROUTED,
     *(a for n in _FAM for a in n.architectures),
 )}
 
@@ -159,7 +156,6 @@ class HFAdapter(Adapter):
             # transformers' own TP degree (`tp_size`: None unless the model was sharded with a tp_plan): the
             # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
-            **latent_facts(text),
             **(selection_facts(models[0], text) if n_exp else {}),
             **{k: v for n in _FAM if "describe" in n.tables for k, v in n.tables["describe"](text).items()},
         }
@@ -215,9 +211,6 @@ class HFAdapter(Adapter):
             return False                    # a row for other architectures, or one they replace
         if any(n.tables["applies"](pm, config) is False for n in _FAM if "applies" in n.tables):
             return False                    # a family's row its model lacks (no layer runs linear attention)
-        latent = latent_applies(pm, config)
-        if latent is not None:
-            return latent and super().applies(pm, config)
         if pm.point in _QK and not config.get("qk_norm", True):
             return False                    # the attention has no QK-norm module (read off the model)
         return super().applies(pm, config)

@@ -26,3 +26,15 @@ def router_facts(biases: Iterable[tuple[int, Any]], *, n_group: int | None, topk
         if isinstance(v, int) and v >= 1:
             out[key] = v
     return out
+
+
+def selection_facts(model: Any, text: Any) -> dict:
+    """The routers' score-correction bias per MoE layer (`mlp.gate.e_score_correction_bias`, HF's and SGLang's
+    module trees) and the group limit (`n_group`/`topk_group`; a group scored by its best two choice scores), for
+    the flip margins."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []    # the table's model.layers.N
+    biases = [(i, getattr(getattr(lay.mlp, "gate", None), "e_score_correction_bias", None))
+              for i, lay in enumerate(layers) if hasattr(lay, "mlp")]
+    n_group = getattr(text, "n_group", None)
+    return router_facts(biases, n_group=n_group, topk_group=getattr(text, "topk_group", None),
+                        group_top=2 if isinstance(n_group, int) and n_group > 1 else None)

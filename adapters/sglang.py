@@ -52,13 +52,14 @@ mapping rests on (SGLang 0.5.23, checked on real model code in ``tests/test_sgla
 
 Name tables: Qwen2 / Qwen3 (dense), Qwen2-MoE / Qwen3-MoE, GLM-4-MoE (same attention names as Qwen; partial
 RoPE, optional QK-norm, shared experts) and DeepSeek-V2/V3 (MLA: ``self_attn`` has no fused ``qkv_proj``; its
-latent points, the two attention paths and the routed scale's place are in :mod:`.sglang_deepseek`).
+latent points, the two attention paths and the routed scale's place are the deepseek family's,
+``tic_trace/families/deepseek/names_sglang.py``; the facts they read, :mod:`.sglang_facts`).
 ``ARCH_MODULES`` lists, per architecture, the module paths every table row relies on; the tests check them on
 module trees built on the ``meta`` device. Gemma 2 / Gemma 3 (text) have rows of their own (``ARCH_POINTS``:
 sandwich norms, the scaled embedding read as layer 0's norm input, Gemma 3's QK-norm modules). Verified
 (``ARCHITECTURES`` in :mod:`.sglang_names`: run against another framework) are Qwen2, Qwen3, Qwen3-MoE, Llama,
 Phi-3, Gemma 2, Gemma 3 (text), GPT-OSS, GLM-4.5 and DeepSeek-V3 (MLA at TP 1, on a backend that passes the
-RoPE dims inside q and k: :func:`.sglang_deepseek.mla_refusal`); a trace of any other class is marked
+RoPE dims inside q and k: the family's ``refusals.mla_refusal``); a trace of any other class is marked
 unverified and refused at compare time, the name-table-only ones with the reason in ``REFUSED``
 (docs/adapters.md).
 
@@ -76,8 +77,9 @@ import logging
 import sys
 from typing import Any, Callable
 
-from tic_trace.adapters import sglang_deepseek as sgl_ds
-from tic_trace.adapters.hf_deepseek import latent_facts, selection_facts
+from tic_trace.adapters.router_facts import selection_facts
+from tic_trace.adapters.sglang_facts import fused_shared_facts, mla_path_facts, routed_scale_facts
+from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Adapter, ArchitectureCheck, PointMap, merge, plain_settings, register_adapter
 from tic_trace.replay.grid import round_to
 from tic_trace.adapters.sglang_names import (ARCH_INPUTS, ARCH_OF_CLASS, ARCH_POINTS, ARCHITECTURES, MHA_POINTS,
@@ -86,6 +88,9 @@ from tic_trace.adapters.sglang_names import ARCH_MODULES, record_module  # noqa:
 from tic_trace.adapters.sglang_names import tp_refusal
 from tic_trace.adapters.sglang_rows import _par, _tp, forward_batch_rows
 from tic_trace.adapters.sglang_rows import parse_sample_rid, row_rids  # noqa: F401 - part of this adapter's API
+
+# The families' SGLang tables (tic_trace/families/<name>/names.py says what each key means).
+_FAM = framework_names("sglang")
 
 # Server arguments that change how the engine computes (kernels, backends, precisions, fusions).
 NUMERICS_SERVER_ARGS = (
@@ -221,9 +226,9 @@ class SGLangAdapter(Adapter):
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
             "fused_add_norm_fp32": _adds_in_fp32(getattr(real[0], "input_layernorm", None) if real else None),
-            **({**latent_facts(text), **sgl_ds.mla_path_facts()} if mla else {}),
+            **({**_family_facts(text), **mla_path_facts()} if mla else {}),
             **(selection_facts(model, text) if n_exp else {}),
-            **({**sgl_ds.routed_scale_facts(model, text), **sgl_ds.fused_shared_facts(model)} if n_exp else {}),
+            **({**routed_scale_facts(model, text), **fused_shared_facts(model)} if n_exp else {}),
         }
         arch = self.architecture(out)
         return self.settle_verified({**out, **arch.defaults} if arch is not None else out)
@@ -233,9 +238,10 @@ class SGLangAdapter(Adapter):
 
     def check_architecture(self, config: dict) -> ArchitectureCheck:
         """As the base, and a DeepSeek-V3 / GLM-4.5 trace only in the setup its rows were verified in
-        (sglang_deepseek.setup_refusal), a class verified at TP=1 only at that degree (sglang_names.tp_refusal)."""
+        (its family's `refusal` table), a class verified at TP=1 only at that degree (sglang_names.tp_refusal)."""
         c = super().check_architecture(config)
-        why = "; ".join(w for w in (sgl_ds.setup_refusal(config), tp_refusal(config)) if w) if c.verified else None
+        said = (*(n.tables["refusal"](config) for n in _FAM if "refusal" in n.tables), tp_refusal(config))
+        why = "; ".join(w for w in said if w) if c.verified else None
         return ArchitectureCheck(c.adapter, c.name, False, why) if why else c
 
     def rank_coords(self) -> dict:
@@ -321,14 +327,19 @@ class SGLangAdapter(Adapter):
             return False
         if pm.point in MHA_POINTS and config.get("attention") == "mla" and "archs" not in pm.opts:
             return False
-        if sgl_ds.row_applies(pm, config) is False:
-            return False
+        if any(n.tables["applies"](pm, config) is False for n in _FAM if "applies" in n.tables):
+            return False                # a family's row its model's setup lacks (MLA without a q latent...)
         if pm.point in ("attn.q_norm", "attn.k_norm") and not config.get("qk_norm", True):
             return False
         return super().applies(pm, config)
 
 
 ADAPTER = SGLangAdapter
+
+
+def _family_facts(text: Any) -> dict:
+    """The families' config facts for the manifest (MLA's ranks and per-head splits)."""
+    return {k: v for n in _FAM if "describe" in n.tables for k, v in n.tables["describe"](text).items()}
 register_adapter(SGLangAdapter)
 
 

@@ -7,7 +7,6 @@ import re
 
 import numpy as np
 
-from tic_trace.adapters import sglang_deepseek as sgl_ds
 from tic_trace.families import BASE, FAMILIES, framework_names
 from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, register_merge, register_transform
 
@@ -86,7 +85,6 @@ ARCH_POINTS += (
     PointMap("moe.experts_out", _B + r"\.experts:out", opts={"archs": MIXTRAL}),
     PointMap("mlp.out", _B + r":out(\[0\])?", opts={"archs": MIXTRAL}),
 )
-ARCH_POINTS += sgl_ds.ROWS
 # the families' rows, tables and verified classes (families.base.FrameworkNames; the base transformer's are still
 # this module's own, above and below)
 _FAM = tuple(n for fam in FAMILIES if fam is not BASE for n in (fam.names().get("sglang"),) if n is not None)
@@ -94,7 +92,7 @@ ARCH_POINTS += tuple(pm for n in _FAM for pm in n.points)
 #: (point, class) pairs whose generic row is replaced by one of ARCH_POINTS.
 OVERRIDDEN = frozenset((pm.point, a) for pm in ARCH_POINTS for a in pm.opts["archs"])
 #: Module inputs an architecture's rows read (``tracer.record_inputs_of`` patterns).
-ARCH_INPUTS = {**{k: v for n in _FAM for k, v in n.tables.get("inputs", {}).items()}, **sgl_ds.INPUTS}
+ARCH_INPUTS = {**{k: v for n in _FAM for k, v in n.tables.get("inputs", {}).items()}}
 
 
 def arch_row_applies(pm: PointMap, arch: str | None) -> bool:
@@ -122,15 +120,6 @@ ARCH_MODULES: dict[str, tuple[str, ...]] = {
                 "model.layers.N.post_attention_layernorm", "model.layers.N.block_sparse_moe",
                 "model.layers.N.block_sparse_moe.gate", "model.layers.N.block_sparse_moe.topk",
                 "model.layers.N.block_sparse_moe.experts", "model.norm", "logits_processor"),
-    "glm4_moe": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.qkv_proj",
-                 "model.layers.N.self_attn.attn", "model.layers.N.self_attn.o_proj",
-                 "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
-                 "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
-                 "model.norm", "logits_processor"),
-    "deepseek_mla": ("model.embed_tokens", "model.layers.N.input_layernorm", "model.layers.N.self_attn.o_proj",
-                     "model.layers.N.post_attention_layernorm", "model.layers.N.mlp", "model.layers.N.mlp.gate",
-                     "model.layers.N.mlp.topk", "model.layers.N.mlp.experts", "model.layers.N.mlp.shared_experts",
-                     "model.norm", "logits_processor"),
     **{k: v for n in _FAM for k, v in n.tables.get("modules", {}).items()},
 }
 #: SGLang class name -> entry of ARCH_MODULES.
@@ -138,8 +127,7 @@ ARCH_OF_CLASS = {
     "Qwen2ForCausalLM": "qwen_dense", "Qwen3ForCausalLM": "qwen_dense",
     "Qwen2MoeForCausalLM": "qwen_moe", "Qwen3MoeForCausalLM": "qwen_moe",
     "LlamaForCausalLM": "qwen_dense",
-    "Glm4MoeForCausalLM": "glm4_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
-    "DeepseekV2ForCausalLM": "deepseek_mla", "DeepseekV3ForCausalLM": "deepseek_mla",
+    "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
     **{k: v for n in _FAM for k, v in n.tables.get("arch_of_class", {}).items()},
 }
 
@@ -149,8 +137,6 @@ _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_ou
 _ARCH_TESTS = "`tests/test_sglang_archs.py` (against HF, fp32 and bf16 replayed)"
 _ARCH_MG_TESTS = _ARCH_TESTS + ", `tests/test_sglang_megatron_archs.py` (against Megatron, fp32 and bf16 replayed)"
 _TP2_TESTS = _ARCH_MG_TESTS + ", `tests/test_sglang_tp2_archs.py` (TP=2)"
-_SIGMOID_TESTS = "`tests/test_sglang_mla.py` (against HF and Megatron, fp32 and bf16 replayed)"
-_SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in the config
 _RUN = "prefill, chunked prefill, cached prefix and decode rows; TP=2 shards"
 #: SGLang classes whose table rows were verified by running SGLang's own model code against another framework
 #: (a name table alone, checked on the meta device, is not a verification).
@@ -186,27 +172,12 @@ ARCHITECTURES = {a.name: a for a in (
                  "fp32 and bf16 replayed)", lacks=_QK + ("moe.shared_out",),
                  # TopK(renormalize=True) in mixtral.py: the top-k weights renormalised, whatever the config
                  defaults={"norm_topk_prob": True}),
-    Architecture("Glm4MoeForCausalLM", ("GLM-4.5 (MoE)",), "MoE: sigmoid router (`mlp.gate`) with a "
-                 "score-correction bias, group-limited top-k, routed scaling (multiplied into `moe.topk_weights` "
-                 "and `moe.experts_out` where SGLang applies it later), `shared_experts`, dense first layers; "
-                 "partial RoPE, q/k/v bias, QK-norm (tapped `apply_qk_norm`); prefill and decode rows (TP=1); the "
-                 "shared expert fused into the routed ones refused (`--disable-shared-experts-fusion`)",
-                 "every point the trace holds", _SIGMOID_TESTS, defaults=_SIGMOID),
-    Architecture("DeepseekV3ForCausalLM", ("DeepSeek-V3 (MLA, MoE)",), "multi-latent attention: q and kv latents "
-                 "split from `fused_qkv_a_proj_with_mqa`, their norms, `kv_b_proj` (MHA passes only: the absorbed "
-                 "decode path folds it into `w_kc`/`w_vc`), RoPE dims of `attn_mha` / `attn_mqa` inputs, `o_proj`'s "
-                 "input as `attn.core`; MoE as GLM-4.5's; prefill and decode rows, TP=1 and 2 (TP > 2 and decode "
-                 "backends that take the RoPE dims apart, such as fa3 and flashinfer, refused)",
-                 "every point the trace holds: the absorbed decode path's `attn.core` over the exact up-projection "
-                 "of its recorded latent; at TP 2 the MoE block's output (a sum of per-rank partials) is said as "
-                 "not replayed", _SIGMOID_TESTS + "; MLA prefill through a CPU backend shim",
-                 lacks=("attn.k", "attn.v", "attn.q_norm", "attn.k_norm"), defaults=_SIGMOID),
     *(a for n in _FAM for a in n.architectures),
 )}
 #: Classes whose rows ran at TP=1 only (the table rows say "(TP=1)"): a trace at TP > 1 is refused by name. The
 #: Qwen3 / Qwen3-MoE rows ran at TP=2 (tests/test_sglang_adapter.py), Llama / Qwen2 / Phi-3's too
-#: (tests/test_sglang_tp2_archs.py), DeepSeek-V3's at TP 1 and 2 (sglang_deepseek.mla_refusal says above).
-ONE_RANK = frozenset({"Glm4MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"}
+#: (tests/test_sglang_tp2_archs.py), DeepSeek-V3's at TP 1 and 2 (the deepseek family's refusals.mla_refusal).
+ONE_RANK = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"}
                      ).union(*(n.tables.get("one_rank", ()) for n in _FAM))
 
 
@@ -220,9 +191,6 @@ def tp_refusal(config: dict) -> str | None:
 
 
 REFUSED = {
-    "DeepseekV2ForCausalLM": "DeepSeek-V2's class (`deepseek_v2.py`, DeepSeek-V3's code) with V2's routing "
-                             "(softmax scores, `topk_method` greedy / group_limited_greedy, no correction bias): "
-                             "never run against another framework (the DeepSeek-V3 class is)",
     **{a: why for n in framework_names("sglang") for a, why in n.refused.items()},     # the families' refusals
 }
 

@@ -266,7 +266,7 @@ def test_bf16_fp8_absorbed_value_weight_in_decode_is_found_at_attn_core_with_sgl
 def test_routed_scale_facts_follow_the_block_flags(sides):
     """Where the routed scale is taken from: SGLang's top-k config and the platform flags its MoE block reads
     (CUDA: the MoE runner applies it inside the experts; elsewhere the block multiplies afterwards)."""
-    from tic_trace.adapters import sglang_deepseek as sgl_ds
+    from tic_trace.adapters import sglang_facts as sgl_ds
     s = sides["glm", "fp32"]
     import transformers as T
     cfg = T.AutoConfig.from_pretrained(s["ck"])

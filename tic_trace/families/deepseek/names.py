@@ -9,8 +9,8 @@ refusals of setups the tests did not run (refusals.py). What each table key mean
   `refusal` (manifest config -> why its setup is not verified, or None), `attention_weights` (HF -> Megatron
   parameter names of its attention, adapters/megatron_weights.py).
 - sglang: `modules` (module lists by key), `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1
-  only), `inputs` (class -> module inputs recorded), `applies` (row, manifest config -> False / None), `refusal`
-  (manifest config -> why, or None).
+  only), `inputs` (class -> module inputs recorded), `describe` (the text config -> MLA's facts, for an MLA
+  model), `applies` (row, manifest config -> False / None), `refusal` (manifest config -> why, or None).
 """
 from __future__ import annotations
 
@@ -22,20 +22,15 @@ from .refusals import latent_refusal, setup_refusal
 
 
 def names() -> dict[str, FrameworkNames]:
-    return {"megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
-                                       tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
-                                               "describe": mg.latent_facts, "refusal": latent_refusal,
-                                               "attention_weights": mg.MLA_WEIGHTS})}
-
-
-def _all() -> dict[str, FrameworkNames]:
     return {"hf": FrameworkNames(points=hf.HF_POINTS, architectures=hf.HF_ARCHITECTURES,
                                  tables={"describe": hf.latent_facts, "applies": hf.latent_applies}),
             "megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
                                        tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
-                                               "describe": mg.latent_facts, "refusal": latent_refusal}),
+                                               "describe": mg.latent_facts, "refusal": latent_refusal,
+                                               "attention_weights": mg.MLA_WEIGHTS}),
             "sglang": FrameworkNames(points=sgl.ROWS, architectures=sgl.SGLANG_ARCHITECTURES,
                                      refused=sgl.SGLANG_REFUSED,
                                      tables={"modules": sgl.SGLANG_MODULES, "arch_of_class": sgl.SGLANG_ARCH_OF_CLASS,
                                              "one_rank": sgl.SGLANG_ONE_RANK, "inputs": sgl.INPUTS,
-                                             "applies": sgl.row_applies, "refusal": setup_refusal})}
+                                             "describe": hf.latent_facts, "applies": sgl.row_applies,
+                                             "refusal": setup_refusal})}
