@@ -133,7 +133,7 @@ def _weight_diffs(view_a: CanonicalView, view_b: CanonicalView,
     """Every parameter of both sides compared in the checkpoint's layout (weight_coverage.py): one `weights`
     difference per point whose tensors differ, and a `hashes` line saying how many were compared and naming
     every one that was not (absent only when all were compared and agree: the renderers then say "agree")."""
-    from ..view.weight_map import hf_point_of
+    from ..graph.weight_points import hf_point_of
     from .weight_coverage import compare_weights, side_weights
     ca, cb = side_weights(view_a), side_weights(view_b)
     cov = compare_weights(ca, cb)

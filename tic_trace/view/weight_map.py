@@ -4,9 +4,10 @@ exact reference rounds the checkpoint's weights to it). numpy only, like every r
 check calls it without loading torch."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..graph.weight_points import hf_point_of
 
 
 def weight_hashes_by_point(view: Any) -> dict[tuple[str, int | None], dict[str, list]]:
@@ -60,37 +61,6 @@ def _entry_ok(v: Any) -> bool:
     return (isinstance(v, (list, tuple)) and len(v) >= 3 and isinstance(v[0], int) and isinstance(v[1], str)
             and isinstance(v[2], (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                          for d in v[2]))
-
-
-# The canonical point whose op reads each HF checkpoint tensor (the reference's own names, reference.py).
-_HF_POINTS = (
-    (re.compile(r"model\.embed_tokens\.weight"), "embed"), (re.compile(r"model\.norm\.weight"), "final_norm"),
-    (re.compile(r"lm_head\.weight"), "logits"),
-    (re.compile(r"input_layernorm\."), "attn_norm"), (re.compile(r"post_attention_layernorm\."), "mlp_norm"),
-    (re.compile(r"self_attn\.q_proj\."), "attn.q"), (re.compile(r"self_attn\.k_proj\."), "attn.k"),
-    (re.compile(r"self_attn\.v_proj\."), "attn.v"), (re.compile(r"self_attn\.o_proj\."), "attn.out"),
-    (re.compile(r"self_attn\.q_norm\."), "attn.q_norm"), (re.compile(r"self_attn\.k_norm\."), "attn.k_norm"),
-    # names only Gemma (sandwich norms), Phi-3 (fused q/k/v) and GPT-OSS (router, sinks) use; Gemma's
-    # post_attention_layernorm is its attn.post_norm, read above as the Llama family's mlp_norm (a dtype fallback)
-    (re.compile(r"pre_feedforward_layernorm\."), "mlp_norm"),
-    (re.compile(r"post_feedforward_layernorm\."), "mlp.post_norm"),
-    (re.compile(r"self_attn\.qkv_proj\."), "attn.q"), (re.compile(r"self_attn\.sinks"), "attn.core"),
-    (re.compile(r"mlp\.router\."), "moe.router_logits"),
-    (re.compile(r"mlp\.gate\."), "moe.router_logits"), (re.compile(r"mlp\.experts\."), "moe.experts_out"),
-    (re.compile(r"mlp\.shared_experts?\."), "moe.shared_out"), (re.compile(r"mlp\."), "mlp.out"),
-)
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def hf_point_of(name: str) -> tuple[str, int | None] | None:
-    """(point, layer) of the op that reads HF checkpoint tensor `name` (None: a tensor the reference does not
-    read)."""
-    m = _LAYER.fullmatch(name)
-    layer, rest = (int(m.group(1)), m.group(2)) if m else (None, name)
-    for rx, point in _HF_POINTS:
-        if (m is None) == (point in ("embed", "final_norm", "logits")) and rx.match(rest):
-            return point, layer
-    return None
 
 
 FLOATS = ("bfloat16", "float16", "float32", "float64")

@@ -16,6 +16,9 @@ from typing import Any
 from ...replay.layer_types import windows
 
 MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
+# the checkpoint tensors only Gemma names, and the point whose op reads each (graph.weight_points): its
+# post_attention_layernorm is its attn.post_norm, read as the base's mlp_norm (a dtype fallback)
+HF_WEIGHT_POINTS = ((r"pre_feedforward_layernorm\.", "mlp_norm"), (r"post_feedforward_layernorm\.", "mlp.post_norm"))
 
 
 def facts(c: Any, model_type: str, hidden: int) -> dict:

@@ -18,8 +18,11 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Callable, Mapping
 
+from ...graph.weight_points import register_weight_points
 from ..base import Family
 from . import spec
+
+register_weight_points(spec.HF_WEIGHT_POINTS)
 
 
 def _ops(s: Any, base: Mapping[str, Callable]) -> dict:

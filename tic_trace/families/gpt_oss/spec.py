@@ -9,6 +9,8 @@ from typing import Any
 from ...replay.layer_types import windows
 
 MODEL_TYPES = ("gpt_oss",)
+# the checkpoint tensors only GPT-OSS names, and the point whose op reads each (graph.weight_points)
+HF_WEIGHT_POINTS = ((r"self_attn\.sinks", "attn.core"), (r"mlp\.router\.", "moe.router_logits"))
 
 
 def facts(c: Any, model_type: str, hidden: int) -> dict:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...graph.weight_points import register_weight_points
 from ..base import Family
 from . import spec
+
+register_weight_points(spec.HF_WEIGHT_POINTS)
 
 
 def _derived_weight(w: Any, name: str) -> Any:

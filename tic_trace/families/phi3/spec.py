@@ -8,6 +8,8 @@ from typing import Any
 from ...replay.layer_types import windows
 
 MODEL_TYPES = ("phi3",)
+# the fused q/k/v tensor, and the point whose op reads it first (graph.weight_points)
+HF_WEIGHT_POINTS = ((r"self_attn\.qkv_proj\.", "attn.q"),)
 
 
 def facts(c: Any, model_type: str, hidden: int) -> dict:
