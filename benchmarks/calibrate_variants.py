@@ -19,7 +19,7 @@ point and layer with the side (and, for 16-bit faults, the matching variant) nam
 
 `--mla`: DeepSeek-V3 (multi-latent attention, sigmoid group-limited MoE, a dense first layer) instead;
 `--head-dims` are then q/k's nope dims (rope dims half of them, v as nope). MLA's own ops (its latent norms,
-RoPE and attention: `replay/latent.py`) have no clean variants: they are judged by the constant envelope, so
+RoPE and attention: `families/deepseek/ops.py`) have no clean variants: they are judged by the constant envelope, so
 this mode also prints, per envelope-judged op, the largest clean excess on each half against
 `intrinsic_verdict.ENVELOPE`. The trained-like "massive" weights get no attention sinks there (the sink
 construction reads q_proj/k_proj).
