@@ -114,6 +114,9 @@ class Family:
     whole_sample_ops: frozenset = frozenset()
     # point -> inputs its op reads only where the trace holds them
     optional_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # op name (`op_of`'s) -> its clean envelope in 16 bits, the excess over correct rounding its clean kernels
+    # reach (intrinsic_verdict.ENVELOPE: the limit where its variants did not run)
+    envelopes: Mapping[str, float] = field(default_factory=dict)
 
     # --- name tables: framework (FRAMEWORKS) -> FrameworkNames, imported lazily (names.py)
     names: Callable[[], Mapping[str, FrameworkNames]] = _no_names

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
+from ..families import FAMILIES
 from ..graph.canonical import key_name
 from ..view.align import CanonicalView, common_points
 
@@ -37,9 +38,8 @@ ENVELOPE: dict[str, float] = {
     "moe.experts_out": 3.09,                                      # gate, up, act, product, down, weight, sum
     "gated_mlp": 2.66,                                            # gate, up, act, product, down
     "gated_shared_sum": 1.98,     # Qwen2-MoE mlp.out: gate GEMM, sigmoid, x shared, + experts
-    # MLA (DeepSeek-V3, reference.op_of): the same roundings as the standard ops they stand for
-    "latent_rmsnorm": 1.50, "latent_rope": 1.67, "latent_attention": 2.00,
 }
+ENVELOPE.update({op: e for fam in FAMILIES for op, e in fam.envelopes.items()})     # the families' own ops
 SINGLE_ROUNDING = 1.0
 # The envelopes hold where the op's internal precision (fp32 accumulation, fp32 norm statistics) is far
 # finer than its output's: 16-bit outputs. An fp32 output carries its own fp32 accumulation error, which

@@ -65,5 +65,7 @@ FAMILY = Family(
     op_of=latent_op,
     variants=_variants,
     optional_inputs=OPTIONAL_INPUTS,
+    # the same roundings as the standard ops they stand for (RMSNorm, RoPE's bf16 tables, eager attention)
+    envelopes={"latent_rmsnorm": 1.50, "latent_rope": 1.67, "latent_attention": 2.00},
     names=_names,
 )
