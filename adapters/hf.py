@@ -13,6 +13,7 @@ the deepseek family's (tic_trace/families/deepseek/names_hf.py). Any other class
 """
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -232,12 +233,13 @@ class HFAdapter(Adapter):
                 return dim
         if "apply_rotary_pos_emb" in record_name:
             return 0                        # [B, heads, S, d]: stored whole, the transform reads it
-        if ".mlp.gate:" in record_name or ".mlp.router:" in record_name or ".mlp.experts:" in record_name:
+        if ".mlp.gate:" in record_name or ".mlp.experts:" in record_name:
             return 1
         return 2
 
 
-_LOGITS_RECORDS = ("lm_head:out", "<root>:out['logits']")
+# the records that hold the logits: lm_head's, and a family's own (Gemma's soft-capped ones: the model's output)
+_LOGITS_RECORDS = ("lm_head:out", *(r for n in _FAM for r in n.tables.get("logits_records", ())))
 
 
 def _positions(kwargs: dict, b: int, s: int, mask):
@@ -287,7 +289,7 @@ def _keep_rows(tracer: Any, keep, b: int, s: int) -> None:
     import torch
     if keep is None or isinstance(keep, int) or not isinstance(keep, torch.Tensor):
         return
-    for rx in (r"lm_head:out", r"<root>:out\['logits'\]"):    # the root's: Gemma's soft-capped logits
+    for rx in map(re.escape, _LOGITS_RECORDS):
         if keep.dim() == 2 and keep.dtype == torch.bool and tuple(keep.shape) == (b, s):
             tracer.set_record_rows(rx, [i * s + j for i, j in keep.nonzero().tolist()])
         elif keep.dim() >= 1:

@@ -92,7 +92,9 @@ def names() -> dict[str, FrameworkNames]:
     return {
         "hf": FrameworkNames(points=HF_POINTS, architectures=HF_ARCHITECTURES, tables={
             # (point, class) pairs whose base row these rows replace; modules whose inputs are recorded (`mid`)
-            "overridden": _overridden(HF_POINTS), "record_inputs": ("re:\\.pre_feedforward_layernorm$",)}),
+            "overridden": _overridden(HF_POINTS), "record_inputs": ("re:\\.pre_feedforward_layernorm$",),
+            # the record holding the logits (the model's output, after Gemma 2's final soft-cap): logits_to_keep's
+            "logits_records": ("<root>:out['logits']",)}),
         "sglang": FrameworkNames(points=SGLANG_POINTS, architectures=SGLANG_ARCHITECTURES, tables={
             # module paths (layer index written N) each class's rows rely on, by table name
             "modules": {"gemma2": _SGLANG_MODULES,

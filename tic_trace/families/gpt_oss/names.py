@@ -58,7 +58,9 @@ def names() -> dict[str, FrameworkNames]:
             # (point, class) pairs whose base row these rows replace
             "overridden": frozenset((pm.point, a) for pm in HF_POINTS for a in pm.opts["archs"]),
             # the checkpoint holds the fused experts [E, H, 2F] as transformers does (not per expert)
-            "checkpoint_fuses_experts": True}),
+            "checkpoint_fuses_experts": True,
+            # its router's records: the token dim of the base's `mlp.gate` records (adapters/hf.py token_dims)
+            "token_dims": {".mlp.router:": 1}}),
         "sglang": FrameworkNames(points=SGLANG_POINTS, architectures=SGLANG_ARCHITECTURES, tables={
             "modules": {"gpt_oss": ("model.embed_tokens", "model.layers.N.input_layernorm",
                                     "model.layers.N.self_attn.qkv_proj", "model.layers.N.self_attn.attn",
