@@ -113,6 +113,8 @@ def _pad_rows(t: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
 # the families' Megatron tables `fused_qkv` / `fused_gate_up` name those tensors
 _FUSED_QKV = tuple(n.tables["fused_qkv"] for n in framework_names("megatron") if "fused_qkv" in n.tables)
 _FUSED_GATE_UP = tuple(n.tables["fused_gate_up"] for n in framework_names("megatron") if "fused_gate_up" in n.tables)
+# learned per-head sink logits (under self_attn.) -> megatron's parameter (the families' `attention_sinks` tables)
+_SINKS = tuple(n.tables["attention_sinks"] for n in framework_names("megatron") if "attention_sinks" in n.tables)
 
 
 def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str, shape: tuple[int, int, int],
@@ -136,10 +138,11 @@ def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str
         out[dst + "q_layernorm.weight"] = get(attn + "q_norm.weight")
         out[dst + "k_layernorm.weight"] = get(attn + "k_norm.weight")
     out[dst + "linear_proj.weight"] = _shard(get(attn + "o_proj.weight"), tp_rank, tp_size, 1, f"{what} o_proj")
-    if attn + "o_proj.bias" in sd:          # GPT-OSS: added once, after the row-parallel reduce
+    if attn + "o_proj.bias" in sd:          # added once, after the row-parallel reduce
         out[dst + "linear_proj.bias"] = get(attn + "o_proj.bias")
-    if attn + "sinks" in sd:                # GPT-OSS: one sink logit per query head
-        out[dst + "core_attention.softmax_offset"] = _shard(get(attn + "sinks"), tp_rank, tp_size, 0, f"{what} sinks")
+    for hf, mg in _SINKS:                   # a family's sink logit per query head (heads column-parallel)
+        if attn + hf in sd:
+            out[dst + mg] = _shard(get(attn + hf), tp_rank, tp_size, 0, f"{what} {hf}")
     return out
 
 

@@ -53,7 +53,9 @@ MEGATRON_EXPERTS = {"router_weight": "router.weight", "router_bias": "router.bia
 def names() -> dict[str, FrameworkNames]:
     return {
         # its structure is megatron.py's GPTModel MoE row (shared with other families); its weights' names here
-        "megatron": FrameworkNames(tables={"interleaved_experts": MEGATRON_EXPERTS}),
+        "megatron": FrameworkNames(tables={"interleaved_experts": MEGATRON_EXPERTS,
+                                           # the sinks: DotProductAttention's softmax_offset (softmax_type learnable)
+                                           "attention_sinks": ("sinks", "core_attention.softmax_offset")}),
         "hf": FrameworkNames(points=HF_POINTS, architectures=HF_ARCHITECTURES, tables={
             # (point, class) pairs whose base row these rows replace
             "overridden": frozenset((pm.point, a) for pm in HF_POINTS for a in pm.opts["archs"]),
