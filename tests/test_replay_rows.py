@@ -22,7 +22,7 @@ from tic_trace.testing.precision_faults import PRECISION_FAULTS
 VOCAB = 20000
 KEYS = ["s0", "s1", "s2", "s3"]
 IDS = tl.bos_first(sample_tokens(4, 32, vocab=VOCAB))
-PROMPT = 28         # the decode pair: a prefill of 28 positions, then 4 decode steps
+PROMPT = 29         # the decode pair: a prefill of 29 positions, then 3 decode steps
 
 
 def test_rows_chosen_are_the_worst_the_largest_and_an_even_spread():
@@ -128,9 +128,9 @@ def test_a_fault_on_every_row_is_found_on_the_sample(pair):
 
 
 def test_a_fault_in_the_decode_rows_only_is_in_the_sample_and_found(pair, tmp_path):
-    """Attention's softmax scale x1.05 from the decode steps on (a decode kernel unlike the prefill's): 16 of the
-    128 rows a point. The sample holds all 16 (the largest A-B error at the point), where its evenly spaced rows
-    alone would hold about half, and the fault is found at its point with its side."""
+    """Attention's softmax scale x1.05 from the decode steps on (a decode kernel unlike the prefill's): 12 of the
+    128 rows a point. The sample holds all 12 (the largest A-B error at the point), where its evenly spaced rows
+    alone would hold about a fifth of them, and the fault is found at its point with its side."""
     from tic_trace.compare.measure import measure_point
     from tic_trace.replay.intrinsic import SideReplayer
     from tic_trace.replay.reference import ExactReference

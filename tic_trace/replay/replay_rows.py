@@ -28,9 +28,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
-REPLAY_ROWS = 64        # rows a point is replayed on, at most (per side; the same rows on both)
-WORST_ROWS = 16         # of them: the largest A-B error at the point
-LARGEST_ROWS = 16       # of them: the largest against the median row (side A's output or first input)
+REPLAY_ROWS = 48        # rows a point is replayed on, at most (per side; the same rows on both)
+WORST_ROWS = 12         # of them: the largest A-B error at the point
+LARGEST_ROWS = 12       # of them: the largest against the median row (side A's output or first input)
 WIDE = 16384            # a row wider than this (the logits' vocabulary) is replayed on a set of columns
 COLUMNS = 2048          # evenly spaced columns of a wide row
 TOP_COLUMNS = 8         # and per replayed row: its largest values, its largest |A-B|
@@ -68,9 +68,10 @@ def top(values: np.ndarray, k: int) -> list[int]:
     return [int(i) for i in np.argsort(-v, kind="stable")[:k]]
 
 
-def choose_rows(n: int, error: np.ndarray | None, size: np.ndarray | None, budget: int = REPLAY_ROWS) -> list[int]:
-    """At most `budget` of n row indices, sorted: the WORST_ROWS largest `error`, the LARGEST_ROWS largest
-    `size` (either may be None), then evenly spaced ones over the rest. Every row where n <= budget."""
+def choose_rows(n: int, error: np.ndarray | None, size: np.ndarray | None, budget: int | None = None) -> list[int]:
+    """At most `budget` (REPLAY_ROWS) of n row indices, sorted: the WORST_ROWS largest `error`, the LARGEST_ROWS
+    largest `size` (either may be None), then evenly spaced ones over the rest. Every row where n <= budget."""
+    budget = REPLAY_ROWS if budget is None else budget
     if n <= budget:
         return list(range(n))
     chosen = set(top(error, WORST_ROWS) if error is not None else [])
