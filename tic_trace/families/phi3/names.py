@@ -1,5 +1,5 @@
-"""Phi-3's HF, SGLang and Megatron name tables (strings, `graph.adapter` rows, and the numpy transform that reads q, k and
-v out of the fused `qkv_proj` output; no framework import).
+"""Phi-3's HF, SGLang and Megatron name tables (strings, `graph.adapter` rows, and the numpy transform that reads
+q, k and v out of the fused `qkv_proj` output; no framework import).
 
 - HF (modeling_phi3.py): q, k and v are the column blocks [q | k | v] of the fused `qkv_proj` output.
 - SGLang runs Phi-3 with its Llama model code (`llama.py`): the base transformer's module tree and rows.
