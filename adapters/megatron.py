@@ -28,8 +28,9 @@ Record names (module paths of the model given to the tracer; wrappers ``module.`
   ``moe_shared_expert_overlap`` the alltoall dispatcher adds the shared output inside ``combine_postprocess``
   and ``shared_experts`` never fires: both MoE-output points are then not promised.
 * Multi-latent attention (``MLASelfAttention``, DeepSeek-V2/V3): its rows are the deepseek family's
-  (``tic_trace/families/deepseek/names_megatron.py``: the q and kv latents and their norms, the up-projections, the rope dims of core attention's q/k inputs); the router's
-  sigmoid / expert-bias / group-limited path is inside ``router`` and ends in the same ``(probs, routing_map)``.
+  (``tic_trace/families/deepseek/names_megatron.py``: the q and kv latents and their norms, the up-projections,
+  the rope dims of core attention's q/k inputs); the router's sigmoid / expert-bias / group-limited path is
+  inside ``router`` and ends in the same ``(probs, routing_map)``.
 * Logits: ``output_layer`` output ``[0]`` ``[s, b, V_pad/tp]``: ``cat:-1``, then the padding columns are cut
   (``vocab``). Megatron only knows the padded vocabulary: pass the tokenizer's size as
   ``MegatronAdapter(vocab_size=...)`` when the model's vocabulary is padded.

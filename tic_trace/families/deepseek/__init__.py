@@ -12,8 +12,8 @@ What is verified per framework:
 - HF: `DeepseekV3ForCausalLM` and `Glm4MoeForCausalLM`, every point, replayed in float64 (tests/test_archs_mla.py,
   tests/test_supported_archs.py, tests/test_router_choice.py, tests/test_dense_moe_layers.py).
 - Megatron: `MLASelfAttention` with the sigmoid group-limited router, shared experts and a dense first layer
-  (local spec, TP 1 and 2) against HF DeepSeek-V3 (tests/test_megatron_mla.py); the TE spec, SP, EP, CP, PP,
-  fused or YaRN MLA RoPE refused.
+  (local spec, TP 1 and 2) against HF DeepSeek-V3, and GLM-4.5's MoE on one rank (tests/test_megatron_mla.py);
+  the TE spec, SP, EP, CP, PP, fused or YaRN MLA RoPE refused.
 - SGLang: `DeepseekV3ForCausalLM` (prefill, the absorbed decode path, TP 1 and 2) and `Glm4MoeForCausalLM`
   (TP 1) against HF and Megatron (tests/test_sglang_mla.py); `DeepseekV2ForCausalLM` with V2's softmax routing
   refused.
@@ -55,7 +55,7 @@ FAMILY = Family(
     description="multi-latent attention (DeepSeek-V2/V3) and the sigmoid group-limited MoE with a score-correction "
                 "bias, routed scaling, shared experts and dense first layers (DeepSeek-V3, GLM-4.5)",
     verified={"hf": "DeepSeek-V3, GLM-4.5: every point, replayed",
-              "megatron": "DeepSeek-V3 (MLASelfAttention, local spec, TP 1 and 2): every point",
+              "megatron": "DeepSeek-V3 (MLASelfAttention, local spec, TP 1 and 2), GLM-4.5 (one rank): every point",
               "sglang": "DeepSeek-V3 (TP 1 and 2, absorbed decode), GLM-4.5 (TP 1): every point the trace holds"},
     # HF's DeepseekV3Attention rotates interleaved pairs unless the config says otherwise (V2's does not)
     defaults={"deepseek_v3": {**_SIGMOID, "rope_interleave": True}, "glm4_moe": _SIGMOID},
