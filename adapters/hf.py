@@ -5,11 +5,11 @@ a module input, or the output of `apply_rotary_pos_emb` (tapped in the model's o
 RoPE is a function call, not a module). Row r of a pass is batch b, position s, with r = b*S + s.
 
 The table's module names mean these points only in the architectures of `ARCHITECTURES` (keyed by the
-model class, e.g. `Qwen3ForCausalLM`; transformers 5.24): pre-norm decoders whose `post_attention_layernorm`
-is the pre-MLP norm, with `q_proj`/`k_proj`/`v_proj`, and an `mlp.gate` router returning (logits, top-k
-weights, top-k ids); DeepSeek-V3's multi-latent attention and the DeepSeek/GLM-4.5 MoE rows are
-the deepseek family's (tic_trace/families/deepseek/names_hf.py). Any other class is recorded as unverified and refused at compare time
-(docs/adapters.md); `REFUSED` says what the table would get wrong for the ones known to differ.
+model class; transformers 5.24). The rows and architectures are the model families' (tic_trace/families/<name>/
+names.py, read through `families.framework_names`): the base rows are the plain transformer's, each family's
+rows hold for its architectures only; this module keeps the mechanics (taps, inputs recorded, describe). Any
+other class is recorded as unverified and refused at compare time (docs/adapters.md); `REFUSED` says what the
+table would get wrong for the ones known to differ.
 """
 from __future__ import annotations
 
@@ -18,77 +18,25 @@ import sys
 from typing import Any
 
 from tic_trace.families import framework_names
-from tic_trace.graph.adapter import Adapter, Architecture, PointMap, plain_settings, register_adapter, rope_scaling_of
+from tic_trace.graph.adapter import Adapter, PointMap, plain_settings, register_adapter, rope_scaling_of
 
 from tic_trace.adapters.router_facts import selection_facts
 
-_L = r"model\.layers\.(?P<layer>\d+)"
-_A = _L + r"\.self_attn"
 # the families' HF tables (tic_trace/families/<name>/names.py); what each key means: families.base.FrameworkNames
 _FAM = framework_names("hf")
 _TAPS = {suffix: fns for n in _FAM for suffix, fns in n.tables.get("taps", {}).items()}
 _TOKEN_DIMS = {part: d for n in _FAM for part, d in n.tables.get("token_dims", {}).items()}
 
-POINTS = (
-    PointMap("embed", r"model\.embed_tokens:out"),
-    PointMap("input", _L + r":in(\[0\]|\.hidden_states)", note="decoder layer input = residual stream"),
-    PointMap("attn_norm", _L + r"\.input_layernorm:out"),
-    PointMap("attn.q", _A + r"\.q_proj:out", "heads", opts={"heads": "q"}),
-    PointMap("attn.k", _A + r"\.k_proj:out", "heads", opts={"heads": "kv"}),
-    PointMap("attn.v", _A + r"\.v_proj:out", "heads", opts={"heads": "kv"}),
-    PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", opts={"heads": "q"}),
-    PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", opts={"heads": "kv"}),
-    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[0\]", "bhsd"),
-    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb(_interleave)?:out\[1\]", "bhsd"),
-    PointMap("attn.core", _A + r"\.o_proj:in\[0\]", note="o_proj input = attention output"),
-    PointMap("attn.out", _A + r"\.o_proj:out"),
-    PointMap("mid", _L + r"\.post_attention_layernorm:in\[0\]", note="post-attention norm input = residual"),
-    PointMap("mlp_norm", _L + r"\.post_attention_layernorm:out"),
-    PointMap("moe.router_logits", _L + r"\.mlp\.gate:out\[0\]"),
-    PointMap("moe.topk_ids", _L + r"\.mlp\.gate:out\[2\]", "sorted_ids"),
-    PointMap("moe.topk_weights", _L + r"\.mlp\.gate:out\[1\]", "weights_by_sorted_ids",
-             also={"ids": "model.layers.{layer}.mlp.gate:out[2]"}),
-    PointMap("moe.experts_out", _L + r"\.mlp\.experts:out"),
-    PointMap("moe.shared_out", _L + r"\.mlp\.shared_experts?:out",
-             note="Qwen2-MoE's `shared_expert`, DeepSeek/GLM's `shared_experts`"),
-    PointMap("mlp.out", _L + r"\.mlp:out(\[0\])?"),
-    PointMap("output", _L + r":out(\[0\])?"),
-    PointMap("final_norm", r"model\.norm:out"),
-    PointMap("logits", r"lm_head:out", "vocab"),
-) + tuple(pm for n in _FAM for pm in n.points)    # the families' rows (each for its architectures)
+# the base rows (families/transformer/names.py), then each family's rows (each for its architectures)
+POINTS = tuple(pm for n in _FAM for pm in n.points)
 # (point, architecture) pairs whose generic row is replaced by one of those
 _OVERRIDDEN = frozenset().union(*(n.tables.get("overridden", ()) for n in _FAM))
 
 
-_QK = ("attn.q_norm", "attn.k_norm")
-_MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
-_SHARED = ("moe.shared_out",)
-_T = "`tests/test_supported_archs.py`"
-
-# Verified: a clean pair of tiny random models of the class is consistent, every point the table promises
-# is recorded (and none it says the class lacks), the residual identities mid = input + attn.out and
-# output = mid + mlp.out hold on the recorded points, and a bf16 pair replayed against its own checkpoint
-# judges every point but `replay_gaps` with no finding (tests/test_supported_archs.py).
-ARCHITECTURES = {a.name: a for a in (
-    Architecture("LlamaForCausalLM", ("Llama",), "dense, pre-norm, RoPE", "every point", _T, lacks=_QK + _MOE),
-    Architecture("Qwen2ForCausalLM", ("Qwen2",), "dense, q/k/v bias", "every point", _T, lacks=_QK + _MOE),
-    Architecture("Qwen3ForCausalLM", ("Qwen3",), "dense, per-head QK-norm", "every point",
-                 _T + ", `test_finder.py`, `test_replay_finder.py`", lacks=_MOE),
-    Architecture("Qwen3MoeForCausalLM", ("Qwen3-MoE",), "MoE (softmax router, top-k), per-head QK-norm",
-                 "every point", _T + ", `test_finder.py`, `test_replay_finder.py`", lacks=_SHARED),
-    Architecture("Qwen2MoeForCausalLM", ("Qwen2-MoE",), "MoE with a sigmoid-gated shared expert, q/k/v bias",
-                 "every point", _T + ", `test_replay.py`", lacks=_QK),
-    # MixtralTopKRouter renormalises the top-k weights whatever the config says (it has no norm_topk_prob)
-    Architecture("MixtralForCausalLM", ("Mixtral",), "MoE (softmax router, top-k always renormalised)",
-                 "every point (the router and w1/w2/w3 experts read under the checkpoint's `block_sparse_moe`)",
-                 _T, lacks=_QK + _SHARED, defaults={"norm_topk_prob": True}),
-    Architecture("OlmoeForCausalLM", ("OLMoE",), "MoE, QK-norm over the whole q/k projection (not per head)",
-                 "every point (the QK-norms over the whole projection, as their gains are heads x head_dim wide)",
-                 _T, lacks=_SHARED),
-    *(a for n in _FAM for a in n.architectures),
-)}
+ARCHITECTURES = {a.name: a for n in _FAM for a in n.architectures}
 
 REFUSED: dict[str, str] = {a: why for n in _FAM for a, why in n.refused.items()}
+_QK = ("attn.q_norm", "attn.k_norm")
 
 
 class HFAdapter(Adapter):
