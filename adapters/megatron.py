@@ -72,7 +72,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tic_trace.adapters.router_facts import router_facts
-from tic_trace.graph.adapter import (Adapter, Architecture, ArchitectureCheck, PointMap, TransformContext,
+from tic_trace.graph.adapter import (Adapter, ArchitectureCheck, PointMap, TransformContext,
                                register_adapter, register_merge, register_transform)
 from tic_trace.graph.adapter import as_ints as _ints
 from tic_trace.graph.adapter import plain_settings, transform
@@ -93,56 +93,16 @@ NUMERICS_FIELDS = (
     "disable_bf16_reduced_precision_matmul", "cross_entropy_fusion_impl", "fp8", "fp8_recipe")
 
 # Wrapper prefixes: a virtual-pipeline chunk (`chunk{i}.` from the tracer) and DDP / Float16Module `module.`.
-_P = r"(?P<prefix>(?:chunk(?P<chunk>\d+)\.)?(?:module\.)*)"
-_L = _P + r"decoder\.layers\.(?P<layer>\d+)"
-_A = _L + r"\.self_attention"
-_M = _L + r"\.mlp"
-
-# The families' Megatron tables (tic_trace/families/<name>/names.py says what each key means), and the rows of
-# their own attention modules (MLASelfAttention's) with the family whose `applies` decides them.
+# The families' Megatron tables (tic_trace/families/<name>/names.py says what each key means): the base rows and
+# structures are the plain transformer's; a family's own attention modules (MLASelfAttention's) give rows of their
+# own (`attention_rows`, with the family whose `applies` decides them), put before the base `attn.core` row.
 _FAM = framework_names("megatron")
+_BASE = next(n for n in _FAM if "attention_prefix" in n.tables)
+_A = _BASE.tables["attention_prefix"]
 _FAM_ROWS = tuple((n, n.tables["attention_rows"](_A)) for n in _FAM if "attention_rows" in n.tables)
-POINTS = (
-    PointMap("embed", _P + r"embedding:out", merge="seq"),
-    PointMap("input", _L + r":in(\[0\]|\.hidden_states)", merge="seq",
-             note="decoder layer input (called with hidden_states=...) = residual stream"),
-    PointMap("attn_norm", _L + r"\.input_layernorm:out", merge="seq",
-             note="TE spec: IdentityOp (norm fused into linear_qkv) -> not produced"),
-    PointMap("attn.q", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "q"},
-             note="per-query-group interleaved [q_g | k_g | v_g] split; TP slices concatenated"),
-    PointMap("attn.k", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "k"}),
-    PointMap("attn.v", _A + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "v"}),
-    PointMap("attn.q_norm", _A + r"\.q_layernorm:out", "heads", "heads", opts={"heads": "q"}),
-    PointMap("attn.k_norm", _A + r"\.k_layernorm:out", "heads", "kv_heads", opts={"heads": "kv"}),
-    PointMap("attn.q_rope", _A + r"\.core_attention:in\[0\]", "heads", "heads", opts={"heads": "q"},
-             note="core_attention's query input: post-RoPE"),
-    PointMap("attn.k_rope", _A + r"\.core_attention:in\[1\]", "heads", "kv_heads", opts={"heads": "kv"},
-             note="core_attention's key input: post-RoPE, before any GQA expansion"),
-    *(pm for _, rows in _FAM_ROWS for pm in rows),
-    PointMap("attn.core", _A + r"\.core_attention:out", merge="cat:-1"),
-    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", merge="seq",
-             note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
-    PointMap("attn.out", _A + r"\.linear_proj:out\[0\]", "megatron_biased", "seq", opts={"when": True},
-             also={"bias": "{prefix}decoder.layers.{layer}.self_attention.linear_proj:out[1]"},
-             note="add_bias_linear: linear_proj returns its bias apart (out[1]); bias-dropout-add adds it"),
-    PointMap("mid", _L + r"\.pre_mlp_layernorm:in\[0\]", merge="seq", note="pre-MLP norm input = residual"),
-    PointMap("mlp_norm", _L + r"\.pre_mlp_layernorm:out", merge="seq",
-             note="TE spec dense layers: IdentityOp (norm fused into linear_fc1) -> not produced"),
-    PointMap("moe.router_logits", _M + r"\.router/fn:gating:out", merge="seq", note="tapped router.gating"),
-    PointMap("moe.topk_ids", _M + r"\.router:out\[1\]", "dense_topk_ids", "seq", note="routing_map [T, E]"),
-    PointMap("moe.topk_weights", _M + r"\.router:out\[0\]", "dense_topk_weights", "seq",
-             also={"map": "{prefix}decoder.layers.{layer}.mlp.router:out[1]"}, note="probs [T, E] at the map"),
-    PointMap("moe.experts_out", _M + r"/fn:combine_postprocess:out", merge="seq",
-             note="tapped token_dispatcher.combine_postprocess: routed experts combined, token order"),
-    PointMap("moe.shared_out", _M + r"\.shared_experts:out", merge="seq"),
-    PointMap("moe.shared_out", _M + r"\.shared_experts\.linear_fc2:out\[0\]", merge="seq", opts={"when": True},
-             note="moe_shared_expert_gate: the shared expert's output before its sigmoid gate (the module's output is "
-                  "after it; HF's shared_expert, the canonical point, before)"),
-    PointMap("mlp.out", _M + r":out\[0\]", merge="seq"),
-    PointMap("output", _L + r":out\[0\]", merge="seq"),
-    PointMap("final_norm", _P + r"decoder\.final_(?:layernorm|norm):out", merge="seq"),
-    PointMap("logits", _P + r"output_layer:out\[0\]", "vocab", "cat:-1", note="vocab shards; padding cut"),
-)
+_AT = _BASE.tables["family_rows_at"]
+POINTS = (*_BASE.points[:_AT], *(pm for _, rows in _FAM_ROWS for pm in rows), *_BASE.points[_AT:],
+          *(pm for n in _FAM if n is not _BASE for pm in n.points))
 
 # Points read from another record when a trace fact is on: the row with opts {"when": True} applies then, the plain
 # row otherwise (add_bias_linear: linear_proj's bias comes apart; moe_shared_expert_gate: the module's output is
@@ -339,33 +299,8 @@ def architecture_name(roots: Sequence[Any]) -> str:
     return name
 
 
-_MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
-_SPEC = ("local spec run on CPU (TP, SP, EP, pipeline chunks, packed THD); Transformer Engine spec by module "
-         "names on a TE-shaped tree, its fused norms not produced")
-# Structures, not families: the HF or SGLang side of a pair names the family. The families listed are those
-# whose configs ran through each structure in the tests.
-ARCHITECTURES = {a.name: a for a in (
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3", "Llama", "Qwen2", "Phi-3"),
-                 f"dense (QK-norm or none, q/k/v bias or none); {_SPEC}", "every point the trace holds",
-                 "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`, `tests/test_megatron_families.py`",
-                 lacks=_MOE),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "Mixtral", "Qwen2-MoE", "GPT-OSS"),
-                 f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_SPEC}; "
-                 "GPT-OSS's switches on one rank: learnable sinks, sliding windows, the clamped GLU with its offset, "
-                 "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; Qwen2-MoE's sigmoid-gated shared "
-                 "expert (`moe.shared_out` before the gate) on one rank; other switches the structure does not show "
-                 "refused by name (`megatron_features.py`)",
-                 "every point the trace holds (GPT-OSS: sinks, windows, YaRN, router bias, clamped experts)",
-                 "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`, "
-                 "`tests/test_megatron_families.py` (Mixtral, Qwen2-MoE), `tests/test_megatron_gptoss.py`, "
-                 "`tests/test_megatron_features.py`"),
-    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
-                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
-                 "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "
-                 "RoPE", "every point (GLM-4.5, one rank)",
-                 "`tests/test_megatron_adapter.py`, `tests/test_megatron_mla.py`"),
-    *(a for n in _FAM for a in n.architectures),
-)}
+# Structures, not families (the families' tables): the HF or SGLang side of a pair names the family.
+ARCHITECTURES = {a.name: a for n in _FAM for a in n.architectures}
 # Components whose presence makes the table map the wrong modules (named in the refusal).
 REFUSED = {
     "MambaModel": "hybrid Mamba / attention stacks: the Mamba mixers are no canonical point",

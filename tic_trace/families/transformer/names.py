@@ -1,11 +1,12 @@
-"""The plain transformer's name tables: HF's module names (transformers 5.24) and SGLang's (0.5.23's model code)
-onto the canonical points, and the architectures each framework's rows were verified on. Strings and
-`graph.adapter` rows only, no framework import: adapters/hf.py and adapters/sglang*.py read them through
-`families.framework_names` and keep the mechanics (hooks, TP merges, transforms).
+"""The plain transformer's name tables: HF's module names (transformers 5.24), SGLang's (0.5.23's model code) and
+megatron-core's GPTModel's onto the canonical points, and the architectures each framework's rows were verified
+on. Strings and `graph.adapter` rows only, no framework import: adapters/hf.py, sglang*.py and megatron.py read
+them through `families.framework_names` and keep the mechanics (hooks, TP merges, transforms, row identity).
 
 These rows are the base every family's rows override: a family's row names the architectures it holds for
-(`opts["archs"]`), and for those the base row of the same point does not apply. Megatron's structures are the
-Megatron adapter's (a `GPTModel`'s module tree cannot say which family it was configured as).
+(`opts["archs"]`), and for those the base row of the same point does not apply. Megatron's architectures are
+structures (a `GPTModel`'s module tree cannot say which family it was configured as): the families whose configs
+ran through each are named in it, and the other side of a pair names the family.
 """
 from __future__ import annotations
 
@@ -210,10 +211,94 @@ SGLANG_ARCHITECTURES = (
 SGLANG_ONE_RANK = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"})
 
 
+# ---------------------------------------------------------------- Megatron (megatron-core's GPTModel)
+
+# A record's name under (virtual-pipeline chunks and wrappers of) megatron-core's GPTModel: the module tree of
+# its local and Transformer Engine specs.
+MG_PREFIX = r"(?P<prefix>(?:chunk(?P<chunk>\d+)\.)?(?:module\.)*)"
+_MG_L = MG_PREFIX + r"decoder\.layers\.(?P<layer>\d+)"
+MG_ATTENTION = _MG_L + r"\.self_attention"
+_MG_M = _MG_L + r"\.mlp"
+# The base rows; a family's own attention rows (`attention_rows`, MLASelfAttention's) go between the two halves.
+MEGATRON_ROWS_BEFORE_CORE = (
+    PointMap("embed", MG_PREFIX + r"embedding:out", merge="seq"),
+    PointMap("input", _MG_L + r":in(\[0\]|\.hidden_states)", merge="seq",
+             note="decoder layer input (called with hidden_states=...) = residual stream"),
+    PointMap("attn_norm", _MG_L + r"\.input_layernorm:out", merge="seq",
+             note="TE spec: IdentityOp (norm fused into linear_qkv) -> not produced"),
+    PointMap("attn.q", MG_ATTENTION + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "q"},
+             note="per-query-group interleaved [q_g | k_g | v_g] split; TP slices concatenated"),
+    PointMap("attn.k", MG_ATTENTION + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "k"}),
+    PointMap("attn.v", MG_ATTENTION + r"\.linear_qkv:out\[0\]", "megatron_qkv", "cat:-1", opts={"part": "v"}),
+    PointMap("attn.q_norm", MG_ATTENTION + r"\.q_layernorm:out", "heads", "heads", opts={"heads": "q"}),
+    PointMap("attn.k_norm", MG_ATTENTION + r"\.k_layernorm:out", "heads", "kv_heads", opts={"heads": "kv"}),
+    PointMap("attn.q_rope", MG_ATTENTION + r"\.core_attention:in\[0\]", "heads", "heads", opts={"heads": "q"},
+             note="core_attention's query input: post-RoPE"),
+    PointMap("attn.k_rope", MG_ATTENTION + r"\.core_attention:in\[1\]", "heads", "kv_heads", opts={"heads": "kv"},
+             note="core_attention's key input: post-RoPE, before any GQA expansion"),
+)
+MEGATRON_ROWS_FROM_CORE = (
+    PointMap("attn.core", MG_ATTENTION + r"\.core_attention:out", merge="cat:-1"),
+    PointMap("attn.out", MG_ATTENTION + r"\.linear_proj:out\[0\]", merge="seq",
+             note="row-parallel: already all-reduced (SP: reduce-scattered along s)"),
+    PointMap("attn.out", MG_ATTENTION + r"\.linear_proj:out\[0\]", "megatron_biased", "seq", opts={"when": True},
+             also={"bias": "{prefix}decoder.layers.{layer}.self_attention.linear_proj:out[1]"},
+             note="add_bias_linear: linear_proj returns its bias apart (out[1]); bias-dropout-add adds it"),
+    PointMap("mid", _MG_L + r"\.pre_mlp_layernorm:in\[0\]", merge="seq", note="pre-MLP norm input = residual"),
+    PointMap("mlp_norm", _MG_L + r"\.pre_mlp_layernorm:out", merge="seq",
+             note="TE spec dense layers: IdentityOp (norm fused into linear_fc1) -> not produced"),
+    PointMap("moe.router_logits", _MG_M + r"\.router/fn:gating:out", merge="seq", note="tapped router.gating"),
+    PointMap("moe.topk_ids", _MG_M + r"\.router:out\[1\]", "dense_topk_ids", "seq", note="routing_map [T, E]"),
+    PointMap("moe.topk_weights", _MG_M + r"\.router:out\[0\]", "dense_topk_weights", "seq",
+             also={"map": "{prefix}decoder.layers.{layer}.mlp.router:out[1]"}, note="probs [T, E] at the map"),
+    PointMap("moe.experts_out", _MG_M + r"/fn:combine_postprocess:out", merge="seq",
+             note="tapped token_dispatcher.combine_postprocess: routed experts combined, token order"),
+    PointMap("moe.shared_out", _MG_M + r"\.shared_experts:out", merge="seq"),
+    PointMap("moe.shared_out", _MG_M + r"\.shared_experts\.linear_fc2:out\[0\]", merge="seq", opts={"when": True},
+             note="moe_shared_expert_gate: the shared expert's output before its sigmoid gate (the module's output is "
+                  "after it; HF's shared_expert, the canonical point, before)"),
+    PointMap("mlp.out", _MG_M + r":out\[0\]", merge="seq"),
+    PointMap("output", _MG_L + r":out\[0\]", merge="seq"),
+    PointMap("final_norm", MG_PREFIX + r"decoder\.final_(?:layernorm|norm):out", merge="seq"),
+    PointMap("logits", MG_PREFIX + r"output_layer:out\[0\]", "vocab", "cat:-1", note="vocab shards; padding cut"),)
+
+_MG_SPEC = ("local spec run on CPU (TP, SP, EP, pipeline chunks, packed THD); Transformer Engine spec by module "
+         "names on a TE-shaped tree, its fused norms not produced")
+# Structures, not families: the HF or SGLang side of a pair names the family. The families listed are those
+# whose configs ran through each structure in the tests.
+MEGATRON_ARCHITECTURES = (
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP", ("Qwen3", "Llama", "Qwen2", "Phi-3"),
+                 f"dense (QK-norm or none, q/k/v bias or none); {_MG_SPEC}", "every point the trace holds",
+                 "`tests/test_megatron_adapter.py`, `test_replay_finder_mgsg.py`, `tests/test_megatron_families.py`",
+                 lacks=_MOE),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MoELayer", ("Qwen3-MoE", "Mixtral", "Qwen2-MoE", "GPT-OSS"),
+                 f"MoE: router, top-k, routed experts (the dispatcher's combine) and shared experts; {_MG_SPEC}; "
+                 "GPT-OSS's switches on one rank: learnable sinks, sliding windows, the clamped GLU with its offset, "
+                 "biases (`linear_proj`'s added as bias-dropout-add does), YaRN; Qwen2-MoE's sigmoid-gated shared "
+                 "expert (`moe.shared_out` before the gate) on one rank; other switches the structure does not show "
+                 "refused by name (`megatron_features.py`)",
+                 "every point the trace holds (GPT-OSS: sinks, windows, YaRN, router bias, clamped experts)",
+                 "`tests/test_megatron_adapter.py`, `test_replay_megatron.py`, `test_replay_finder_mgsg.py`, "
+                 "`tests/test_megatron_families.py` (Mixtral, Qwen2-MoE), `tests/test_megatron_gptoss.py`, "
+                 "`tests/test_megatron_features.py`"),
+    Architecture("GPTModel/TransformerLayer/SelfAttention/MLP+MoELayer", ("Qwen3-MoE", "GLM-4.5 (MoE)"),
+                 "MoE with dense layers (`moe_layer_freq`), the rows of the two above; GLM-4.5's sigmoid router with "
+                 "an expert bias, group-limited top-k, routed scaling, ungated shared experts, q/k/v bias, partial "
+                 "RoPE", "every point (GLM-4.5, one rank)",
+                 "`tests/test_megatron_adapter.py`, `tests/test_megatron_mla.py`"),
+)
+
+
 def names() -> dict[str, FrameworkNames]:
     """The plain transformer's tables by framework. SGLang's named tables: `modules` (module lists by key),
-    `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1 only)."""
+    `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1 only). Megatron's: `attention_prefix`
+    (a self-attention module's record prefix, handed to a family's `attention_rows`), `family_rows_at` (where
+    in the base rows a family's attention rows go: before `attn.core`, as the first matching row wins)."""
     return {"hf": FrameworkNames(points=HF_POINTS, architectures=HF_ARCHITECTURES),
             "sglang": FrameworkNames(points=SGLANG_POINTS + SGLANG_ARCH_POINTS, architectures=SGLANG_ARCHITECTURES,
                                      tables={"modules": SGLANG_MODULES, "arch_of_class": SGLANG_ARCH_OF_CLASS,
-                                             "one_rank": SGLANG_ONE_RANK})}
+                                             "one_rank": SGLANG_ONE_RANK}),
+            "megatron": FrameworkNames(points=MEGATRON_ROWS_BEFORE_CORE + MEGATRON_ROWS_FROM_CORE,
+                                       architectures=MEGATRON_ARCHITECTURES,
+                                       tables={"attention_prefix": MG_ATTENTION,
+                                               "family_rows_at": len(MEGATRON_ROWS_BEFORE_CORE)})}
