@@ -1,6 +1,7 @@
 """Model families: one folder per family (`tic_trace/families/<name>/`), and this module, the one registry of them
 by config.json's `model_type`. The contract of a family folder is `base.Family` (docs/architecture.md, "Model
-families"); the core (replay/, the adapters' mechanics) asks `family_of(model_type)` and never names a family.
+families"); the core (replay/) asks `family_of(model_type)`, the adapters read every family's name tables with
+`framework_names(framework)`, and neither names a family.
 
 May import: store, graph, view, replay.
 
