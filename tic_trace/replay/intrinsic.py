@@ -35,6 +35,7 @@ _KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows_
 SUM_NORMS = ("attn_norm", "mlp_norm", "final_norm")
 
 RowId = tuple[str, int]
+DERIVED = "derived by tic-trace from the logits in float64, not computed by the side"
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,8 @@ class SideReplayer:
         """This side's point against the exact op, on the rows (and columns) of `sample` it has (the finder's:
         replay_rows.py; every row by default)."""
         self._enter(layer)
+        if self.derived(point, layer):
+            return NotReplayed(point, layer, DERIVED)
         out = self.recorded(point, layer)
         if sample.columns is not None and not (out is not None and out.values.ndim == 2
                                                and out.values.shape[1] == sample.columns_total):
@@ -259,6 +262,11 @@ class SideReplayer:
             err = dataclasses.replace(err, rows_total=rows_total, columns=columns,
                                       columns_total=sample.columns_total if columns else 0)
         return self._with_variants(err, layer, x, rows, y, exact)
+
+    def derived(self, point: str, layer: int | None) -> bool:
+        """Log-probs the view derives from the logits (the side recorded none): nothing of the side to replay,
+        said without computing them (a float64 log-softmax over every row's vocabulary)."""
+        return point == "logprobs" and (point, layer) not in self.view.entries
 
     def recorded(self, point: str, layer: int | None) -> CanonicalTensor | None:
         """This side's record of (point, layer) where it holds values (loaded once: its replay reads it again)."""
@@ -282,7 +290,7 @@ class SideReplayer:
         if out.values is None:
             raise NotReplayable("no values recorded (stats only)")
         if point == "logprobs" and all(s.endswith("(log_softmax)") for s in out.sources):
-            raise NotReplayable("derived by tic-trace from the logits in float64, not computed by the side")
+            raise NotReplayable(DERIVED)
         feeds = {}
         for f in self.ref.inputs_of(point, self.has_qk_norm, layer):
             k = self._feed_key(f, layer)

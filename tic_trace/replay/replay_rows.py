@@ -131,7 +131,8 @@ class RowSampler:
         rows) and of an op over each sample's earlier rows (a linear attention's recurrence)."""
         from ..graph.canonical import BY_NAME
         a = self.a
-        if BY_NAME[point].kind != "float" or a.ref.op_of(point, layer) in a.ref.family.whole_sample_ops:
+        if (BY_NAME[point].kind != "float" or a.derived(point, layer)
+                or a.ref.op_of(point, layer) in a.ref.family.whole_sample_ops):
             return EVERYTHING
         out = a.recorded(point, layer)
         if out is None or not len(out.rows):
