@@ -251,3 +251,18 @@ def test_mla_clean_sdpa_side_blames_no_side(tmp_path):
     ck, a, b = _mla_pair(tmp_path, attention("sdpa"))
     rep = find_divergence(a, b, reference=ck)
     assert rep.verdict == "consistent", [(f.cause, f.key, f.summary) for f in rep.findings if f.divergent]
+
+
+def test_a_kv_latent_under_a_model_type_no_family_owns_is_replayed_as_mla():
+    """Kimi-K2's config says `kimi_k2` with DeepSeek-V3's architecture: the kv latent its config states, not its
+    model_type, decides that MLA's ops replay it (as before the families had folders)."""
+    from tic_trace.families import family_for
+    from tic_trace.replay.model_spec import model_spec
+    from tic_trace.replay.reference import op_of
+    mla = _config("deepseek").to_dict()
+    as_kimi = model_spec({**mla, "model_type": "kimi_k2"})
+    as_deepseek = model_spec({**mla, "model_type": "deepseek_v3", "rope_interleave": True})
+    assert family_for(as_kimi).name == "deepseek"
+    for point in ("attn.q", "attn.core", "attn.kv_a_norm"):
+        assert op_of(point, as_kimi) == op_of(point, as_deepseek) != op_of(point, model_spec(
+            {**_config("glm").to_dict(), "model_type": "kimi_k2"}))

@@ -46,6 +46,15 @@ def family_of(model_type: str | None) -> Family:
     return BY_MODEL_TYPE.get(model_type or "", BASE)
 
 
+def family_for(spec) -> Family:
+    """The family whose ops replay `spec` (a replay.model_spec.ModelSpec): its model_type's owner, else the first
+    family that claims what the spec states (`Family.claims`), else the base transformer."""
+    fam = BY_MODEL_TYPE.get(spec.model_type or "")
+    if fam is not None:
+        return fam
+    return next((f for f in FAMILIES if f.claims is not None and f.claims(spec)), BASE)
+
+
 def framework_names(framework: str) -> tuple[FrameworkNames, ...]:
     """Every family's name tables for one framework (FRAMEWORKS), in registry order: what its adapter reads."""
     return tuple(n for n in (fam.names().get(framework) for fam in FAMILIES) if n is not None)
@@ -59,5 +68,5 @@ def family_named(name: str) -> Family:
     raise KeyError(f"no family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")
 
 
-__all__ = ["BASE", "BY_MODEL_TYPE", "FAMILIES", "FRAMEWORKS", "Family", "FrameworkNames", "family_named",
-           "family_of", "framework_names"]
+__all__ = ["BASE", "BY_MODEL_TYPE", "FAMILIES", "FRAMEWORKS", "Family", "FrameworkNames", "family_for",
+           "family_named", "family_of", "framework_names"]

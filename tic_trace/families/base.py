@@ -81,6 +81,9 @@ class Family:
     model_types: tuple[str, ...]                # config.json model_type values it owns (the registry's keys)
     description: str                            # what the family is, one or two sentences
     verified: Mapping[str, str]                 # framework (FRAMEWORKS) -> what is verified there; absent: not
+    # A model whose model_type no family owns is this family's when its spec states what only this family
+    # computes (MLA's kv latent: Kimi-K2's `kimi_k2` is DeepSeek-V3's architecture); None: model_type alone.
+    claims: Callable[[Any], bool] | None = None
 
     # --- config.json -> ModelSpec (no torch)
     # ModelSpec field values where config.json does not state them, by model_type (Qwen2's q/k/v bias)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.untrusted import file_kind, read_upto
-from ..families import family_of
+from ..families import family_for
 from .model_spec import CONFIG_MAX_BYTES, CheckpointError, ModelSpec, model_spec
 
 
@@ -60,7 +60,7 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
     if m is None:
         return None
     rest = m.group(2)
-    arch = family_of(spec.model_type).shapes(rest, spec)     # the family's own layout (fused, with biases)
+    arch = family_for(spec).shapes(rest, spec)     # the family's own layout (fused, with biases)
     if arch is not None:
         return arch
     x = _EXPERT.fullmatch(rest)

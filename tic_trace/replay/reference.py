@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..families import family_of
+from ..families import family_for
 from ..graph.canonical import BY_NAME
 from .attention_ops import each_sample, spans_heads, windowed_attention
 from .layer_types import rope_of_layer
@@ -165,7 +165,7 @@ class _LayerWeights:
 # ---------------------------------------------------------------- the reference
 
 def op_of(point: str, spec: ModelSpec) -> str:
-    return family_of(spec.model_type).op_of(point, spec) or _generic_op_of(point, spec)
+    return family_for(spec).op_of(point, spec) or _generic_op_of(point, spec)
 
 
 def _generic_op_of(point: str, spec: ModelSpec) -> str:
@@ -192,7 +192,7 @@ def inputs_of(point: str, spec: ModelSpec, has_qk_norm: bool) -> tuple[str, ...]
     """Canonical points whose recorded values the op producing `point` reads (canonical.SCHEMA's feeds, with
     the model's own shape: RoPE reads the projection itself when the model has no QK-norm, a dense MLP only
     its norm; `input`/`final_norm` read the previous layer's `output`, written `<prev>.output`)."""
-    arch = family_of(spec.model_type).inputs_of(point, spec)
+    arch = family_for(spec).inputs_of(point, spec)
     if arch is not None:
         return arch
     if point in ("attn.q", "attn.k", "attn.v"):    # the schema's feeds of attn.q name MLA's q latent too
@@ -234,7 +234,7 @@ class ExactReference:
         self.ckpt = ckpt if isinstance(ckpt, HFCheckpoint) else HFCheckpoint(ckpt)
         self.store = store or WeightStore()         # one layer's tensors, shared with the other side's copy
         self.spec = self.ckpt.spec
-        self.family = family_of(self.spec.model_type)      # what the model computes otherwise than the base
+        self.family = family_for(self.spec)      # what the model computes otherwise than the base
         self.device = device
         self.weight_dtypes = weight_dtypes
         self.nonfinite: dict[str, tuple[int, str]] = {}    # tensors read with NaN/Inf: (count, dtype rounded to)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..base import Family
-from .spec import OPTIONAL_INPUTS, latent_inputs, latent_op, latent_shape
+from .spec import OPTIONAL_INPUTS, is_latent as _is_latent, latent_inputs, latent_op, latent_shape
 
 _SIGMOID = {"scoring_func": "sigmoid"}      # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code, not in config
 
@@ -58,6 +58,7 @@ FAMILY = Family(
               "megatron": "DeepSeek-V3 (MLASelfAttention, local spec, TP 1 and 2), GLM-4.5 (one rank): every point",
               "sglang": "DeepSeek-V3 (TP 1 and 2, absorbed decode), GLM-4.5 (TP 1): every point the trace holds"},
     # HF's DeepseekV3Attention rotates interleaved pairs unless the config says otherwise (V2's does not)
+    claims=lambda spec: _is_latent(spec),
     defaults={"deepseek_v3": {**_SIGMOID, "rope_interleave": True}, "glm4_moe": _SIGMOID},
     shapes=latent_shape,
     ops=_ops,
