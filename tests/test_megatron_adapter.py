@@ -23,8 +23,8 @@ import transformers  # noqa: E402,F401 - a required test dependency: fail loudly
 
 import tic_trace  # noqa: E402
 from tic_trace.graph.adapter import get_adapter  # noqa: E402
-from tic_trace.adapters.megatron import (  # noqa: E402
-    POINTS, MegatronAdapter, rows_from_packed, rows_from_sbhd, zigzag_position)
+from tic_trace.adapters.megatron import POINTS, MegatronAdapter  # noqa: E402
+from tic_trace.adapters.megatron_layout import rows_from_packed, rows_from_sbhd, zigzag_position  # noqa: E402
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into  # noqa: E402
 from tic_trace.view.align import CanonicalView  # noqa: E402
 from tic_trace.graph.canonical import key_name  # noqa: E402
