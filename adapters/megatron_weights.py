@@ -38,8 +38,9 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` (or ``linear_q_proj`` without a q latent),
   ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``, ``linear_proj`` <- ``q_a_proj`` /
   ``q_a_layernorm`` / ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``,
-  ``o_proj``, unchanged (the deepseek family's ``names_megatron.MLA_WEIGHTS``; ``_named_attention``). The router's ``e_score_correction_bias`` ->
-  ``mlp.router.expert_bias`` (fp32, as megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
+  ``o_proj``, unchanged (the deepseek family's ``names_megatron.MLA_WEIGHTS``; ``_named_attention``). The
+  router's selection bias (the family's Megatron table ``router_bias``) -> ``mlp.router.expert_bias`` (fp32, as
+  megatron keeps it), ``mlp.shared_experts.{gate,up,down}_proj`` ->
   ``mlp.shared_experts.linear_fc1`` (``[gate; up]``) / ``linear_fc2``. Qwen2-MoE's one gated shared expert
   (``mlp.shared_expert.*``) the same, its ``mlp.shared_expert_gate.weight`` -> ``mlp.shared_experts.gate_weight``.
 * GPT-OSS (a layer with ``mlp.router.weight``): ``o_proj.bias`` -> ``linear_proj.bias``, ``self_attn.sinks`` ->
@@ -115,6 +116,8 @@ _FUSED_QKV = tuple(n.tables["fused_qkv"] for n in framework_names("megatron") if
 _FUSED_GATE_UP = tuple(n.tables["fused_gate_up"] for n in framework_names("megatron") if "fused_gate_up" in n.tables)
 # learned per-head sink logits (under self_attn.) -> megatron's parameter (the families' `attention_sinks` tables)
 _SINKS = tuple(n.tables["attention_sinks"] for n in framework_names("megatron") if "attention_sinks" in n.tables)
+# a router's selection-only bias (under mlp.): HF's name -> megatron's (the families' `router_bias` tables)
+_ROUTER_BIASES = tuple(n.tables["router_bias"] for n in framework_names("megatron") if "router_bias" in n.tables)
 
 
 def _standard_attention(sd: Mapping[str, torch.Tensor], get, attn: str, dst: str, shape: tuple[int, int, int],
@@ -286,8 +289,9 @@ def hf_to_megatron_state_dict(
                 edst = f"{dst}mlp.experts.local_experts.{k}."
                 out[edst + "linear_fc1.weight"] = _glu_fc1(gate, up, etp_rank, etp_size, f"layer {i} expert {e} fc1")
                 out[edst + "linear_fc2.weight"] = _shard(down, etp_rank, etp_size, 1, f"layer {i} expert {e} fc2")
-            if mlp + "gate.e_score_correction_bias" in sd:     # DeepSeek-V3 / GLM-4.5: choice-only bias
-                out[dst + "mlp.router.expert_bias"] = get(mlp + "gate.e_score_correction_bias").float()
+            for hf_bias, mg_bias in _ROUTER_BIASES:          # a family's choice-only bias, in fp32 as megatron's
+                if mlp + hf_bias in sd:
+                    out[dst + "mlp." + mg_bias] = get(mlp + hf_bias).float()
             # DeepSeek-V3 / GLM-4.5: ungated, plural; Qwen2-MoE: one, sigmoid-gated
             shared = next((mlp + n for n in ("shared_experts.", "shared_expert.")
                            if mlp + n + "gate_proj.weight" in sd), None)

@@ -13,6 +13,9 @@ import transformers as T
 
 from tic_trace import find_divergence
 from tic_trace.compare.choice import RouterChoice, router_choice
+from tic_trace.families.base import ROUTER_SELECTION_BIAS
+from tic_trace.replay.intrinsic import IntrinsicError, replay_side
+from tic_trace.replay.reference import ExactReference
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens
 from tic_trace.view.align import CanonicalView
 
@@ -88,6 +91,23 @@ def test_the_trace_states_the_bias_the_router_held(tmp_path):
     # reports and `inspect` show the biases summarised, not 256 numbers per layer
     rep = find_divergence(str(tmp_path / "t"), str(tmp_path / "t"))
     assert rep.to_json()["sides"]["a"]["model"]["router_selection_bias"] == "2 layers x 8 experts, max |bias| 0.3"
+
+
+def test_the_replay_chooses_with_the_bias_the_checkpoint_holds(tmp_path):
+    """The float64 replay's top-k choice adds the router's selection bias, which the checkpoint stores under the
+    family's name (`mlp.gate.e_score_correction_bias`: families/deepseek's `derived_weight` for the base's
+    ROUTER_SELECTION_BIAS): it is read, and with a bias that dominates the scores the replayed ids are the model's."""
+    model = _model()
+    gate = model.model.layers[LAYER].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.linspace(-1.0, 1.0, 8))
+    model.save_pretrained(tmp_path / "ck")
+    trace_hf(model, tmp_path / "t", IDS)
+    ref = ExactReference(str(tmp_path / "ck"))
+    bias = ref.weights(LAYER).get(ROUTER_SELECTION_BIAS, optional=True)
+    assert bias is not None and torch.equal(bias.cpu(), gate.e_score_correction_bias.detach().double())
+    ids = [r for r in replay_side(CanonicalView(str(tmp_path / "t")), ref) if r.point == "moe.topk_ids"]
+    assert ids and all(isinstance(r, IntrinsicError) and r.rel_l2 == 0 for r in ids), ids
 
 
 def _gate_logits(model, ids) -> torch.Tensor:

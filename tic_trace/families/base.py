@@ -27,6 +27,13 @@ from typing import Any, Callable, Mapping
 #: The frameworks a family states its verification for, in the README's column order.
 FRAMEWORKS = ("hf", "megatron", "sglang")
 
+# The base transformer's names (under model.layers.N.) for weights it computes with wherever a spec states them,
+# but that no base checkpoint stores: a family's `derived_weight` says where its checkpoint keeps them.
+#: the router's selection-only bias, added to the scores for the top-k choice only (replay/reference.py's route)
+ROUTER_SELECTION_BIAS = "mlp.gate.selection_bias"
+#: one learned logit per head in the attention softmax's denominator (`ModelSpec.extra["sinks"]`)
+ATTENTION_SINKS = "self_attn.sink_logits"
+
 
 def _no_facts(c: Any, model_type: str, hidden: int) -> dict:
     return {}
@@ -108,7 +115,8 @@ class Family:
     # the op replayed at `point` where the family makes it another (its key into `variants`; "": the base's)
     op_of: Callable[[str, Any], str] = _no_op_name
     # a weight the checkpoint stores as part of another or under another name: (reference._LayerWeights, the
-    # base transformer's name) -> tensor, or None (Phi-3's fused qkv_proj, Mixtral's block_sparse_moe)
+    # base transformer's name) -> tensor, or None (Phi-3's fused qkv_proj, Mixtral's block_sparse_moe; the
+    # weights only named here, ROUTER_SELECTION_BIAS and ATTENTION_SINKS, under the family's checkpoint names)
     derived_weight: Callable[[Any, str], Any] = _no_weight
     # op name (`op_of`'s) or point -> its clean variants and known faults (replay.variants.Variant lists); called
     # for every op replayed: build the table once (functools.cache)

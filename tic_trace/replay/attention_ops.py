@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..families.base import ATTENTION_SINKS
 from .layer_types import sliding_window
 from .not_replayable import NotReplayable
 
@@ -66,7 +67,8 @@ def each_sample(rows, kv_rows, dev):
 
 
 def sinks_of(ref, layer) -> torch.Tensor | None:
-    return ref.weights(layer).get("self_attn.sinks") if ref.spec.extra.get("sinks") else None
+    """The learned sink logits where the spec states them (the family's name for them: its derived_weight)."""
+    return ref.weights(layer).get(ATTENTION_SINKS) if ref.spec.extra.get("sinks") else None
 
 
 def windowed_attention(ref, layer, feeds, rows, tokens):

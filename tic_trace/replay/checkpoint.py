@@ -74,7 +74,7 @@ def expected_shape(name: str, spec: ModelSpec) -> list[int | None] | tuple | Non
         # per head (Qwen3) or over all heads at once (OLMoE)
         "self_attn.q_norm.weight": ([hd], [q]), "self_attn.k_norm.weight": ([hd], [kv]),
         "mlp.gate_proj.weight": [inter, H], "mlp.up_proj.weight": [inter, H], "mlp.down_proj.weight": [H, inter],
-        "mlp.gate.weight": [e, H], "mlp.gate.e_score_correction_bias": [e],
+        "mlp.gate.weight": [e, H],
         "mlp.experts.gate_up_proj": [e, 2 * f if f else None, H], "mlp.experts.down_proj": [e, H, f],
         "mlp.shared_expert.gate_proj.weight": [s, H], "mlp.shared_expert.up_proj.weight": [s, H],
         "mlp.shared_expert.down_proj.weight": [H, s], "mlp.shared_expert_gate.weight": [1, H],

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..families import family_for
+from ..families.base import ROUTER_SELECTION_BIAS
 from ..graph.canonical import BY_NAME
 from .attention_ops import each_sample, spans_heads, windowed_attention
 from .layer_types import rope_of_layer
@@ -377,7 +378,7 @@ def _router(ref: ExactReference, layer, feeds, rows, tokens):
 
 
 def _bias(ref: ExactReference, layer) -> torch.Tensor | None:
-    return ref.weights(layer).get("mlp.gate.e_score_correction_bias", optional=True)
+    return ref.weights(layer).get(ROUTER_SELECTION_BIAS, optional=True)      # the family's name: derived_weight
 
 
 def _topk_ids(ref: ExactReference, layer, feeds, rows, tokens):

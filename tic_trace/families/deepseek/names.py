@@ -7,7 +7,8 @@ refusals of setups the tests did not run (refusals.py). What each table key mean
 - megatron: `attention_rows` (the self-attention record prefix regex -> MLA's rows), `applies` (row, those rows,
   manifest config -> False / None as HF's), `describe` (megatron's TransformerConfig -> MLA's manifest facts),
   `refusal` (manifest config -> why its setup is not verified, or None), `attention_weights` (HF -> Megatron
-  parameter names of its attention, adapters/megatron_weights.py).
+  parameter names of its attention), `router_bias` (the router's selection bias: HF's name -> Megatron's, under
+  `mlp.`; both adapters/megatron_weights.py).
 - sglang: `modules` (module lists by key), `arch_of_class` (class -> key), `one_rank` (classes verified at TP=1
   only), `inputs` (class -> module inputs recorded), `describe` (the text config -> MLA's facts, for an MLA
   model), `applies` (row, manifest config -> False / None), `refusal` (manifest config -> why, or None).
@@ -27,7 +28,7 @@ def names() -> dict[str, FrameworkNames]:
             "megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
                                        tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
                                                "describe": mg.latent_facts, "refusal": latent_refusal,
-                                               "attention_weights": mg.MLA_WEIGHTS}),
+                                               "attention_weights": mg.MLA_WEIGHTS, "router_bias": mg.ROUTER_BIAS}),
             "sglang": FrameworkNames(points=sgl.ROWS, architectures=sgl.SGLANG_ARCHITECTURES,
                                      refused=sgl.SGLANG_REFUSED,
                                      tables={"modules": sgl.SGLANG_MODULES, "arch_of_class": sgl.SGLANG_ARCH_OF_CLASS,

@@ -34,6 +34,7 @@ from typing import Any
 from ...graph.adapter import Architecture, PointMap
 from . import transforms  # noqa: F401 - registers `latent_heads` and `megatron_mla_rope`, which the rows name
 from .names_hf import STANDARD_ATTN
+from .spec import HF_ROUTER_BIAS
 
 # The standard rows an MLA model never reads.
 _STANDARD_ROWS = STANDARD_ATTN + ("attn.q", "attn.q_rope", "attn.k_rope")
@@ -92,6 +93,10 @@ MLA_WEIGHTS = {"marker": "kv_a_proj_with_mqa.weight",
                           ("q_proj", "linear_q_proj"), ("kv_a_proj_with_mqa", "linear_kv_down_proj"),
                           ("kv_b_proj", "linear_kv_up_proj")),
                "norms": (("q_a_layernorm", "q_layernorm"), ("kv_a_layernorm", "kv_layernorm"))}
+
+#: The router's selection-only bias: HF's name -> megatron's, under each layer's `mlp.` (kept in fp32, as megatron
+#: keeps it; adapters/megatron_weights.py).
+ROUTER_BIAS = (HF_ROUTER_BIAS.removeprefix("mlp."), "router.expert_bias")
 
 # The structure its rows verify (adapters/megatron.py's ARCHITECTURES: structures, the HF or SGLang side of a
 # pair names the family).

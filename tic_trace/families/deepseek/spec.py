@@ -9,6 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..base import ROUTER_SELECTION_BIAS
+
+#: The router's selection-only bias as DeepSeek-V3's and GLM-4.5's checkpoints name it (the base's
+#: ROUTER_SELECTION_BIAS: `derived_weight`).
+HF_ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 LATENT_NORM_EPS = 1e-6       # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): the class default, not the config's
 
 #: The op each point's replay is measured as (its clean envelope, intrinsic_verdict.ENVELOPE): not the variants
@@ -37,6 +42,19 @@ def latent_inputs(point: str, spec: Any) -> tuple[str, ...] | None:
 def latent_op(point: str, spec: Any) -> str:
     """The op replayed at `point` in an MLA model ("": the base's)."""
     return LATENT_OP_KEYS.get(point, "") if is_latent(spec) else ""
+
+
+def shapes(rest: str, spec: Any) -> list[int | None] | None:
+    """The shape config.json gives this family's layer tensor `rest`: the router's bias, MLA's attention."""
+    if rest == HF_ROUTER_BIAS:
+        return [spec.num_experts or None]
+    return latent_shape(rest, spec)
+
+
+def derived_weight(w: Any, name: str) -> Any:
+    """The router's selection bias (the base's name) under this family's checkpoint name, where it has one (`w`:
+    reference._LayerWeights of one layer); None for any other name."""
+    return w.get(HF_ROUTER_BIAS, optional=True) if name == ROUTER_SELECTION_BIAS else None
 
 
 def latent_shape(rest: str, spec: Any) -> list[int | None] | None:

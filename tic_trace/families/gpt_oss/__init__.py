@@ -56,6 +56,7 @@ FAMILY = Family(
     shapes=spec.shapes,
     ops=_ops,
     op_of=spec.op_of,
+    derived_weight=spec.derived_weight,
     variants=_variants,
     names=_names,
 )

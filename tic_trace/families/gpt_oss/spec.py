@@ -7,8 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from ...replay.layer_types import windows
+from ..base import ATTENTION_SINKS
 
 MODEL_TYPES = ("gpt_oss",)
+#: its learned sink logits as its checkpoint names them (the base's ATTENTION_SINKS: `derived_weight`)
+HF_SINKS = "self_attn.sinks"
 # the checkpoint tensors only GPT-OSS names, and the point whose op reads each (graph.weight_points)
 HF_WEIGHT_POINTS = ((r"self_attn\.sinks", "attn.core"), (r"mlp\.router\.", "moe.router_logits"))
 
@@ -30,6 +33,12 @@ def shapes(rest: str, spec: Any) -> list | None:
             [e, 2 * f if f else None], "mlp.experts.down_proj": [e, f, H], "mlp.experts.down_proj_bias": [e, H],
             "mlp.router.weight": [e, H], "mlp.router.bias": [e], "self_attn.sinks": [spec.num_attention_heads]
             }.get(rest)
+
+
+def derived_weight(w: Any, name: str) -> Any:
+    """The sink logits (the base's name) under GPT-OSS's checkpoint name (`w`: reference._LayerWeights of one
+    layer); None for any other name."""
+    return w.get(HF_SINKS) if name == ATTENTION_SINKS else None
 
 
 def op_of(point: str, spec: Any) -> str:
