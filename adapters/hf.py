@@ -105,7 +105,7 @@ class HFAdapter(Adapter):
             # transformers' own TP degree (`tp_size`: None unless the model was sharded with a tp_plan): the
             # replay's row-parallel variants follow it (replay/variants.py: tp_degrees)
             "tensor_model_parallel_size": int(getattr(models[0], "tp_size", None) or 1),
-            **(selection_facts(models[0], text) if n_exp else {}),
+            **(selection_facts(models[0], text, "hf") if n_exp else {}),
             **{k: v for n in _FAM if "describe" in n.tables for k, v in n.tables["describe"](text).items()},
         }
         arch = self.architecture(out)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from tic_trace.families import framework_names
+
 
 def router_facts(biases: Iterable[tuple[int, Any]], *, n_group: int | None, topk_group: int | None,
                  group_top: int | None) -> dict:
@@ -28,12 +30,19 @@ def router_facts(biases: Iterable[tuple[int, Any]], *, n_group: int | None, topk
     return out
 
 
-def selection_facts(model: Any, text: Any) -> dict:
-    """The routers' score-correction bias per MoE layer (`mlp.gate.e_score_correction_bias`, HF's and SGLang's
-    module trees) and the group limit (`n_group`/`topk_group`; a group scored by its best two choice scores), for
-    the flip margins."""
+def _attr(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def selection_facts(model: Any, text: Any, framework: str) -> dict:
+    """The routers' selection bias per MoE layer (where a family's `router_bias` table names it in `framework`'s
+    module tree, "hf" or "sglang") and the group limit (`n_group`/`topk_group`; a group scored by its best two
+    choice scores), for the flip margins."""
+    paths = [n.tables["router_bias"] for n in framework_names(framework) if "router_bias" in n.tables]
     layers = getattr(getattr(model, "model", None), "layers", None) or []    # the table's model.layers.N
-    biases = [(i, getattr(getattr(lay.mlp, "gate", None), "e_score_correction_bias", None))
+    biases = [(i, next((b for b in (_attr(lay, p) for p in paths) if b is not None), None))
               for i, lay in enumerate(layers) if hasattr(lay, "mlp")]
     n_group = getattr(text, "n_group", None)
     return router_facts(biases, n_group=n_group, topk_group=getattr(text, "topk_group", None),

@@ -227,7 +227,7 @@ class SGLangAdapter(Adapter):
             "tp_partial": partial,
             "fused_add_norm_fp32": _adds_in_fp32(getattr(real[0], "input_layernorm", None) if real else None),
             **({**_family_facts(text), **mla_path_facts()} if mla else {}),
-            **(selection_facts(model, text) if n_exp else {}),
+            **(selection_facts(model, text, "sglang") if n_exp else {}),
             **({**routed_scale_facts(model, text), **fused_shared_facts(model)} if n_exp else {}),
         }
         arch = self.architecture(out)

@@ -3,7 +3,8 @@
 refusals of setups the tests did not run (refusals.py). What each table key means to its adapter:
 
 - hf: `describe` (the text config -> MLA's manifest facts), `applies` (row, manifest config -> False where MLA
-  decides the row does not apply; None: no say).
+  decides the row does not apply; None: no say), `router_bias` (the router's selection bias, its attribute path
+  under a decoder layer: adapters/router_facts.py; SGLang's module tree names it the same).
 - megatron: `attention_rows` (the self-attention record prefix regex -> MLA's rows), `applies` (row, those rows,
   manifest config -> False / None as HF's), `describe` (megatron's TransformerConfig -> MLA's manifest facts),
   `refusal` (manifest config -> why its setup is not verified, or None), `attention_weights` (HF -> Megatron
@@ -20,11 +21,13 @@ from . import names_hf as hf
 from . import names_megatron as mg
 from . import names_sglang as sgl
 from .refusals import latent_refusal, setup_refusal
+from .spec import HF_ROUTER_BIAS
 
 
 def names() -> dict[str, FrameworkNames]:
     return {"hf": FrameworkNames(points=hf.HF_POINTS, architectures=hf.HF_ARCHITECTURES,
-                                 tables={"describe": hf.latent_facts, "applies": hf.latent_applies}),
+                                 tables={"describe": hf.latent_facts, "applies": hf.latent_applies,
+                                         "router_bias": HF_ROUTER_BIAS}),
             "megatron": FrameworkNames(architectures=mg.MEGATRON_ARCHITECTURES,
                                        tables={"attention_rows": mg.latent_points, "applies": mg.latent_applies,
                                                "describe": mg.latent_facts, "refusal": latent_refusal,
@@ -34,4 +37,4 @@ def names() -> dict[str, FrameworkNames]:
                                      tables={"modules": sgl.SGLANG_MODULES, "arch_of_class": sgl.SGLANG_ARCH_OF_CLASS,
                                              "one_rank": sgl.SGLANG_ONE_RANK, "inputs": sgl.INPUTS,
                                              "describe": hf.latent_facts, "applies": sgl.row_applies,
-                                             "refusal": setup_refusal})}
+                                             "refusal": setup_refusal, "router_bias": HF_ROUTER_BIAS})}
