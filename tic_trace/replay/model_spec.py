@@ -19,8 +19,6 @@ CONFIG_MAX_BYTES = 4 << 20
 _BIG = 1 << 31            # bound of any count in config.json: a Python int, never an int64 wrap
 
 
-
-
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
