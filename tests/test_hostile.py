@@ -261,6 +261,53 @@ def test_feeds_of_is_iterative_for_thousands_of_layers():
     assert feeds_of("output", 1999, present, 2000) == [("embed", None)]
 
 
+def _walked_feeds(point, layer, present, n_layers):
+    """feeds_of's answer by walking every layer (the definition the span jump must agree with)."""
+    from tic_trace.graph.canonical import _raw_feeds
+    out, seen, stack = [], set(), [iter(_raw_feeds(point, layer, n_layers, present))]
+    while stack:
+        f = next(stack[-1], None)
+        if f is None:
+            stack.pop()
+        elif f not in seen:
+            seen.add(f)
+            if f in present:
+                out.append(f)
+            else:
+                stack.append(iter(_raw_feeds(*f, n_layers, present)))
+    return out
+
+
+def test_feeds_of_jumps_layers_that_hold_nothing_with_the_walks_answer():
+    """Layers holding no present point are passed in one step, with the same feeds a walk through each finds;
+    a claimed layer count of 2**31 - 1 costs what the present layers cost (checked by counting the points the
+    walk visits, not by time)."""
+    import random
+    from tic_trace.graph import canonical
+    rng = random.Random(7)
+    names = [ps.name for ps in canonical.SCHEMA if ps.layered]
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        present = {(nm, lay) for lay in range(n) for nm in names if rng.random() < rng.choice((0.0, 0.1, 0.6))}
+        present |= {("embed", None)} if rng.random() < 0.8 else set()
+        for point, layer in [("final_norm", None), ("logits", None)] + [(rng.choice(names), rng.randrange(n))]:
+            assert feeds_of(point, layer, present, n) == _walked_feeds(point, layer, present, n)
+    visited = []
+    real = canonical._raw_feeds
+
+    def counted(*a):
+        visited.append(a)
+        assert len(visited) < 50, "feeds_of walks the layers that hold nothing one by one"
+        return real(*a)
+    canonical._raw_feeds = counted
+    try:
+        present = {("embed", None), ("mid", 0), ("output", 1)}
+        assert feeds_of("final_norm", None, present, 2**31 - 1) == [("output", 1)]
+        assert feeds_of("attn_norm", 5, present, 2**31 - 1) == [("output", 1)]
+    finally:
+        canonical._raw_feeds = real
+
+
 def test_manifest_with_2000_layers_compares(copy):
     edit(copy / "manifest.msgpack", fmt.KIND_MANIFEST, lambda m: m["model"].update(num_layers=2000))
     rep = find_divergence(str(copy), str(copy))

@@ -6,6 +6,7 @@ dataflow order. A point is either global (`embed`, `final_norm`, `logits`, `logp
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -212,6 +213,7 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
     # (thousands), deeper than Python's recursion limit.
     out: list[tuple[str, int | None]] = []
     seen: set = set()
+    held: list[int] | None = None          # the layers holding any present point, sorted (read when first needed)
     stack = [iter(_raw_feeds(point, layer, n_layers, present))]
     while stack:
         f = next(stack[-1], None)
@@ -223,6 +225,16 @@ def feeds_of(point: str, layer: int | None, present: set[tuple[str, int | None]]
         seen.add(f)
         if f in present:
             out.append(f)
+        elif f[0] == "output" and f[1] is not None:
+            # Every path out of a layer that holds no present point leads to the previous layer's output only:
+            # jump over such a span at once (a trace's claimed layer count may be huge and its layers few).
+            if held is None:
+                held = sorted({lay for _, lay in present if lay is not None})
+            below = bisect.bisect_right(held, f[1]) - 1
+            if below >= 0 and held[below] == f[1]:
+                stack.append(iter(_raw_feeds(*f, n_layers, present)))
+            else:
+                stack.append(iter([("output", held[below]) if below >= 0 else ("embed", None)]))
         else:
             stack.append(iter(_raw_feeds(*f, n_layers, present)))
     return out
