@@ -26,14 +26,28 @@ _GEMMA3 = ("Gemma3ForCausalLM",)
 _QK = ("attn.q_norm", "attn.k_norm")
 _MOE = ("moe.router_logits", "moe.topk_ids", "moe.topk_weights", "moe.experts_out", "moe.shared_out")
 
+# The sandwich norms and the pre-MLP norm, both frameworks: (point, module under model.layers.N, the record HF's
+# rows read, SGLang's, note). SGLang's norms called with a residual return (normed, residual): `mid` is the 2nd.
+_NORMS = (
+    ("attn.post_norm", "post_attention_layernorm", ":out", r":out(\[0\])?",
+     "Gemma: the attention branch's norm, before the residual add"),
+    ("mid", "pre_feedforward_layernorm", r":in\[0\]", r":out\[1\]",
+     "pre-MLP norm input = residual stream (SGLang: pre_feedforward_layernorm(attn branch, residual) returns "
+     "(normed, residual after attention))"),
+    ("mlp_norm", "pre_feedforward_layernorm", ":out", r":out\[0\]", ""),
+    ("mlp.post_norm", "post_feedforward_layernorm", ":out", r":out(\[0\])?",
+     "Gemma: the MLP branch's norm, before the residual add"),
+)
+
+
+def _norm_rows(framework: str) -> tuple[PointMap, ...]:
+    col = {"hf": 2, "sglang": 3}[framework]
+    return tuple(PointMap(row[0], _L + r"\." + row[1] + row[col], opts={"archs": GEMMA}, note=row[4])
+                 for row in _NORMS)
+
+
 HF_POINTS = (
-    PointMap("attn.post_norm", _L + r"\.post_attention_layernorm:out", opts={"archs": GEMMA},
-             note="Gemma: the attention branch's norm, before the residual add"),
-    PointMap("mid", _L + r"\.pre_feedforward_layernorm:in\[0\]", opts={"archs": GEMMA},
-             note="pre-MLP norm input = residual stream"),
-    PointMap("mlp_norm", _L + r"\.pre_feedforward_layernorm:out", opts={"archs": GEMMA}),
-    PointMap("mlp.post_norm", _L + r"\.post_feedforward_layernorm:out", opts={"archs": GEMMA},
-             note="Gemma: the MLP branch's norm, before the residual add"),
+    *_norm_rows("hf"),
     PointMap("attn.q_norm", _A + r"\.q_norm:out", "bhsd", opts={"archs": _GEMMA3}),
     PointMap("attn.k_norm", _A + r"\.k_norm:out", "bhsd", opts={"archs": _GEMMA3}),
     PointMap("logits", r"<root>:out\['logits'\]", "vocab", opts={"archs": GEMMA},
@@ -56,13 +70,7 @@ SGLANG_POINTS = (
     PointMap("embed", _L0_IN, opts={"archs": GEMMA}, note="Gemma: the embedding after its sqrt(hidden) scale"),
     PointMap("input", _L0_IN, opts={"layer": 0, "archs": GEMMA}),
     PointMap("input", _L + r"\.input_layernorm:out\[1\]", opts={"archs": GEMMA}),
-    PointMap("attn.post_norm", _L + r"\.post_attention_layernorm:out(\[0\])?", opts={"archs": GEMMA},
-             note="Gemma: the attention branch's norm, before the residual add"),
-    PointMap("mid", _L + r"\.pre_feedforward_layernorm:out\[1\]", opts={"archs": GEMMA},
-             note="pre_feedforward_layernorm(attn branch, residual) returns (normed, residual after attention)"),
-    PointMap("mlp_norm", _L + r"\.pre_feedforward_layernorm:out\[0\]", opts={"archs": GEMMA}),
-    PointMap("mlp.post_norm", _L + r"\.post_feedforward_layernorm:out(\[0\])?", opts={"archs": GEMMA},
-             note="Gemma: the MLP branch's norm, before the residual add"),
+    *_norm_rows("sglang"),
     PointMap("attn.q_norm", _A + r"\.q_norm:out", "heads", "sgl_heads_q", opts={"heads": "q", "archs": _GEMMA3}),
     PointMap("attn.k_norm", _A + r"\.k_norm:out", "heads", "sgl_heads_kv", opts={"heads": "kv", "archs": _GEMMA3}),
 )
