@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 from tic_trace.testing import child
+from tic_trace.testing.source_imports import module_imports, package_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "tic_trace"
@@ -28,7 +29,8 @@ SOURCES = {"tic_trace": PKG, "tic_trace.adapters": ROOT / "adapters", "tic_trace
 # each subpackage's __init__ docstring, on its "May import:" line, and in docs/architecture.md.
 ALLOWED = {
     "store": set(),
-    "graph": set(),
+    # the canonical graph is assembled from the base's points and every registered family's (issue 36)
+    "graph": {"families"},
     "record": {"store", "graph"},
     "view": {"store", "graph"},
     "replay": {"store", "graph", "view", "record", "compare", "families"},
@@ -44,13 +46,15 @@ ALLOWED = {
 # Where only some modules of an allowed subpackage may be imported: the tracer resolves an adapter by name through
 # the registry and keeps rows by the identity rule both flows read (graph.row_subset); a checkpoint tensor is
 # hashed with the tracer's own hash (to compare it with a side's recorded parameter hash); the finder builds the
-# report's schema (never a renderer); and a replay checks the reference against the traces first with the
-# contract's `check_reference` (the one edge from replay up to compare).
+# report's schema (never a renderer); a replay checks the reference against the traces first with the
+# contract's `check_reference` (the one edge from replay up to compare); and the canonical graph reads the
+# families' points through their registry (never a family folder).
 ONLY = {("record", "graph"): {"tic_trace.graph.adapter", "tic_trace.graph.row_subset"},
         ("compare", "record"): {"tic_trace.record.stats"},
         ("compare", "report"): {"tic_trace.report.schema"},
         ("replay", "record"): {"tic_trace.record.stats"},
-        ("replay", "compare"): {"tic_trace.compare.contract"}}
+        ("replay", "compare"): {"tic_trace.compare.contract"},
+        ("graph", "families"): {"tic_trace.families"}}
 ANSWER_FLOW = {"view", "compare", "replay", "report"}
 FRAMEWORKS = {"megatron", "sglang", "transformers"}
 OUTSIDE_CORE = ("tic_trace.adapters", "tic_trace.integrations", "tic_trace.tools")
@@ -59,16 +63,7 @@ MAX_LINES = 530     # "no module over ~500 lines" (issue 21)
 
 def _modules() -> dict[str, Path]:
     """Every module of the installed package, by dotted name (a package is its __init__)."""
-    out = {}
-    for base, src in SOURCES.items():
-        for path in sorted(src.rglob("*.py")):
-            if "__pycache__" in path.parts:
-                continue
-            parts = list(path.relative_to(src).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([base, *parts])] = path
-    return out
+    return package_modules(SOURCES)
 
 
 MODULES = _modules()
@@ -79,27 +74,8 @@ def _is_package(name: str) -> bool:
 
 
 def _imports(name: str) -> set[str]:
-    """The absolute names a module imports: a module of the package where the name is one (`from a import b`
-    with `a.b` a module is an import of `a.b`), else the imported module itself (a third-party name as
-    written). The parent packages Python imports on the way are not counted: they hold no code of the module's."""
-    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"), str(MODULES[name]))
-    package = name if _is_package(name) else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module
-            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES]
-            out.update(subs)
-            if len(subs) < len(node.names):
-                out.add(mod)
-    return out
+    """The absolute names a module imports (`source_imports.module_imports`)."""
+    return module_imports(name, MODULES[name], MODULES)
 
 
 GRAPH = {name: _imports(name) for name in MODULES}

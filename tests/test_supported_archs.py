@@ -15,7 +15,8 @@ import torch
 import transformers as T
 
 import tic_trace
-from tic_trace.graph.adapter import PointMap, get_adapter, supported_architectures_markdown
+from tic_trace.graph.adapter import PointMap, get_adapter
+from tic_trace.graph.supported import supported_architectures_markdown
 from tic_trace.adapters import hf as hf_adapter
 from tic_trace.adapters import megatron as mg_adapter
 from tic_trace.adapters import sglang_names
@@ -97,7 +98,7 @@ def test_readme_table_is_the_code_table():
     m = re.search(r"<!-- supported-architectures:begin.*?-->\n(.*?)<!-- supported-architectures:end -->", readme, re.S)
     assert m, "README.md has no supported-architectures block"
     assert m.group(1).strip() == supported_architectures_markdown().strip(), (
-        "README's table is not the code's: paste the output of `python -c 'from tic_trace.graph.adapter import "
+        "README's table is not the code's: paste the output of `python -c 'from tic_trace.graph.supported import "
         "supported_architectures_markdown as f; print(f())'` between the markers")
     for ad in ("hf", "megatron", "sglang"):      # every verified and every refused name is in it
         a = get_adapter(ad)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ..graph.point_spec import FamilyPoint
+
 #: The frameworks a family states its verification for, in the README's column order.
 FRAMEWORKS = ("hf", "megatron", "sglang")
 
@@ -91,6 +93,15 @@ class Family:
     # A model whose model_type no family owns is this family's when its spec states what only this family
     # computes (MLA's kv latent: Kimi-K2's `kimi_k2` is DeepSeek-V3's architecture); None: model_type alone.
     claims: Callable[[Any], bool] | None = None
+
+    # --- the canonical graph (points.py: data only, `graph.point_spec`; graph/canonical.py assembles them)
+    # the points only this family computes, where they sit and which base points read them
+    points: tuple[FamilyPoint, ...] = ()
+    # base point -> what this family's layers compute there, added to its meaning ("MLA: q_b_proj...")
+    remarks: Mapping[str, str] = field(default_factory=dict)
+    # (regex of an HF checkpoint tensor's name under model.layers.N, point whose op reads it) for the tensors the
+    # family names otherwise than the base (graph/weight_points.py tries them before the base's)
+    weight_points: tuple[tuple[str, str], ...] = ()
 
     # --- config.json -> ModelSpec (no torch)
     # ModelSpec field values where config.json does not state them, by model_type (Qwen2's q/k/v bias)

@@ -7,5 +7,6 @@ identity reads it).
 Pure Python and numpy, never a framework: adapters import theirs inside their own methods. The record flow uses
 only the adapter registry (the tracer resolves `adapter="hf"`) and the row subset; the answer flow uses all of it.
 
-May import: nothing of tic_trace.
+May import: families (their registry `tic_trace.families` only, never a family folder: the canonical graph and the
+HF weight names assemble the base transformer's with every registered family's points and rows).
 """

@@ -3,110 +3,45 @@
 Every adapter maps its framework's records onto these points; the comparator and the finder walk them in
 dataflow order. A point is either global (`embed`, `final_norm`, `logits`, `logprobs`) or per layer
 (`attn.q`, ...), written `L{i}.attn.q` once a layer is attached.
+
+`SCHEMA` is the base transformer's points (`BASE_POINTS`, here) with every registered model family's own
+(`Family.points`, declared in tic_trace/families/<name>/points.py) placed in dataflow order and read by the base
+points they stand before. A layer without a family's point resolves it to its own feeds (`feeds_of`), so the
+base's dataflow holds wherever a family's points are absent.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import Iterable
 
-
-@dataclass(frozen=True)
-class PointSpec:
-    name: str
-    layered: bool
-    feeds: tuple[str, ...]      # points whose values this point is computed from (same layer unless global)
-    features: str               # shape of one row, for documentation and checks
-    kind: str = "float"         # "float" | "ids" (top-k expert ids: compared as sets)
-    meaning: str = ""
-    # How the finder and the renderers treat the point (the only place this knowledge lives):
-    role: str = ""              # "embedding" | "residual" (the stream leaving a layer) | "router_logits" |
-                                # "expert_ids" | "logprob" (what the model finally emits, per token)
-    routed: bool = False        # computed from the layer's expert choice: judged without tokens whose
-                                # top-k set flipped in that layer (those ran other experts)
-    curve: bool = False         # a column of the error-growth views (terminal curve, HTML plot and heatmap)
-    head: int | None = None     # position among the global points after the layers (final norm, logits, ...)
-    per_head: bool = False      # a row is head-major (heads x head_dim): the replay measures per-head segments
-    mixes_positions: bool = False   # a row is computed from its feeds' rows at this and earlier positions of
-                                    # its sample (causal attention), not from the same row only
-    op: str = ""                # the class of op that computes it ("rmsnorm", "gemm", ...): the attribution's
-                                # groups ("every RMSNorm of B explains 62%"); "" = the point's own name
-    # A feed only some architectures compute (Qwen3-Next's attention gate, its linear-attention block): absent
-    # from a layer, it stands for nothing (not for its own feeds, which the point reads otherwise anyway);
-    # present, the feeds of the reading point it `replaces` are not read (that layer computes this instead).
-    optional: bool = False
-    replaces: tuple[str, ...] = ()
-    # The unit a row's error is judged in (compare/judge.py; docs/report.md, "Units"): "relative" — the row's
-    # relative L2, ‖a_row − b_row‖ / ‖a_row‖, every element against the row's scale (a top-k weight or router
-    # probability near 0 is never judged against its own value); "nats" — |a − b| itself, for a row that is one
-    # log-prob, against what the logits' difference implies through the log-softmax (compare/inherited.py);
-    # "mixture" — for a row that is a convex (or sub-convex) combination of its feed's rows (attention: Σ_j p_j v_j
-    # with p ≥ 0, Σ p ≤ 1), ‖a_row − b_row‖ over the norm those rows bound it to (or its own, if larger): its
-    # error scales with the rows it mixes, not with its own norm, which cancellation among them can make small
-    # (compare/mixture.py). Judged like "relative".
-    unit: str = "relative"
-    # For unit "mixture": the feeds whose rows are mixed, in order of preference (the first the trace holds is
-    # read); each holds, per value head, the mixed vectors in its last (point width / heads) columns.
-    mixes: tuple[str, ...] = ()
-
+from ..families import FAMILIES
+from .point_spec import FamilyPoint, PointSpec
 
 _L = True
-SCHEMA: tuple[PointSpec, ...] = (
+# The base transformer's points, in dataflow order, each with the feeds it reads where no family's point stands
+# between (`FamilyPoint.read_by` rewires them) and the meaning it has in every family (`Family.remarks` add theirs).
+BASE_POINTS: tuple[PointSpec, ...] = (
     PointSpec("embed", False, (), "H", meaning="token embedding output", role="embedding", op="embedding"),
     PointSpec("input", _L, ("<prev>.output",), "H", meaning="residual stream entering the layer", op="identity"),
     PointSpec("attn_norm", _L, ("input",), "H", meaning="input norm output", curve=True, op="rmsnorm"),
-    # Multi-latent attention (DeepSeek-V2/V3 MLA): q and kv pass through low-rank latents. No other architecture
-    # has these points, and an absent feed resolves to its own feeds (feeds_of), so attn.q/k/v still read
-    # attn_norm there.
-    PointSpec("attn.q_a", _L, ("attn_norm",), "q_lora_rank", meaning="MLA: q down-projection (q_a_proj)", op="gemm"),
-    PointSpec("attn.q_a_norm", _L, ("attn.q_a",), "q_lora_rank", meaning="MLA: the q latent after its RMSNorm "
-              "(q_a_layernorm)", op="rmsnorm"),
-    PointSpec("attn.kv_a", _L, ("attn_norm",), "kv_lora_rank + rope_dim", meaning="MLA: the kv latent, then the "
-              "one k_pe every head shares, before RoPE (kv_a_proj_with_mqa)", op="gemm"),
-    PointSpec("attn.kv_a_norm", _L, ("attn.kv_a",), "kv_lora_rank", meaning="MLA: the kv latent after its RMSNorm "
-              "(kv_a_layernorm; k_pe is not normalised)", op="rmsnorm"),
-    PointSpec("attn.kv_b", _L, ("attn.kv_a_norm",), "heads x (nope_dim + v_dim)", per_head=True,
-              meaning="MLA: every head's decompressed k_nope, then its v (kv_b_proj)", op="gemm"),
-    # Qwen3-Next's Gated DeltaNet linear attention (`linear_attn`), in the layers that run it instead of softmax
-    # attention: its output projection is `attn.out`, read from the gated norm instead of `attn.core`.
-    PointSpec("attn.linear_qkvz", _L, ("attn_norm",), "2 key_dim + 2 value_dim", meaning="linear attention: the "
-              "q, k, v and z projection (in_proj_qkvz), grouped by key head", op="gemm"),
-    PointSpec("attn.linear_ba", _L, ("attn_norm",), "2 v_heads", meaning="linear attention: the beta and decay "
-              "inputs b, a (in_proj_ba), grouped by key head", op="gemm"),
-    PointSpec("attn.linear_conv", _L, ("attn.linear_qkvz",), "2 key_dim + value_dim", mixes_positions=True,
-              meaning="linear attention: q | k | v after the causal depthwise conv1d and SiLU", op="conv1d"),
-    PointSpec("attn.linear_core", _L, ("attn.linear_conv", "attn.linear_ba"), "v_heads x v_head_dim",
-              per_head=True, mixes_positions=True, meaning="linear attention: the gated delta rule's output "
-              "(q, k L2-normalised, beta = sigmoid(b), decay g = -exp(A_log) softplus(a + dt_bias))",
-              op="delta_rule"),
-    PointSpec("attn.linear_norm", _L, ("attn.linear_core", "attn.linear_qkvz"), "v_heads x v_head_dim",
-              per_head=True, optional=True, replaces=("attn.core",), meaning="linear attention: the RMSNorm of "
-              "each head's output times SiLU(z), before out_proj", op="gated_rmsnorm"),
-    PointSpec("attn.q", _L, ("attn.q_a_norm",), "heads x head_dim", per_head=True,
-              meaning="q projection, before QK-norm and RoPE (MLA: q_b_proj, or q_proj without a q latent: "
-              "every head's nope dims, then its rope dims before RoPE)", op="gemm"),
-    PointSpec("attn.gate", _L, ("attn_norm",), "heads x head_dim", per_head=True, optional=True,
-              meaning="gated attention (Qwen3-Next): each head's gate, the second half of its q_proj columns",
-              op="gemm"),
-    PointSpec("attn.k", _L, ("attn.kv_a",), "kv_heads x head_dim", per_head=True,
+    PointSpec("attn.q", _L, ("attn_norm",), "heads x head_dim", per_head=True,
+              meaning="q projection, before QK-norm and RoPE", op="gemm"),
+    PointSpec("attn.k", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True,
               meaning="k projection, before QK-norm and RoPE", op="gemm"),
-    PointSpec("attn.v", _L, ("attn.kv_b",), "kv_heads x head_dim", per_head=True, meaning="v projection", op="gemm"),
+    PointSpec("attn.v", _L, ("attn_norm",), "kv_heads x head_dim", per_head=True, meaning="v projection", op="gemm"),
     PointSpec("attn.q_norm", _L, ("attn.q",), "heads x head_dim", per_head=True, meaning="q after QK-norm", op="rmsnorm"),
     PointSpec("attn.k_norm", _L, ("attn.k",), "kv_heads x head_dim", per_head=True, meaning="k after QK-norm", op="rmsnorm"),
     PointSpec("attn.q_rope", _L, ("attn.q_norm",), "heads x head_dim", per_head=True,
-              meaning="q after rotary embedding (MLA: every head's rope dims only)", op="rope"),
+              meaning="q after rotary embedding", op="rope"),
     PointSpec("attn.k_rope", _L, ("attn.k_norm",), "kv_heads x head_dim", per_head=True,
-              meaning="k after rotary embedding (MLA: the shared k_pe only, one head)", op="rope"),
-    PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v", "attn.gate"), "heads*head_dim",
-              meaning="attention output before the output projection (gated attention: times sigmoid(gate))",
-              per_head=True, curve=True,
-              mixes_positions=True, op="attention", unit="mixture", mixes=("attn.v", "attn.kv_b")),
-    PointSpec("attn.out", _L, ("attn.core", "attn.linear_norm"), "H", meaning="output projection, reduced over TP "
-              "(a linear-attention layer's: its out_proj)", curve=True, op="gemm"),
-    # Gemma's sandwich norm of the attention branch, before the residual add (absent elsewhere: `mid` then reads
-    # attn.out through feeds_of)
-    PointSpec("attn.post_norm", _L, ("attn.out",), "H", meaning="attention branch's norm before the residual add",
-              op="rmsnorm"),
-    PointSpec("mid", _L, ("input", "attn.post_norm"), "H", meaning="residual stream after attention", curve=True,
+              meaning="k after rotary embedding", op="rope"),
+    PointSpec("attn.core", _L, ("attn.q_rope", "attn.k_rope", "attn.v"), "heads*head_dim",
+              meaning="attention output before the output projection", per_head=True, curve=True,
+              mixes_positions=True, op="attention", unit="mixture", mixes=("attn.v",)),
+    PointSpec("attn.out", _L, ("attn.core",), "H", meaning="output projection, reduced over TP", curve=True,
+              op="gemm"),
+    PointSpec("mid", _L, ("input", "attn.out"), "H", meaning="residual stream after attention", curve=True,
               op="residual_add"),
     PointSpec("mlp_norm", _L, ("mid",), "H", meaning="pre-MLP norm output", op="rmsnorm"),
     PointSpec("moe.router_logits", _L, ("mlp_norm",), "E", meaning="router scores before top-k",
@@ -120,15 +55,80 @@ SCHEMA: tuple[PointSpec, ...] = (
     PointSpec("moe.shared_out", _L, ("mlp_norm",), "H", meaning="shared experts' output", op="mlp"),
     PointSpec("mlp.out", _L, ("moe.experts_out", "moe.shared_out", "mlp_norm"), "H", meaning="MLP or MoE block output",
               curve=True, op="mlp"),
-    PointSpec("mlp.post_norm", _L, ("mlp.out",), "H", meaning="MLP branch's norm before the residual add (Gemma)",
-              op="rmsnorm"),
-    PointSpec("output", _L, ("mid", "mlp.post_norm"), "H", meaning="residual stream leaving the layer", curve=True,
+    PointSpec("output", _L, ("mid", "mlp.out"), "H", meaning="residual stream leaving the layer", curve=True,
               role="residual", op="residual_add"),
     PointSpec("final_norm", False, ("<last>.output",), "H", meaning="final norm output", head=0, op="rmsnorm"),
     PointSpec("logits", False, ("final_norm",), "V", meaning="logits over the true vocabulary", head=1, op="gemm"),
     PointSpec("logprobs", False, ("logits",), "1", meaning="log-prob of the next token", role="logprob", head=2,
               op="log_softmax", unit="nats"),
 )
+
+
+class SchemaError(ValueError):
+    """A family's points do not fit the base graph (a bug in tic_trace/families/<name>/points.py)."""
+
+
+def _placed(base: tuple[PointSpec, ...], families: Iterable) -> tuple[list[PointSpec], dict[str, FamilyPoint]]:
+    """The points in dataflow order (each family's after the base point it names, in registry order, then in
+    its declaration order) and the family points by name; a point two families declare is placed once."""
+    after: dict[str, list[PointSpec]] = {p.name: [] for p in base}
+    declared: dict[str, FamilyPoint] = {}
+    for fam in families:
+        for fp in fam.points:
+            name = fp.spec.name
+            if name in after:
+                raise SchemaError(f"family {fam.name}: {name!r} is a base point (graph/canonical.py); declare only "
+                                  f"the points the base lacks in tic_trace/families/{fam.name}/points.py")
+            if name in declared:
+                if declared[name] != fp:
+                    raise SchemaError(f"family {fam.name} declares point {name!r} otherwise than another family: "
+                                      f"one point, one meaning (share the declaration, or name the point otherwise)")
+                continue
+            if fp.after not in after:
+                raise SchemaError(f"family {fam.name}: point {name!r} follows {fp.after!r}, which is not a base point")
+            declared[name] = fp
+            after[fp.after].append(fp.spec)
+    return [q for p in base for q in (p, *after[p.name])], declared
+
+
+def _rewired(p: PointSpec, fp: FamilyPoint, feed: str) -> PointSpec:
+    """`p` reading family point `fp` in place of its feed `feed` ("": as an added feed)."""
+    if not feed:
+        return replace(p, feeds=(*p.feeds, fp.spec.name))
+    if feed not in p.feeds:
+        raise SchemaError(f"point {fp.spec.name!r} is read by {p.name!r} in place of {feed!r}, which {p.name!r} does "
+                          f"not read (feeds {p.feeds}; another family's point may stand there already)")
+    return replace(p, feeds=tuple(fp.spec.name if f == feed else f for f in p.feeds))
+
+
+def assemble(base: tuple[PointSpec, ...], families: Iterable) -> tuple[PointSpec, ...]:
+    """The canonical graph: `base` with every family's points placed, the base points that read them rewired,
+    their `mixes` extended, and the families' remarks added to the meanings ("meaning (remark; remark)")."""
+    families = tuple(families)
+    order, declared = _placed(base, families)
+    by = {p.name: p for p in order}
+    for fp in declared.values():
+        for reader, feed in fp.read_by:
+            if reader not in by:
+                raise SchemaError(f"point {fp.spec.name!r} is read by {reader!r}, which is no canonical point")
+            by[reader] = _rewired(by[reader], fp, feed)
+        for reader in fp.mixed_by:
+            if reader not in by or by[reader].unit != "mixture":
+                raise SchemaError(f"point {fp.spec.name!r} is mixed by {reader!r}, which is no point of unit mixture")
+            by[reader] = replace(by[reader], mixes=(*by[reader].mixes, fp.spec.name))
+    remarks: dict[str, list[str]] = {}
+    for fam in families:
+        for point, remark in fam.remarks.items():
+            if point not in by:
+                raise SchemaError(f"family {fam.name} remarks on {point!r}, which is no canonical point")
+            if remark not in remarks.setdefault(point, []):
+                remarks[point].append(remark)
+    for point, said in remarks.items():
+        by[point] = replace(by[point], meaning=f"{by[point].meaning} ({'; '.join(said)})")
+    return tuple(by[p.name] for p in order)
+
+
+SCHEMA: tuple[PointSpec, ...] = assemble(BASE_POINTS, FAMILIES)
 
 BY_NAME = {p.name: p for p in SCHEMA}
 _LAYERED = [p for p in SCHEMA if p.layered]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..base import Family
+from . import points
 from .spec import OPTIONAL_INPUTS, derived_weight, is_latent as _is_latent, latent_inputs, latent_op, shapes
 
 _SIGMOID = {"scoring_func": "sigmoid"}      # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code, not in config
@@ -60,6 +61,8 @@ FAMILY = Family(
     # HF's DeepseekV3Attention rotates interleaved pairs unless the config says otherwise (V2's does not)
     claims=lambda spec: _is_latent(spec),
     defaults={"deepseek_v3": {**_SIGMOID, "rope_interleave": True}, "glm4_moe": _SIGMOID},
+    points=points.POINTS,
+    remarks=points.REMARKS,
     shapes=shapes,
     ops=_ops,
     inputs_of=latent_inputs,

@@ -16,11 +16,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Callable, Mapping
 
-from ...graph.weight_points import register_weight_points
 from ..base import Family
-from . import spec
-
-register_weight_points(spec.HF_WEIGHT_POINTS)
+from . import points, spec
 
 
 def _ops(s: Any, base: Mapping[str, Callable]) -> dict:
@@ -48,6 +45,8 @@ FAMILY = Family(
                 "RoPE per layer type (Gemma 3)",
     verified={"hf": "Gemma 2, Gemma 3 (text): every point, replayed",
               "sglang": "Gemma 2, Gemma 3 (text): every point the trace holds (TP=1)"},
+    points=points.POINTS,
+    weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
     ops=_ops,
     inputs_of=spec.inputs_of,

@@ -18,11 +18,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Callable, Mapping
 
-from ...graph.weight_points import register_weight_points
 from ..base import Family
 from . import spec
-
-register_weight_points(spec.HF_WEIGHT_POINTS)
 
 
 def _ops(s: Any, base: Mapping[str, Callable]) -> dict:
@@ -52,6 +49,7 @@ FAMILY = Family(
               "sglang": "GPT-OSS: every point the trace holds (TP=1)"},
     # the router's softmax over the top-k logits renormalises the top-k weights, whatever the config says
     fixed={"gpt_oss": {"norm_topk_prob": True}},
+    weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
     shapes=spec.shapes,
     ops=_ops,

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...graph.weight_points import register_weight_points
 from ..base import Family
 from . import spec
-
-register_weight_points(spec.HF_WEIGHT_POINTS)
 
 
 def _derived_weight(w: Any, name: str) -> Any:
@@ -40,6 +37,7 @@ FAMILY = Family(
     verified={"hf": "Phi-3: every point, replayed",
               "megatron": "Phi-3 on the GPTModel dense structure: every point",
               "sglang": "Phi-3 (Llama model code): every point the trace holds (TP=1 and 2)"},
+    weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
     shapes=spec.shapes,
     derived_weight=_derived_weight,

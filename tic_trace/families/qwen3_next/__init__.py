@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..base import Family, FrameworkNames
+from . import points
 from .spec import WHOLE_SAMPLE_OPS, facts, inputs_of, op_of, shapes
 
 
@@ -45,6 +46,8 @@ FAMILY = Family(
     description="hybrid layers of gated softmax attention or Gated DeltaNet linear attention, (1 + w) RMSNorms, "
                 "a MoE with a sigmoid-gated shared expert",
     verified={"hf": "every point of both layer kinds (gated attention, linear attention), replayed; cached decode"},
+    points=points.POINTS,
+    remarks=points.REMARKS,
     facts=facts,
     shapes=shapes,
     ops=_ops,
