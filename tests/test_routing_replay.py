@@ -34,22 +34,27 @@ from tic_trace.store.errors import TraceFormatError
 from tic_trace.store.routed_experts import RoutedExperts, read_routed_experts, write_routed_experts
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
-from tic_trace.testing.slime_vendor import SLIME_SNAPSHOT, missing_reason, vendor_dir
+from tic_trace.testing.slime_vendor import sources
 from tic_trace.view.align import CanonicalView
+
+from conftest import require_vendored_sources
 
 LAYERS, EXPERTS, TOPK = 3, 8, 2
 KEYS = ["0-0", "0-1"]
 SEQ = 9                       # tokens per sample (both the same length: one HF batch, two packed segments)
 FAULT_LAYER = 1
 
-pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+
+def _slime_root() -> Path:
+    return next(s.path for s in sources() if s.name == "slime")
 
 
 @contextmanager
 def _slime_on_path():
     """slime's package importable for the block, then forgotten (no Megatron-LM: these modules import only
     torch and megatron.core's parallel_state, which the wheel provides)."""
-    root = str(vendor_dir() / SLIME_SNAPSHOT)
+    root = str(_slime_root())
+    ours = {m: sys.modules.pop(m) for m in list(sys.modules) if m == "slime" or m.startswith("slime.")}
     sys.path.insert(0, root)
     try:
         yield
@@ -57,12 +62,13 @@ def _slime_on_path():
         sys.path.remove(root)
         for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
             del sys.modules[name]
+        sys.modules.update(ours)        # whatever another test had imported under that name, as it was
 
 
 def _slime_cp_utils():
     """slime's `slime/backends/megatron_utils/cp_utils.py`, loaded from its file (its package's __init__ sets up
     accelerators; this module needs only torch and megatron.core.mpu)."""
-    path = vendor_dir() / SLIME_SNAPSHOT / "slime/backends/megatron_utils/cp_utils.py"
+    path = _slime_root() / "slime/backends/megatron_utils/cp_utils.py"
     spec = importlib.util.spec_from_file_location("_slime_cp_utils_for_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -78,6 +84,7 @@ def _cfg():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """The engine's forward, traced, and its routed experts per sample as slime's Sample holds them."""
+    require_vendored_sources()
     cfg = _cfg()
     hf = build_hf_model(cfg, seed=3)
     ids = sample_tokens(len(KEYS), SEQ, seed=5)
