@@ -236,6 +236,83 @@ def scenario_flow(out: Path) -> dict:
     return result
 
 
+def scenario_logprobs(out: Path) -> dict:
+    """The log-probs each side used (issue 37), through slime's own flow as scenario_flow, at
+    --rollout-temperature 0.9: rollout 0's actor log-prob pass (compute_log_prob -> forward_only) with one of its
+    two samples traced; rollout 1's train step 0 (kl_coef 0: slime's can_reuse_log_probs_in_loss skips the pass,
+    policy_loss_function computes them) with both traced and the engine returning the log-probs of the original
+    logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature, while the trainer divides by it); rollout 2
+    with tracing switched off (the hooks still installed). What slime itself holds is returned beside: each
+    sample's rollout_log_probs, the log-prob pass's rollout_data["log_probs"] (through the actor's
+    rollout_data_postprocess, called after compute_log_prob) and the train_rollout_logprob_abs_diff it logs."""
+    from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+    from tic_trace.testing import sglang_cpu as sc
+    ts = _integration()
+    hf, ckpt = _checkpoint(out)
+    (out / "ref").mkdir()
+    argv = sr.base_argv(ckpt, hf.config) + [
+        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2",
+        "--tic-trace-max-samples", "1", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
+        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
+        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
+        "--rollout-temperature", "0.9"]
+    args = ts.configure(sr.parse_args(argv, ts.add_arguments))
+    _start_engine_and_trainer(args)
+    result = {"samples": {}, "trainer_log_probs": {}, "logged": _logged_metric()}
+    server = None
+    try:
+        sg_model = sc.build_sglang_model(hf.config, hf)
+        register_forward_hooks(sg_model, args.sglang_forward_hooks)
+        server = sr.EngineServer(sc.SGLangRollout(sg_model), expected=2)
+        args.sglang_router_port = server.start()
+        from slime.utils.http_utils import init_http_client
+        init_http_client(args)
+        from slime.utils.misc import load_function
+        load_function(args.custom_megatron_init_path)(args)
+        actor = sr.train_actor(args, sr.model_chunks(hf), with_ref=True)
+
+        def keep(args_, rollout_id, rollout_data):       # slime's rollout_data_postprocess signature
+            if "log_probs" in rollout_data:
+                result["trainer_log_probs"][rollout_id] = {
+                    str(int(i)): [float(x) for x in lp] for i, lp in
+                    zip(rollout_data["sample_indices"], rollout_data["log_probs"])}
+        actor.rollout_data_postprocess = keep
+        for rollout_id in (0, 1, 2):
+            args.kl_coef = 0.01 if rollout_id == 0 else 0.0
+            args.tic_trace = rollout_id != 2
+            args.tic_trace_max_samples = 1 if rollout_id == 0 else 2
+            if rollout_id == 1:
+                os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+            samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
+            os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
+            result["samples"][rollout_id] = [
+                {"index": s.index, "tokens": list(s.tokens), "response_length": s.response_length,
+                 "rollout_log_probs": list(s.rollout_log_probs)} for s in samples]
+            actor.train(rollout_id, sr.train_data_refs(args, samples))
+    finally:
+        _stop_engine_and_trainer(server)
+    result["dir"] = str(out / "traces")
+    return result
+
+
+def _logged_metric() -> list[float]:
+    """slime's train_rollout_logprob_abs_diff as its train loop logs it (model.py: ``logger.info(f"{role_tag}step
+    {accumulated_step_id}: {log_dict}")``), one value per train step, appended as they are logged."""
+    import logging
+    import re
+    got: list[float] = []
+    pat = re.compile(r"'train/train_rollout_logprob_abs_diff': ([-+0-9.eE]+)")
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            m = pat.search(record.getMessage())
+            if m:
+                got.append(float(m.group(1)))
+    logging.getLogger("slime.backends.megatron_utils.model").addHandler(_Keep())
+    return got
+
+
 DRIFT_ROLLOUTS = 7       # rollouts 0-5 listed (rows), rollout 6 traced by --tic-trace-every 6 only (subset)
 DRIFT_STALE_FROM = 3     # from this rollout on the engine keeps the weights it had
 
@@ -378,6 +455,7 @@ def scenario_drift_default_mode(out: Path) -> dict:
 
 
 SCENARIOS = {"args": scenario_args, "train_step0": scenario_train_step0, "flow": scenario_flow,
+             "logprobs": scenario_logprobs,
              "drift": scenario_drift,
              "drift_precision": lambda out: scenario_drift(out, "precision"),
              "drift_routing": lambda out: scenario_drift(out, "routing"),

@@ -3,8 +3,8 @@
 * :func:`megatron_init` -- ``--custom-megatron-init-path``; called as ``fn(args)`` at the end of
   ``slime/backends/megatron_utils/initialize.py:init`` on every train rank, before the model is built.
   Checks the slime version, then wraps ``MegatronTrainRayActor.train_actor`` (publishes the rollout id
-  being trained) and ``slime.backends.megatron_utils.model.get_batch`` (names the samples of each packed
-  micro-batch).
+  being trained), ``slime.backends.megatron_utils.model.get_batch`` (names the samples of each packed
+  micro-batch) and ``get_log_probs_and_entropy`` (records the log-probs the trainer used: :mod:`.used_logprobs`).
 * :func:`before_log_prob_hook` -- ``--custom-megatron-before-log-prob-hook-path``; called as
   ``fn(args, model, store_prefix)`` by ``slime/backends/megatron_utils/model.py:forward_only``.
 * :func:`before_train_step_hook` -- ``--custom-megatron-before-train-step-hook-path``; called as
@@ -38,6 +38,7 @@ class _Session:
         self.tracer = None
         self.handles = [c.register_forward_hook(self._after_forward, always_call=True) for c in self.chunks]
         self.passes = 0
+        self.keys: list | None = None     # the current micro-batch's sample keys (None: not traced)
 
     def _after_forward(self, module, args, output):
         # The chunk's forward returned (the tracer already closed its root frame): this micro-batch is done.
@@ -49,12 +50,14 @@ class _Session:
 
     def begin_micro_batch(self, sample_indices: list[int] | None) -> None:
         self.stop_current()
+        self.keys = None
         if sample_indices is None:
             warn_once("no-indices", "tic-trace: could not read this micro-batch's sample_indices; not traced")
             return
         keys = [sample_key(self.rollout_id, i) if selected(self.args, i) else None for i in sample_indices]
         if not any(keys):
             return
+        self.keys = keys
         import torch
 
         import tic_trace
@@ -252,6 +255,20 @@ def install_megatron_patches() -> None:
     module global by both ``forward_step`` closures). Once per process; each independently."""
     _patch_train_actor()
     _patch_get_batch()
+    _patch_routing_replay()
+    _patch_log_probs()
+
+
+def current_rollout_id() -> int | None:
+    """The rollout ``MegatronTrainRayActor.train_actor`` is training in this process (None before the first)."""
+    return _S.rollout_id
+
+
+@_guard
+def _patch_routing_replay() -> None:
+    """R3: record the traced samples' routed experts where slime hands them to Megatron (:mod:`.routing_replay`)."""
+    from tic_trace.integrations.slime.routing_replay import install
+    install()
 
 
 @_guard
@@ -296,6 +313,40 @@ def _patch_get_batch() -> None:
         get_batch._tic_trace = True
         model_mod.get_batch = get_batch
     _PATCHED.add("get_batch")
+
+
+#: Modules that call slime's get_log_probs_and_entropy by a name of their own: the actor's compute_log_prob
+#: (the log-prob pass) and loss.py's policy_loss_function (the train step).
+LOG_PROB_MODULES = ("slime.backends.megatron_utils.loss", "slime.backends.megatron_utils.actor")
+
+
+@_guard
+def _patch_log_probs() -> None:
+    """Wrap ``get_log_probs_and_entropy`` where slime calls it: the per-sample log-probs it returns for a traced
+    micro-batch are recorded as the trainer's used log-probs (:mod:`.used_logprobs`); its result is returned
+    untouched."""
+    if "log_probs" in _PATCHED:
+        return
+    for name in LOG_PROB_MODULES:
+        mod = importlib.import_module(name)
+        orig = getattr(mod, "get_log_probs_and_entropy", None)
+        if orig is None or getattr(orig, "_tic_trace", False):
+            continue
+        setattr(mod, "get_log_probs_and_entropy", _recording_log_probs(orig))
+    _PATCHED.add("log_probs")
+
+
+def _recording_log_probs(orig):
+    @functools.wraps(orig)
+    def get_log_probs_and_entropy(logits, *a, **kw):
+        res = orig(logits, *a, **kw)
+        sess = _S.session
+        if sess is not None and sess.keys is not None:
+            from tic_trace.integrations.slime.used_logprobs import record_trainer
+            record_trainer(sess.args, sess.out_dir, sess.phase, sess.keys, kw, res)
+        return res
+    get_log_probs_and_entropy._tic_trace = True
+    return get_log_probs_and_entropy
 
 
 @_guard

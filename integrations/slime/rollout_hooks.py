@@ -2,7 +2,8 @@
 
 :func:`generate` is awaited as ``fn(args, sample, sampling_params, evaluation=...)`` by
 ``slime/rollout/sglang_rollout.py:generate_and_rm``. It gives a traced sample's ``/generate`` requests the
-request id ``f"{rollout_id}-{sample.index}"`` and delegates to the user's generate function or slime's.
+request id ``f"{rollout_id}-{sample.index}"`` and delegates to the user's generate function or slime's; the
+log-probs each such request's answer returns are recorded with its sampling parameters (:mod:`.used_logprobs`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from tic_trace.integrations.slime.config import chained_hook, enabled, sample_ke
 FULLY_ASYNC_THREAD = "fully-async-rollout"
 
 _RID: contextvars.ContextVar[str | None] = contextvars.ContextVar("tic_trace_rid", default=None)
+#: Where the traced sample's returned log-probs go (the rollout's sglang/ trace directory), with `_RID`.
+_USED_DIR: contextvars.ContextVar[str | None] = contextvars.ContextVar("tic_trace_used_dir", default=None)
 
 
 async def generate(args, sample, sampling_params, evaluation=False):
@@ -28,14 +31,21 @@ async def generate(args, sample, sampling_params, evaluation=False):
     ``slime.rollout.sglang_rollout.generate`` runs unchanged. Evaluation requests are never tagged."""
     rid = _rid_for(args, sample, evaluation)
     fn = _generate_delegate(args)
-    token = _RID.set(rid) if rid is not None else None
+    tokens = (_RID.set(rid), _USED_DIR.set(_used_dir(args, rid))) if rid is not None else None
     try:
         if "evaluation" in _params(fn):
             return await fn(args, sample, sampling_params, evaluation=evaluation)
         return await fn(args, sample, sampling_params)
     finally:
-        if token is not None:
-            _RID.reset(token)
+        if tokens is not None:
+            _USED_DIR.reset(tokens[1])
+            _RID.reset(tokens[0])
+
+
+def _used_dir(args, rid: str) -> str:
+    """The sglang/ trace directory of the rollout a rid "{rollout_id}-{index}" belongs to."""
+    from tic_trace.integrations.slime.config import rollout_dir
+    return str(rollout_dir(args.tic_trace_dir, int(rid.split("-", 1)[0])) / "sglang")
 
 
 def request_rid() -> str | None:
@@ -121,11 +131,17 @@ def _rid_post(orig):
     @functools.wraps(orig)
     async def post(url, payload, *a, **kw):
         rid = _RID.get()
-        if rid is not None and isinstance(payload, dict) and "rid" not in payload \
-                and str(url).split("?", 1)[0].rstrip("/").endswith("/generate"):
+        generate = rid is not None and isinstance(payload, dict) \
+            and str(url).split("?", 1)[0].rstrip("/").endswith("/generate")
+        if generate and "rid" not in payload:
             payload = {**payload, "rid": rid}
         out = orig(url, payload, *a, **kw)
-        return await out if inspect.isawaitable(out) else out
+        out = await out if inspect.isawaitable(out) else out
+        if generate and _USED_DIR.get() is not None:
+            # the log-probs slime's generate takes from this answer (meta_info.output_token_logprobs)
+            from tic_trace.integrations.slime.used_logprobs import record_response
+            record_response(_USED_DIR.get(), rid, payload, out)
+        return out
     post._tic_trace = True
     return post
 

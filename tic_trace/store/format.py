@@ -44,13 +44,16 @@ except ImportError:  # pragma: no cover - exercised by tests/test_checksum.py th
 SCHEMA_VERSION = 1
 MAGIC = b"TICTRACE"
 _HEADER = struct.Struct("<8sHHQI")  # magic, schema, kind, payload length, crc32
-KIND_MANIFEST, KIND_RANK, KIND_INDEX = 1, 2, 3
-_KIND_NAMES = {KIND_MANIFEST: "manifest", KIND_RANK: "rank", KIND_INDEX: "pass index"}
+KIND_MANIFEST, KIND_RANK, KIND_INDEX, KIND_USED_LOGPROBS = 1, 2, 3, 4
+_KIND_NAMES = {KIND_MANIFEST: "manifest", KIND_RANK: "rank", KIND_INDEX: "pass index",
+               KIND_USED_LOGPROBS: "used log-probs"}
+#: The side directory's record of the log-probs the side used (store/used_logprobs.py), beside the ranks.
+USED_LOGPROBS_DIR = "used_logprobs"
 
 
 # Byte limits per file kind, checked against the file's size before it is read: a manifest or rank file is a
 # few KiB; a pass index grows with its records (about 300 bytes each) and its row table.
-_MAX_FILE_BYTES = {KIND_MANIFEST: 16 << 20, KIND_RANK: 16 << 20, KIND_INDEX: 1 << 30}
+_MAX_FILE_BYTES = {KIND_MANIFEST: 16 << 20, KIND_RANK: 16 << 20, KIND_INDEX: 1 << 30, KIND_USED_LOGPROBS: 1 << 28}
 
 _RANK_DIR = re.compile(r"rank([0-9]{5,9})", re.ASCII)
 _PASS_INDEX = re.compile(r"pass([0-9]{5,9})(\.incomplete)?\.idx", re.ASCII)
@@ -435,7 +438,7 @@ class Trace:
             for name in names:
                 rank = _rank_of_dir(name)
                 if rank is None:
-                    if name != "manifest.msgpack" and not name.startswith("."):
+                    if name not in ("manifest.msgpack", USED_LOGPROBS_DIR) and not name.startswith("."):
                         self._ignored.append(name)
                     continue
                 p = self.path / name

@@ -13,7 +13,10 @@ numpy only: both the record flow (writing) and the answer flow (reading) use it.
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -44,3 +47,190 @@ class UsedLogprobs:
         if len(self.tokens) != n or len(self.logprobs) != n:
             raise ValueError(f"sample {self.sample!r}: {n} positions, {len(self.tokens)} tokens and "
                              f"{len(self.logprobs)} log-probs; one of each per token")
+
+
+# ================================================================== on disk
+#
+#   <side trace>/used_logprobs/part-<writer>.msgpack    one framed msgpack document per write (a request's answer,
+#                                                        a micro-batch's log-probs): {"version": 1, "entries":
+#                                                        [{"sample", "positions", "tokens", "logprobs", "sampling"}]}
+#
+# The arrays are raw little-endian bytes (int64, int64, float64) in msgpack bin fields: nothing is unpickled.
+# Each part is written under a temporary name and renamed (format.write_framed): a reader sees whole parts only.
+# Several writers (the rollout process, every train rank) write their own parts; the reader merges them.
+
+VERSION = 1
+_PART = re.compile(r"part-[0-9a-z][0-9a-z-]{0,99}\.msgpack", re.ASCII)
+_MAX_PARTS = 1 << 16
+_SAMPLING_NUMBERS = ("temperature", "top_p", "min_p")
+
+
+def part_name(writer: str) -> str:
+    """The file name of one part (`writer`: lower-case letters, digits and dashes)."""
+    name = f"part-{writer}.msgpack"
+    if not _PART.fullmatch(name):
+        raise ValueError(f"part name {name!r}: the writer id must be lower-case letters, digits and dashes")
+    return name
+
+
+def write_part(trace_dir: str | os.PathLike, writer: str, entries: list[UsedLogprobs]) -> Path:
+    """Write one part of a side's used log-probs into ``trace_dir/used_logprobs/`` (made if missing)."""
+    from .format import KIND_USED_LOGPROBS, USED_LOGPROBS_DIR, write_framed
+    d = Path(trace_dir) / USED_LOGPROBS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / part_name(writer)
+    write_framed(path, KIND_USED_LOGPROBS, {"version": VERSION, "entries": [_to_wire(e) for e in entries]})
+    return path
+
+
+def _to_wire(e: UsedLogprobs) -> dict:
+    s = e.sampling
+    return {"sample": e.sample,
+            "positions": np.ascontiguousarray(e.positions, dtype="<i8").tobytes(),
+            "tokens": np.ascontiguousarray(e.tokens, dtype="<i8").tobytes(),
+            "logprobs": np.ascontiguousarray(e.logprobs, dtype="<f8").tobytes(),
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                         "source": s.source, "extra": dict(s.extra)}}
+
+
+@dataclass
+class UsedLogprobsRead:
+    """What a side's trace directory holds of used log-probs: one entry per (sample, sampling) with its tokens
+    in position order, the part files read, and notes (conflicting duplicates, files not read)."""
+    entries: list[UsedLogprobs] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.files)
+
+    def by_sample(self) -> dict[str, list[UsedLogprobs]]:
+        out: dict[str, list[UsedLogprobs]] = {}
+        for e in self.entries:
+            out.setdefault(e.sample, []).append(e)
+        return out
+
+
+def read(trace_dir: str | os.PathLike) -> UsedLogprobsRead:
+    """The used log-probs of one side's trace directory (empty when it recorded none). Every part is checked
+    before use: a corrupt, truncated or hostile part raises `TraceFormatError` naming the file and the problem;
+    names that are no part (``.tmp`` files, strays) are listed in ``ignored``, never read."""
+    from .errors import TraceFormatError
+    from .format import USED_LOGPROBS_DIR, check_inside
+    root = Path(trace_dir)
+    d = root / USED_LOGPROBS_DIR
+    out = UsedLogprobsRead()
+    if not os.path.lexists(d):
+        return out
+    real = check_inside(d, root)
+    if not real.is_dir():
+        raise TraceFormatError(d, "is not a directory: the used log-probs are a directory of parts")
+    try:
+        names = sorted(os.listdir(real))
+    except OSError as e:
+        raise TraceFormatError(d, f"cannot list: {e.strerror or e}") from None
+    parts = [n for n in names if _PART.fullmatch(n)]
+    out.ignored = [n for n in names if not _PART.fullmatch(n) and not n.startswith(".")]
+    if len(parts) > _MAX_PARTS:
+        raise TraceFormatError(d, f"{len(parts)} parts, over the {_MAX_PARTS} a side writes")
+    pieces: list[UsedLogprobs] = []
+    for n in parts:
+        pieces.extend(_read_part(d / n, root))
+        out.files.append(f"{USED_LOGPROBS_DIR}/{n}")
+    out.entries, out.notes = _merge(pieces)
+    return out
+
+
+def _read_part(path: Path, root: Path) -> list[UsedLogprobs]:
+    from .errors import TraceFormatError
+    from .format import KIND_USED_LOGPROBS, read_framed
+    doc = read_framed(path, KIND_USED_LOGPROBS, root)
+    if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("entries"), list):
+        raise TraceFormatError(path, f"not a version-{VERSION} used log-probs document (a map with 'version' "
+                                     f"{VERSION} and a list 'entries')")
+    return [_entry(d, path, i) for i, d in enumerate(doc["entries"])]
+
+
+def _entry(d, path: Path, i: int) -> UsedLogprobs:
+    from .errors import TraceFormatError
+
+    def bad(problem: str) -> TraceFormatError:
+        return TraceFormatError(path, f"entry {i}: {problem}")
+    if not isinstance(d, dict):
+        raise bad("not a map")
+    sample = d.get("sample")
+    if not isinstance(sample, str) or not 0 < len(sample) <= 256:
+        raise bad("field 'sample' must be a string of 1 to 256 characters")
+    arrays = {}
+    for name, dt in (("positions", "<i8"), ("tokens", "<i8"), ("logprobs", "<f8")):
+        b = d.get(name)
+        if not isinstance(b, bytes) or len(b) % 8:
+            raise bad(f"field {name!r} must be raw 8-byte little-endian values (bytes, a multiple of 8 long)")
+        arrays[name] = np.frombuffer(b, dtype=dt).astype(dt[1:])
+    if not len(arrays["positions"]) == len(arrays["tokens"]) == len(arrays["logprobs"]):
+        raise bad(f"{len(arrays['positions'])} positions, {len(arrays['tokens'])} tokens and "
+                  f"{len(arrays['logprobs'])} log-probs: one of each per token")
+    if (arrays["positions"] < 0).any() or (arrays["positions"] >= 2**31).any():
+        raise bad("a position outside [0, 2**31)")
+    if (arrays["tokens"] < 0).any():
+        raise bad("a negative token id")
+    return UsedLogprobs(sample, arrays["positions"], arrays["tokens"], arrays["logprobs"],
+                        _sampling(d.get("sampling"), bad))
+
+
+def _sampling(s, bad) -> Sampling:
+    if not isinstance(s, dict):
+        raise bad("field 'sampling' must be a map")
+    got = {}
+    for k in _SAMPLING_NUMBERS:
+        v = s.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise bad(f"field 'sampling.{k}' must be a number or null, not {v!r:.80}")
+        got[k] = None if v is None else float(v)
+    top_k = s.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or abs(top_k) >= 2**63):
+        raise bad(f"field 'sampling.top_k' must be an integer or null, not {top_k!r:.80}")
+    source, extra = s.get("source", ""), s.get("extra", {})
+    if not isinstance(source, str) or len(source) > 4096:
+        raise bad("field 'sampling.source' must be a string of at most 4096 characters")
+    if not isinstance(extra, dict) or len(extra) > 256 or not all(
+            isinstance(k, str) and len(k) <= 256 and (v is None or isinstance(v, (str, int, float, bool)))
+            for k, v in extra.items()):
+        raise bad("field 'sampling.extra' must be a map of at most 256 names to strings, numbers or booleans")
+    return Sampling(temperature=got["temperature"], top_p=got["top_p"], top_k=top_k, min_p=got["min_p"],
+                    source=source, extra=dict(extra))
+
+
+def _merge(pieces: list[UsedLogprobs]) -> tuple[list[UsedLogprobs], list[str]]:
+    """One entry per (sample, sampling), sorted by position; a (sample, position) written twice with the same
+    token (tensor-parallel ranks, a repeated turn) is kept once; with another token, the first is kept and said."""
+    groups: list[list[UsedLogprobs]] = []
+    for p in pieces:
+        for g in groups:
+            if g[0].sample == p.sample and g[0].sampling == p.sampling:
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    out, notes = [], []
+    seen: dict[tuple[str, int], int] = {}
+    for g in groups:
+        pos = np.concatenate([p.positions for p in g])
+        tok = np.concatenate([p.tokens for p in g])
+        lp = np.concatenate([p.logprobs for p in g])
+        keep = []
+        for j in np.argsort(pos, kind="stable"):
+            key = (g[0].sample, int(pos[j]))
+            if key in seen:
+                if seen[key] != int(tok[j]):
+                    notes.append(f"sample {key[0]!r} position {key[1]}: recorded with tokens {seen[key]} and "
+                                 f"{int(tok[j])}; the first is kept")
+                continue
+            seen[key] = int(tok[j])
+            keep.append(j)
+        idx = np.asarray(keep, dtype=np.int64)
+        out.append(UsedLogprobs(g[0].sample, pos[idx], tok[idx], lp[idx], g[0].sampling))
+    out.sort(key=lambda e: (e.sample, int(e.positions[0]) if len(e.positions) else -1))
+    return out, notes

@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 
 from .errors import TraceFormatError
-from .format import (KIND_INDEX, KIND_MANIFEST, KIND_RANK, SCHEMA_VERSION, Record, crc32, list_passes,
-                     new_temp_file, pass_index_name, pass_stem, rank_dir_name, read_framed, write_framed)
+from .format import (KIND_INDEX, KIND_MANIFEST, KIND_RANK, SCHEMA_VERSION, USED_LOGPROBS_DIR, Record, crc32,
+                     list_passes, new_temp_file, pass_index_name, pass_stem, rank_dir_name, read_framed, write_framed)
 
 
 class TraceDirectoryInUse(FileExistsError):
@@ -215,7 +215,8 @@ def claim_run_directory(root: Path, rank: int, run: str) -> list[int]:
         return []
     if not root.is_dir():
         raise TraceDirectoryInUse(f"{root} exists and is not a directory: trace into a new directory")
-    visible = [n for n in os.listdir(root) if not n.startswith(".")]
+    # the used log-probs may be written before the first pass (another process records them: docs/slime.md)
+    visible = [n for n in os.listdir(root) if not n.startswith(".") and n != USED_LOGPROBS_DIR]
     if visible and "manifest.msgpack" not in visible:
         raise TraceDirectoryInUse(f"{root} is not empty and holds no trace ({', '.join(sorted(visible)[:3])}...): "
                                   "trace into a new or empty directory")

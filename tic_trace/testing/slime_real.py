@@ -276,7 +276,9 @@ class EngineServer:
         logits = res.next_token_logits_by_position()
         for r, p, fut in batch:
             out, plen = res.outputs[r], len(p["input_ids"])
-            lps = [float(torch.log_softmax(logits[(r, plen - 1 + j)].float(), -1)[t]) for j, t in enumerate(out)]
+            t = _logprob_temperature(p["sampling_params"])
+            lps = [float(torch.log_softmax(logits[(r, plen - 1 + j)].float() / t, -1)[tok])
+                   for j, tok in enumerate(out)]
             fut.set_result({"text": " ".join(f"t{t}" for t in out), "meta_info": {
                 "id": r, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)],
                 "finish_reason": {"type": "length", "length": len(out)}, "completion_tokens": len(out),
@@ -301,6 +303,17 @@ class EngineServer:
         from slime.utils.async_utils import run
         if self.runner is not None:
             run(self.runner.cleanup())
+
+
+def _logprob_temperature(sampling_params: dict) -> float:
+    """The temperature SGLang's sampler divides the logits by before the log-softmax of the log-probs it returns
+    (sglang/srt/layers/sampler.py, Sampler.forward: ``if sampling_info.is_all_greedy or
+    SGLANG_RETURN_ORIGINAL_LOGPROB: log_softmax(logits)`` else ``log_softmax(logits / temperatures)``; greedy is
+    temperature 0). The token is still chosen greedily here; top-p / top-k renormalisation is not modelled."""
+    import os
+    t = float(sampling_params.get("temperature", 1.0))
+    original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "false").strip().lower() in ("1", "true", "yes", "on")
+    return 1.0 if original or t <= 0 else t
 
 
 def rollout(args, rollout_id: int, samples: list, *, evaluation: bool = False) -> list:
