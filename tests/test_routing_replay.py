@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +36,8 @@ from tic_trace.store.errors import TraceFormatError
 from tic_trace.store.routed_experts import RoutedExperts, read_routed_experts, write_routed_experts
 from tic_trace.testing import megatron_cpu as mc
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
-from tic_trace.testing.slime_vendor import sources
+from tic_trace.testing import child
+from tic_trace.testing.slime_vendor import MEGATRON_ENV, SLIME_ENV, sources
 from tic_trace.view.align import CanonicalView
 
 from conftest import require_vendored_sources
@@ -296,6 +299,23 @@ def test_recorded_where_slime_hands_them_to_megatron_and_checked_per_rollout(eng
     assert res.layers_with("ids") == [FAULT_LAYER], res.summary
     assert res.as_dict()["layers"][FAULT_LAYER]["diffs"][0]["kind"] == "ids"
     assert check_rollout(tmp_path / "rollout_00001", trainer=CanonicalView(trace)) is None   # nothing recorded
+
+
+def test_recording_wraps_slimes_own_fill_routing_replay(tmp_path):
+    """megatron_init's patches wrap slime's MegatronTrainRayActor.fill_routing_replay: the traced sample's ids are
+    written, then slime's own function runs on them (its own process: the vendored Megatron-LM must not meet the
+    megatron-core wheel)."""
+    require_vendored_sources()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for s in sources():
+        env[MEGATRON_ENV if s.name == "Megatron-LM" else SLIME_ENV] = str(s.path)
+    script = Path(__file__).with_name("routing_replay_slime_script.py")
+    r = child.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                  cwd=script.parents[1], env=env)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["wrapped"] and res["slime_consumed"], res
+    assert res["files"] == 1 and res["samples"] == ["0-0"] and res["equal"], res   # sample 1 is not traced
 
 
 # ---------------------------------------------------------------- without megatron

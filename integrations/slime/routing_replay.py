@@ -80,10 +80,9 @@ def _wrap(orig: Callable) -> Callable:
 
 def _record_guarded(args: Any, rollout_data: Any) -> None:
     try:
-        # the rollout train_actor is training: its wrapper (megatron_hooks) publishes it before calling
-        # fill_routing_replay
-        from tic_trace.integrations.slime import megatron_hooks
-        rid = megatron_hooks._S.rollout_id
+        # train_actor calls fill_routing_replay; its wrapper (megatron_hooks) has published the rollout id
+        from tic_trace.integrations.slime.megatron_hooks import current_rollout_id
+        rid = current_rollout_id()
         if args is None or rid is None or not isinstance(rollout_data, dict):
             return
         import torch
