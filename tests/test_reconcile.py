@@ -1,0 +1,153 @@
+"""Reconciling slime's train_rollout_logprob_abs_diff with the traced forward (compare/reconcile.py, issue 37).
+
+Both sides run real code (tic_trace/testing/logprob_sides.py): the engine's log-probs come from SGLang 0.5.23's
+`Sampler.forward` on a tiny Qwen3-MoE's logits, the trainer's from slime's own `get_log_probs_and_entropy`, and
+slime's own reduction gives the metric each split must add up to. Each fault is a parameter the code runs with
+(the trainer's --rollout-temperature, slime's rollout top-p replay, a template token, a routing bias): each case
+names its part and share; the clean run has none.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tic_trace.compare.reconcile import ORDER, Side, SlimeReduction, reconcile
+from tic_trace.store.used_logprobs import Sampling
+from tic_trace.testing.logprob_sides import SAMPLES, SPEC, key, produce, used_side
+
+from conftest import require_vendored_sources
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    require_vendored_sources()
+    return produce(SPEC, tmp_path_factory.getbasetemp() / "logprob_sides")
+
+
+def _engine(eng, run, t=1.0, top_p=1.0, **kw):
+    return used_side("sglang", eng, run, Sampling(t, top_p, -1, 0.0, "sglang output_token_logprobs"), **kw)
+
+
+def _trainer(tr, run, t=1.0, top_p=1.0, **kw):
+    return used_side("megatron", tr, run, Sampling(t, top_p, -1, 0.0, "slime compute_log_prob"), **kw)
+
+
+def _part(r, name):
+    return next(p for p in r["parts"] if p["name"] == name)
+
+
+def _adds_up(r):
+    assert [p["name"] for p in r["parts"]] == list(ORDER)
+    assert math.isclose(sum(p["value"] for p in r["parts"]), r["metric"], rel_tol=1e-9, abs_tol=1e-15)
+
+
+def test_clean_run_shows_the_metric_with_no_cause(runs):
+    eng, tr = runs
+    r = reconcile(_trainer(tr, "clean"), _engine(eng, "clean"))
+    _adds_up(r)
+    assert math.isclose(r["metric"], float(tr["clean/metric"]), rel_tol=1e-3, abs_tol=1e-7)
+    assert r["metric"] < 1e-5 and r["causes"] == []
+    assert not any(p["significant"] for p in r["parts"])
+    for side in ("a", "b"):      # T = 1: "raw" and "temperature" are one candidate, never a distinction
+        assert r["sides"][side]["verdict"] == "match" and r["sides"][side]["best"]["name"] == "raw"
+        assert "temperature" not in {c["name"] for c in r["sides"][side]["candidates"]}
+    assert _part(r, "routing_replay")["missing"] == "routing replay not checked"
+
+
+def test_temperature_applied_by_the_engine_only_is_the_semantics_part(runs):
+    eng, tr = runs
+    r = reconcile(_trainer(tr, "t07"), _engine(eng, "t07", t=0.7))
+    _adds_up(r)
+    assert math.isclose(r["metric"], float(tr["t07/metric"]), rel_tol=1e-5)
+    sem = _part(r, "semantics")
+    assert sem["significant"] and sem["share"] > 0.99, r["parts"]
+    assert [c.split(":")[0] for c in r["causes"]] == ["semantics"]
+    assert "T = 0.7" in sem["summary"] and "the raw logits, no temperature" in sem["summary"]
+    assert r["sides"]["b"]["best"]["name"] == "temperature" and r["sides"]["a"]["best"]["name"] == "raw"
+    fixed = reconcile(_trainer(tr, "t07_scaled", t=0.7), _engine(eng, "t07", t=0.7))   # --rollout-temperature 0.7
+    assert fixed["metric"] < 1e-5 and fixed["causes"] == []
+
+
+def test_top_p_renormalised_by_the_trainer_only_is_the_semantics_part(runs):
+    eng, tr = runs
+    r = reconcile(_trainer(tr, "topp", top_p=0.9), _engine(eng, "topp", top_p=0.9))
+    _adds_up(r)
+    sem = _part(r, "semantics")
+    assert sem["significant"] and sem["share"] > 0.95, r["parts"]
+    assert r["sides"]["a"]["best"]["name"] == "raw+top_p" and r["sides"]["b"]["best"]["name"] == "raw"
+    assert "top-p renormalisation at p = 0.9" in sem["summary"] and "full distribution" in sem["summary"]
+
+
+def test_template_shift_is_the_tokens_part(runs):
+    eng, tr = runs
+    r = reconcile(_trainer(tr, "shift"), _engine(eng, "clean"))
+    _adds_up(r)
+    assert math.isclose(r["metric"], float(tr["shift/metric"]), rel_tol=1e-5)
+    tok = _part(r, "tokens")
+    assert tok["significant"] and tok["share"] > 0.99 and tok["samples"] == 1
+    assert "shifted template" in tok["summary"] and f"{key(1)}@" in tok["summary"]
+    assert [c.split(":")[0] for c in r["causes"]] == ["tokens"]
+
+
+def _r3_rows(eng, tr):
+    """What the routing-replay check gives: the forward rows whose expert sets differ (its differing_rows())."""
+    out = set()
+    for s in range(SAMPLES):
+        a, b = tr[f"r3/{s}/experts"], eng[f"clean/{s}/experts"]
+        out |= {(key(s), q) for q in range(len(a)) if set(a[q, 0]) != set(b[q, 0])}
+    return out
+
+
+def test_routing_replay_rows_are_the_routing_part(runs):
+    eng, tr = runs
+    rows = _r3_rows(eng, tr)
+    assert rows, "the planted selection bias changes no row's experts"
+    r = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), r3=rows)
+    _adds_up(r)
+    rr, fwd = _part(r, "routing_replay"), _part(r, "forward")
+    assert rr["significant"] and rr["rows"] > 0 and rr["value"] > fwd["value"], r["parts"]
+    assert "routing_replay" in [c.split(":")[0] for c in r["causes"]]
+    unchecked = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"))      # R3 not checked: all of it is forward
+    assert _part(unchecked, "routing_replay")["value"] == 0 and "not checked" in _part(unchecked, "routing_replay")["summary"]
+    assert math.isclose(_part(unchecked, "forward")["value"], rr["value"] + fwd["value"], rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("run,per_token", [("masked", False), ("per_token", True)])
+def test_metric_is_slimes_own_reduction(runs, run, per_token):
+    eng, tr = runs
+    trainer = _trainer(tr, run)
+    mask = {(key(s), int(p)): float(m) for s, u in enumerate(trainer.used)
+            for p, m in zip(u.positions, tr[f"{run}/{s}/mask"])}
+    groups = {key(s): g for s, g in enumerate(next(x for x in SPEC["trainer"]["runs"] if x["name"] == run)
+                                              .get("groups") or range(SAMPLES))}
+    r = reconcile(trainer, _engine(eng, "t07", t=0.7),
+                  reduction=SlimeReduction(per_token=per_token, groups=groups, loss_mask=mask))
+    _adds_up(r)
+    assert math.isclose(r["metric"], float(tr[f"{run}/metric"]), rel_tol=1e-5)
+    plain = reconcile(trainer, _engine(eng, "t07", t=0.7))
+    assert not math.isclose(plain["metric"], r["metric"], rel_tol=1e-4)    # the masks and groups matter
+
+
+def test_rows_without_logits_are_named_not_split(runs):
+    eng, tr = runs
+    engine = _engine(eng, "t07", t=0.7)
+    engine = Side(engine.name, engine.used, {k: v for k, v in engine.logits.items() if k != key(0)})
+    r = reconcile(_trainer(tr, "t07"), engine)
+    _adds_up(r)
+    un = _part(r, "unmeasured")
+    assert un["rows"] == len(engine.used[0].positions) and "without a traced logits row on sglang" in un["missing"]
+    assert un["value"] > 0 and r["sides"]["b"]["missing"] == un["rows"]
+
+
+def test_a_side_without_used_logprobs_is_refused(runs):
+    eng, tr = runs
+    r = reconcile(Side("megatron", []), _engine(eng, "clean"))
+    assert "megatron recorded no used log-probs" in r["unavailable"]
+    assert "parts" not in r
+    disjoint = _engine(eng, "clean")
+    disjoint = Side("sglang", [type(u)("x" + u.sample, u.positions, u.tokens, u.logprobs, u.sampling)
+                               for u in disjoint.used], None)
+    assert "no (sample, position) row" in reconcile(_trainer(tr, "clean"), disjoint)["unavailable"]
+    assert np.isfinite(reconcile(_trainer(tr, "clean"), _engine(eng, "clean", logits=False))["metric"])

@@ -1,0 +1,161 @@
+"""The words and numbers of each part of the reconciliation (compare/reconcile.py): its summary, its coverage,
+whether it is a cause, and the report field they make (report/schema.py `Report.reconciliation`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .logprob_semantics import Semantics, SemanticsMatch
+
+SHARE_MIN = 0.05         # a part under this share of the metric (or under the tolerance in nats) is not a cause
+
+
+@dataclass
+class Ctx:
+    rows: Any                       # reconcile._Rows
+    tok: np.ndarray                 # rows whose token ids differ
+    have: np.ndarray                # rows with a logits row on both sides
+    filtered: np.ndarray            # measured rows whose token a semantics filters out
+    measured: np.ndarray
+    q: np.ndarray                   # measured rows whose applied experts differ (R3)
+    r3rows: set | None
+    trainer: Any
+    engine: Any
+    fa: SemanticsMatch
+    fb: SemanticsMatch
+    common: Semantics | None
+    finder: Mapping | None
+    total: float
+    tol: float
+
+
+@dataclass
+class Part:
+    """One part of the metric (nats, in slime's reduction) with its share and coverage."""
+    name: str
+    value: float
+    share: float | None
+    rows: int                        # rows it was measured on
+    samples: int
+    missing: str                     # what it could not measure ("": nothing)
+    significant: bool
+    summary: str
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _samples(c: Ctx, sel: np.ndarray) -> int:
+    return len({c.rows.keys[i][0] for i in np.nonzero(sel)[0]})
+
+
+def _tokens(c: Ctx) -> tuple[np.ndarray, str, str]:
+    sel = c.tok
+    if not sel.any():
+        return sel, "", "every joined row holds the same token on both sides"
+    i = int(np.nonzero(sel)[0][0])
+    s, p = c.rows.keys[i]
+    later = [j for j, k in enumerate(c.rows.keys) if k[0] == s and k[1] >= p]
+    shift = " on (every later token differs: a shifted template?)" if all(sel[j] for j in later) and len(later) > 1 else ""
+    return sel, "", (f"{int(sel.sum())} rows in {_samples(c, sel)} samples hold different token ids, from "
+                     f"{s}@{p}{shift} ({c.trainer.name} {int(c.rows.tok['a'][i])}, {c.engine.name} "
+                     f"{int(c.rows.tok['b'][i])}): their whole gap is theirs")
+
+
+def _unmeasured(c: Ctx) -> tuple[np.ndarray, str, str]:
+    sel = ~c.tok & ~c.measured
+    za = sum(r is None for r, t in zip(c.rows.z["a"], c.tok) if not t)
+    zb = sum(r is None for r, t in zip(c.rows.z["b"], c.tok) if not t)
+    miss = [f"{n} rows without a traced logits row on {name}" for n, name in
+            ((za, c.trainer.name), (zb, c.engine.name)) if n]
+    if c.filtered.any():
+        miss.append(f"{int(c.filtered.sum())} rows whose token a side's semantics or the common one filters out")
+    if c.common is None and c.have.any():
+        miss.append("no semantics to align the sides to")
+    text = ("every row with the same tokens was split" if not sel.any() else
+            f"{int(sel.sum())} rows not split: " + "; ".join(miss))
+    return sel, "; ".join(miss), text
+
+
+def _semantics(c: Ctx) -> tuple[np.ndarray, str, str]:
+    sa, sb = c.fa.semantics, c.fb.semantics
+    if sa is None or sb is None:
+        return c.measured, "a side's semantics not measured", "not measured: " + (c.fa.summary if sa is None else c.fb.summary)
+    if sa == sb:
+        text = f"both sides' log-probs are {sa.describe()}"
+    else:
+        text = f"{c.engine.name}'s log-probs are {sb.describe()}; {c.trainer.name}'s are {sa.describe()}"
+    q = [f"{f.side} {f.verdict}" for f in (c.fa, c.fb) if f.verdict != "match"]
+    return c.measured, "", text + (f" ({', '.join(q)}: see the fingerprints)" if q else "")
+
+
+def _residual(c: Ctx) -> tuple[np.ndarray, str, str]:
+    each = [f"{f.side} {f.best.mean:.2g} (max {f.best.max:.2g})" for f in (c.fa, c.fb) if f.best]
+    off = [f.side for f in (c.fa, c.fb) if f.verdict == "none"]
+    text = ("each side's used log-probs against its own traced logits under its semantics, mean |Δ| nats: "
+            + ", ".join(each))
+    if off:
+        text += f"; {' and '.join(off)} match no known semantics: the residual is not a sampling setting"
+    return c.measured, "", text
+
+
+def _routing(c: Ctx) -> tuple[np.ndarray, str, str]:
+    if c.r3rows is None:
+        return c.q, "routing replay not checked", "not checked (R3 off, or no routing-replay check given)"
+    outside = len([k for k in c.r3rows if k not in set(c.rows.keys)])
+    miss = f"{outside} differing rows outside the joined, split rows" if outside else ""
+    return c.q, miss, (f"the forward's gap on {int(c.q.sum())} token rows whose logits row ran other experts "
+                       "than the rollout's" if c.q.any() else "no split row ran other experts than the rollout's")
+
+
+def _forward(c: Ctx) -> tuple[np.ndarray, str, str]:
+    sel = c.measured & ~c.q
+    text = "the two traced forwards' log-probs under the common semantics"
+    f = c.finder if isinstance(c.finder, Mapping) else None
+    if f:
+        fd = f.get("first_divergence") if isinstance(f.get("first_divergence"), Mapping) else None
+        att = f.get("attribution") if isinstance(f.get("attribution"), Mapping) else None
+        if fd:
+            text += f"; the finder's first divergence: {fd.get('key')} [{fd.get('cause') or 'operator'}]"
+        else:
+            text += f"; the finder: {f.get('verdict')}"
+        if att and att.get("first"):
+            text += f" (attribution: {att.get('first')})"
+    return sel, "", text
+
+
+_PARTS = {"tokens": _tokens, "unmeasured": _unmeasured, "semantics": _semantics, "residual": _residual,
+          "routing_replay": _routing, "forward": _forward}
+
+
+def part(c: Ctx, name: str, value: float) -> Part:
+    sel, missing, text = _PARTS[name](c)
+    share = value / c.total if c.total else None
+    sig = bool(abs(value) > c.tol and (share is None or abs(share) >= SHARE_MIN))
+    return Part(name, value, share, int(sel.sum()), _samples(c, sel), missing, sig, text)
+
+
+def result(c: Ctx, parts: list[Part], reduction: Any, recorded: float | None, notes: list[str]) -> dict:
+    rows = c.rows
+    how = ("per-token mean (--calculate-per-token-loss)" if reduction.per_token else
+           "per-rollout mean (slime's sum_of_sample_mean over the step's rollout count)")
+    causes = [f"{p.name}: {p.summary}" for p in parts if p.significant]
+    return {
+        "metric": c.total, "recorded": recorded, "reduction": how,
+        "rows": len(rows.keys), "samples": len({k[0] for k in rows.keys}),
+        "only": {"a": rows.only["a"], "b": rows.only["b"]},
+        "sides": {"a": {"name": c.trainer.name, **c.fa.to_json()}, "b": {"name": c.engine.name, **c.fb.to_json()}},
+        "common": c.common.to_json() if c.common else None,
+        "order": [p.name for p in parts], "parts": [p.to_json() for p in parts],
+        "residual": next(p.value for p in parts if p.name == "residual"),
+        "causes": causes, "tol": c.tol, "notes": notes,
+        "covered": ("over the traced samples only: slime's logged value averages every sample of the step"),
+    }
+
+
+def unavailable(reason: str, trainer: Any, engine: Any, recorded: float | None) -> dict:
+    return {"unavailable": reason, "recorded": recorded,
+            "sides": {"a": {"name": trainer.name, "samples": len(trainer.used)},
+                      "b": {"name": engine.name, "samples": len(engine.used)}}}
