@@ -320,6 +320,21 @@ def test_recording_wraps_slimes_own_fill_routing_replay(tmp_path):
 
 # ---------------------------------------------------------------- without megatron
 
+def test_the_disk_budget_prunes_the_routed_experts_with_the_traces(tmp_path):
+    from tic_trace.integrations.slime.budget import PRUNED_MARK, prune
+    from tic_trace.integrations.slime.routing_replay import routed_experts_path
+    args = SimpleNamespace(tic_trace_dir=str(tmp_path), tic_trace_rollout_ids=[0, 1], tic_trace_every=0,
+                           tic_trace_mode=None, tic_trace_disk_budget=3000)
+    for rid in (0, 1):
+        (tmp_path / f"rollout_{rid:05d}" / "megatron").mkdir(parents=True)
+        (tmp_path / f"rollout_{rid:05d}" / "megatron" / "pass00000.bin").write_bytes(b"x" * 1000)
+        write_routed_experts(routed_experts_path(tmp_path, rid, 0),
+                             RoutedExperts(rid, "test", {f"{rid}-0": np.zeros((100, 2, 2), np.int32)}))
+    assert prune(args, keep=1) == [0]
+    assert (tmp_path / "rollout_00000" / PRUNED_MARK).is_file()
+    assert not routed_experts_path(tmp_path, 0, 0).exists() and routed_experts_path(tmp_path, 1, 0).exists()
+
+
 def test_a_layer_without_trainer_trace_is_not_checked_never_agreeing():
     rollout = {"0-0": np.array([[[1, 2], [3, 0]], [[2, 1], [0, 3]]], dtype=np.int32)}   # 2 rows, 2 layers
     rows = [("0-0", 0), ("0-0", 1)]

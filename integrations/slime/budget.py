@@ -20,6 +20,7 @@ from tic_trace.integrations.slime.config import CHEAP_MODES, mode_for, rollout_d
 log = logging.getLogger("tic_trace.slime")
 PRUNED_MARK = "PRUNED"        # tic_trace.drift.timeline.PRUNED_MARK reads it
 SIDES = ("megatron", "sglang")
+ROUTING_REPLAY = "routing_replay"   # the rollout's routed experts (routing_replay.SUBDIR): pruned with the sides
 
 
 def tree_size(p: Path) -> int:
@@ -82,7 +83,7 @@ def prune(args: Any, keep: int) -> list[int]:
         if rid == keep or (d / PRUNED_MARK).exists():
             continue
         size = tree_size(d)
-        for s in SIDES:
+        for s in (*SIDES, ROUTING_REPLAY):
             shutil.rmtree(d / s, ignore_errors=True)
         (d / PRUNED_MARK).write_text(f"--tic-trace-disk-budget {budget} bytes: {size} bytes of rollout {rid} "
                                      f"removed after rollout {keep}\n")

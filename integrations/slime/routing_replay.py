@@ -18,9 +18,9 @@ import functools
 import importlib
 from typing import Any, Callable
 
+from tic_trace.integrations.slime.budget import ROUTING_REPLAY as SUBDIR   # the disk budget prunes it
 from tic_trace.integrations.slime.config import enabled, rollout_dir, sample_key, selected, traced, warn_once
 
-SUBDIR = "routing_replay"
 _INSTALLED: set[str] = set()
 
 
