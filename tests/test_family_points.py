@@ -130,3 +130,19 @@ def test_hf_weight_names_come_from_the_families_whatever_is_imported_first():
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split("\n")[0] == ("('moe.router_logits', 1) ('mlp.out', 2) ('mlp_norm', 0) ('attn.q', 3) "
                                        "('logits', None)")
+
+
+def test_a_familys_hooks_import_their_modules_on_first_call():
+    """`families.base.lazy`: the registry loads no family's ops, variants or name tables; a hook imports its module
+    when first called, and a cached one builds its table once."""
+    code = ("import sys\n"
+            "from tic_trace.families import FAMILIES\n"
+            "loaded = lambda: sorted(m for m in sys.modules if m.startswith('tic_trace.families.')"
+            " and m.rsplit('.', 1)[1] in ('ops', 'variants', 'names', 'weights'))\n"
+            "print(loaded())\n"
+            "fam = next(f for f in FAMILIES if f.name == 'gemma')\n"
+            "print(fam.variants() is fam.variants(), bool(fam.names()), loaded())\n")
+    r = child.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split("\n")[:2] == ["[]", "True True ['tic_trace.families.gemma.names', "
+                                               "'tic_trace.families.gemma.variants']"]

@@ -21,6 +21,8 @@ that would be an import circle; it receives what it needs as arguments (the base
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -67,6 +69,23 @@ def _no_variants() -> dict[str, list]:
 
 def _no_names() -> dict[str, "FrameworkNames"]:
     return {}
+
+
+def lazy(package: str, module: str, attr: str, *, cache: bool = False) -> Callable:
+    """A hook that imports `module` (relative to `package`: the family's `__name__`) on its first call and calls
+    its `attr` with the hook's arguments: a family's `__init__` states its hooks without importing torch or its
+    large tables (`ops=lazy(__name__, ".ops", "ops")`; tests/test_architecture.py reads these as imports).
+    `cache`: a hook without arguments whose result is built once (a variants table)."""
+    @functools.cache
+    def target() -> Callable:
+        return getattr(importlib.import_module(module, package), attr)
+
+    if cache:
+        return functools.cache(lambda: target()())
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return target()(*args, **kwargs)
+    return call
 
 
 @dataclass(frozen=True)

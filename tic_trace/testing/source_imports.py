@@ -3,7 +3,7 @@ imported to find them). Test support only: tests/test_architecture.py checks the
 subpackage may import which, no circle), tests/test_family_boundaries.py the model families' boundaries.
 
 Imports are read wherever they are written: at the top, inside functions (lazy imports), under
-`if TYPE_CHECKING:`."""
+`if TYPE_CHECKING:`, and a family's `lazy(__name__, ".module", "attr")` hook (families/base.py)."""
 from __future__ import annotations
 
 import ast
@@ -46,4 +46,17 @@ def module_imports(name: str, path: Path, modules: Mapping[str, Path]) -> set[st
             out.update(subs)
             if len(subs) < len(node.names):
                 out.add(mod)
+        elif isinstance(node, ast.Call) and _lazy_module(node):
+            # a family's hook `lazy(__name__, ".ops", "ops")` (families/base.py) imports its module on first call
+            rel = _lazy_module(node)
+            parts = package.split(".")
+            level = len(rel) - len(rel.lstrip("."))
+            out.add(".".join(parts[:len(parts) - level + 1] + [rel.lstrip(".")]))
     return out
+
+
+def _lazy_module(node: ast.Call) -> str:
+    """The relative module a `lazy(__name__, ".module", "attr")` call imports ("" for any other call)."""
+    name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+    arg = node.args[1] if name == "lazy" and len(node.args) > 1 else None
+    return arg.value if isinstance(arg, ast.Constant) and str(arg.value).startswith(".") else ""

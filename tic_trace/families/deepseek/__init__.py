@@ -22,31 +22,22 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..base import Family
+from ..base import Family, lazy
 from . import points
 from .spec import OPTIONAL_INPUTS, derived_weight, is_latent as _is_latent, latent_inputs, latent_op, shapes
 
 _SIGMOID = {"scoring_func": "sigmoid"}      # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code, not in config
 
 
+_latent_ops = lazy(__name__, ".ops", "LatentOps")
+
+
 def _ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
     """MLA's ops (its own points and its op at attn.q, the RoPE points and attn.core); none without a kv latent."""
-    from .spec import is_latent
-    if not is_latent(spec):
+    if not _is_latent(spec):
         return {}
-    from .ops import LatentOps
-    own, overrides = LatentOps(base.f64).tables()
+    own, overrides = _latent_ops(base.f64).tables()
     return {**own, **overrides}
-
-
-def _names() -> dict:
-    from .names import names
-    return names()
-
-
-def _variants() -> dict[str, list]:
-    from .variants import latent_variants
-    return latent_variants()
 
 
 FAMILY = Family(
@@ -68,9 +59,9 @@ FAMILY = Family(
     inputs_of=latent_inputs,
     op_of=latent_op,
     derived_weight=derived_weight,
-    variants=_variants,
+    variants=lazy(__name__, ".variants", "latent_variants"),
     optional_inputs=OPTIONAL_INPUTS,
     # the same roundings as the standard ops they stand for (RMSNorm, RoPE's bf16 tables, eager attention)
     envelopes={"latent_rmsnorm": 1.50, "latent_rope": 1.67, "latent_attention": 2.00},
-    names=_names,
+    names=lazy(__name__, ".names", "names"),
 )

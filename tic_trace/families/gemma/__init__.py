@@ -13,27 +13,8 @@ What is verified per framework:
 """
 from __future__ import annotations
 
-from functools import cache
-from typing import Any, Callable, Mapping
-
-from ..base import Family
+from ..base import Family, lazy
 from . import points, spec
-
-
-def _ops(s: Any, base: Mapping[str, Callable]) -> dict:
-    from .ops import ops
-    return ops(s, base)
-
-
-@cache
-def _variants() -> dict:
-    from .variants import variants
-    return variants()
-
-
-def _names() -> dict:
-    from .names import names
-    return names()
 
 
 FAMILY = Family(
@@ -48,9 +29,9 @@ FAMILY = Family(
     points=points.POINTS,
     weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
-    ops=_ops,
+    ops=lazy(__name__, ".ops", "ops"),
     inputs_of=spec.inputs_of,
     op_of=spec.op_of,
-    variants=_variants,
-    names=_names,
+    variants=lazy(__name__, ".variants", "variants", cache=True),
+    names=lazy(__name__, ".names", "names"),
 )

@@ -15,27 +15,8 @@ What is verified per framework:
 """
 from __future__ import annotations
 
-from functools import cache
-from typing import Any, Callable, Mapping
-
-from ..base import Family
+from ..base import Family, lazy
 from . import spec
-
-
-def _ops(s: Any, base: Mapping[str, Callable]) -> dict:
-    from .ops import ops
-    return ops(s, base)
-
-
-@cache
-def _variants() -> dict:
-    from .variants import variants
-    return variants()
-
-
-def _names() -> dict:
-    from .names import names
-    return names()
 
 
 FAMILY = Family(
@@ -52,9 +33,9 @@ FAMILY = Family(
     weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
     shapes=spec.shapes,
-    ops=_ops,
+    ops=lazy(__name__, ".ops", "ops"),
     op_of=spec.op_of,
     derived_weight=spec.derived_weight,
-    variants=_variants,
-    names=_names,
+    variants=lazy(__name__, ".variants", "variants", cache=True),
+    names=lazy(__name__, ".names", "names"),
 )

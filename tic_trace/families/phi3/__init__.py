@@ -13,20 +13,8 @@ What is verified per framework:
 """
 from __future__ import annotations
 
-from typing import Any
-
-from ..base import Family
+from ..base import Family, lazy
 from . import spec
-
-
-def _derived_weight(w: Any, name: str) -> Any:
-    from .weights import derived_weight
-    return derived_weight(w, name)
-
-
-def _names() -> dict:
-    from .names import names
-    return names()
 
 
 FAMILY = Family(
@@ -40,6 +28,6 @@ FAMILY = Family(
     weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
     shapes=spec.shapes,
-    derived_weight=_derived_weight,
-    names=_names,
+    derived_weight=lazy(__name__, ".weights", "derived_weight"),
+    names=lazy(__name__, ".names", "names"),
 )

@@ -17,26 +17,9 @@ variants and the gated norm's known fault), names.py (HF rows, SGLang's refusal)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
-
-from ..base import Family, FrameworkNames
+from ..base import Family, lazy
 from . import points
 from .spec import WHOLE_SAMPLE_OPS, facts, inputs_of, op_of, shapes
-
-
-def _ops(spec: Any, base: Mapping[str, Callable]) -> dict[str, Callable]:
-    from .ops import ops
-    return ops(spec, base)
-
-
-def _variants() -> dict[str, list]:
-    from .variants import variants
-    return variants()
-
-
-def _names() -> Mapping[str, FrameworkNames]:
-    from .names import names
-    return names()
 
 
 FAMILY = Family(
@@ -50,10 +33,10 @@ FAMILY = Family(
     remarks=points.REMARKS,
     facts=facts,
     shapes=shapes,
-    ops=_ops,
+    ops=lazy(__name__, ".ops", "ops"),
     inputs_of=inputs_of,
     op_of=op_of,
-    variants=_variants,
+    variants=lazy(__name__, ".variants", "variants", cache=True),
     whole_sample_ops=WHOLE_SAMPLE_OPS,
-    names=_names,
+    names=lazy(__name__, ".names", "names"),
 )

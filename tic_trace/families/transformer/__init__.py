@@ -17,20 +17,8 @@ rows: the base rows every family's rows override, and its architectures').
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-from ..base import Family, FrameworkNames
+from ..base import Family, lazy
 from .spec import facts
-
-
-def _derived_weight(w: Any, name: str) -> Any:
-    from .ops import derived_weight
-    return derived_weight(w, name)
-
-
-def _names() -> Mapping[str, FrameworkNames]:
-    from .names import names
-    return names()
 
 
 FAMILY = Family(
@@ -47,6 +35,6 @@ FAMILY = Family(
     # Mixtral's router renormalises the top-k weights always; its configs have no norm_topk_prob
     fixed={"mixtral": {"norm_topk_prob": True}},
     facts=facts,
-    derived_weight=_derived_weight,
-    names=_names,
+    derived_weight=lazy(__name__, ".ops", "derived_weight"),
+    names=lazy(__name__, ".names", "names"),
 )
