@@ -1,21 +1,24 @@
 """Model families: one folder per family (`tic_trace/families/<name>/`), and this module, the one registry of them
 by config.json's `model_type`. The contract of a family folder is `base.Family` (docs/architecture.md, "Model
 families"); the core (replay/) asks `family_of(model_type)`, the adapters read every family's name tables with
-`framework_names(framework)`, and neither names a family.
+`framework_names(framework)`, the canonical graph (graph/canonical.py) and the HF weight names
+(graph/weight_points.py) read every family's points and rows from `FAMILIES`, and none names a family.
 
 May import: store, graph, view, replay.
 
-A family's model_types are written in its own `__init__` only; this registry lists the families (one line each)
-and refuses two that claim the same model_type. A model_type no family owns is the base transformer's
-(`BASE`): it is replayed with the base's ops, and its architecture is refused by the adapters unless
-`--allow-unverified`.
+A family's model_types are written in its own `__init__` only; this registry lists the families (a family: its
+folder's name in the import line and its `FAMILY` in `FAMILIES`, whose order orders the families' points after
+one base point, their name tables and their weight rows) and refuses two that claim the same model_type. A
+model_type no family owns is the base transformer's (`BASE`): it is replayed with the base's ops, and its
+architecture is refused by the adapters unless `--allow-unverified`.
 """
 from __future__ import annotations
 
 from .base import FRAMEWORKS, Family, FrameworkNames
 from . import deepseek, gemma, gpt_oss, phi3, qwen3_next, transformer
 
-# The registry: one line per family folder. BASE first (the plain dense / MoE transformer every family builds on).
+# The registry: one entry per family folder (and its name in the import above). BASE first (the plain dense / MoE
+# transformer every family builds on).
 FAMILIES: tuple[Family, ...] = (
     transformer.FAMILY,
     deepseek.FAMILY,
