@@ -345,6 +345,10 @@ def test_a_layer_without_trainer_trace_is_not_checked_never_agreeing():
     assert "ids applied in 1 of 2 layers" in res.summary and "not checked: layer 1" in res.summary
     with pytest.raises(ValueError, match="no rollout routed experts"):
         check_routing_replay({}, applied)
+    # a trainer trace of some rows only (a `subset` trace): the others are missing, not applied
+    part = check_routing_replay(rollout, {0: AppliedLayer(0, rows[:1], np.array([[2, 1]]))}, layers=[0])
+    assert part.layers[0].rows_checked == 1 and part.layers[0].rows_missing == 1
+    assert "1 of 2 (layer, row) pairs not in the trainer's trace" in part.summary
 
 
 def test_routed_experts_file_round_trip_and_bad_input(tmp_path):

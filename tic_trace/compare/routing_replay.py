@@ -129,12 +129,16 @@ def check_routing_replay(rollout: Mapping[str, np.ndarray], applied: Mapping[int
     SGLang returned; `store/routed_experts.py`). `applied`: layer -> the trainer's routing of that layer (from
     its trace: :func:`applied_from_view`; or the ids it replayed, in order: :func:`applied_from_packed`).
     `engine`: layer -> the engine's routing with weights (its trace), for the weights. `layers`: the MoE layers
-    to check (default: every layer of the rollout's arrays in which some sample routed a token)."""
+    to check (default: every layer of the rollout's arrays in which some sample routed a token, and every layer
+    `applied` holds)."""
     if not rollout:
         raise ValueError("routing replay check: no rollout routed experts given (was R3 on, and were the traced "
                          "samples' routed experts recorded?)")
     n_layers = _layer_count(rollout)
-    todo = list(layers) if layers is not None else [L for L in range(n_layers) if _routed(rollout, L)]
+    # by default the MoE layers: those the engine routed (slime's own test, all-zero ids: a dense layer or one
+    # SGLang did not capture) and those the trainer's record holds
+    todo = list(layers) if layers is not None else \
+        [L for L in range(n_layers) if L in applied or _routed(rollout, L)]
     out = []
     for L in todo:
         if not 0 <= L < n_layers:
@@ -161,36 +165,48 @@ def _check_layer(L: int, rollout: Mapping[str, np.ndarray], mine: AppliedLayer |
     if mine is None or not len(mine.rows):
         return LayerCheck(L, "not_checked", reason="no trainer record of this layer (not traced)")
     at = {r: i for i, r in enumerate(mine.rows)}
-    eng = {r: i for i, r in enumerate(engine.rows)} if engine is not None and engine.weights is not None else None
+    eng = {r: i for i, r in enumerate(engine.rows)} if engine is not None and engine.weights is not None \
+        and mine.weights is not None else None
     diffs: list[RowDiff] = []
-    checked = missing = 0
-    weighed = False
+    checked = missing = weighed = 0
     for key in sorted(rollout):
-        want_all = rollout[key][:, L, :]
-        for pos in range(want_all.shape[0]):
-            i = at.get((key, pos))
-            if i is None:
-                missing += 1
-                continue
-            checked += 1
-            want, got = want_all[pos], mine.ids[i]
-            d = _row_diff(key, pos, want, got, mine.ordered)
-            if d is None and eng is not None and mine.weights is not None and (key, pos) in eng:
-                weighed = True
-                d = _weight_diff(key, pos, want, mine, i, engine, eng[(key, pos)], weight_tol)
-            if d is not None:
-                diffs.append(d)
+        want_all = rollout[key][:, L, :].astype(np.int64)
+        idx = np.array([at.get((key, p), -1) for p in range(len(want_all))], dtype=np.int64)
+        pos = np.nonzero(idx >= 0)[0]
+        missing += len(want_all) - len(pos)
+        checked += len(pos)
+        if not len(pos):
+            continue
+        want, got = want_all[pos], mine.ids[idx[pos]].astype(np.int64)
+        bad = _set_differs(want, got)
+        order = ~bad & (want != got).any(axis=1) if mine.ordered else np.zeros(len(pos), bool)
+        diffs += [_row_diff(key, int(p), w, g, mine.ordered) for p, w, g, b in zip(pos, want, got, bad | order) if b]
+        if eng is not None:
+            same = pos[~bad & ~order]
+            j = np.array([eng.get((key, int(p)), -1) for p in same], dtype=np.int64)
+            keep = j >= 0
+            weighed += int(keep.sum())
+            diffs += _weight_diffs(key, same[keep], want_all[same[keep]], mine, idx[same[keep]], engine, j[keep],
+                                   weight_tol)
     if not checked:
         return LayerCheck(L, "not_checked", rows_missing=missing,
                           reason="the trainer's record of this layer holds none of the rollout's rows")
     reason = "" if mine.ordered else "slot order not checked: the trainer's ids are sorted (moe.topk_ids)"
     if not weighed:
         reason = "; ".join(filter(None, [reason, "weights not checked: no engine weights for these rows"]))
-    return LayerCheck(L, "differs" if diffs else "applied", checked, missing, tuple(diffs), mine.ordered, weighed,
-                      reason)
+    diffs.sort(key=lambda d: (d.sample, d.position, KINDS.index(d.kind)))
+    return LayerCheck(L, "differs" if diffs else "applied", checked, missing, tuple(diffs), mine.ordered,
+                      bool(weighed), reason)
 
 
-def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray, ordered: bool) -> RowDiff | None:
+def _set_differs(want: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Per row, whether the two id rows hold different experts (as multisets)."""
+    if want.shape[1] != got.shape[1]:
+        return np.ones(len(want), bool)
+    return (np.sort(want, axis=1) != np.sort(got, axis=1)).any(axis=1)
+
+
+def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray, ordered: bool) -> RowDiff:
     w, g = [int(x) for x in want], [int(x) for x in got]
     if sorted(w) != sorted(g):
         dropped = sorted(set(w) - set(g))
@@ -198,26 +214,29 @@ def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray, ordered: bo
         detail = f"dropped {dropped}, replaced by {added}" if dropped or added else \
             f"same experts, other multiplicities ({w} vs {g})"
         return RowDiff(key, pos, "ids", tuple(w), tuple(g), detail)
-    if ordered and w != g:
-        return RowDiff(key, pos, "order", tuple(w), tuple(g), f"slot order {g} instead of {w}")
-    return None
+    return RowDiff(key, pos, "order", tuple(w), tuple(g), f"slot order {g} instead of {w}")
 
 
-def _weight_diff(key: str, pos: int, want: np.ndarray, mine: AppliedLayer, i: int, engine: AppliedLayer,
-                 j: int, tol: float) -> RowDiff | None:
-    ids_e = [int(x) for x in engine.ids[j]]
-    if sorted(ids_e) != sorted(int(x) for x in want):
-        return None   # the engine's trace disagrees with its own returned ids: nothing to weigh against
-    wa = dict(zip((int(x) for x in mine.ids[i]), mine.weights[i].astype(np.float64)))
-    we = dict(zip(ids_e, engine.weights[j].astype(np.float64)))
-    order = sorted(we)
-    a, e = np.array([wa[k] for k in order]), np.array([we[k] for k in order])
-    err = float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
-    if err <= tol:
-        return None
-    return RowDiff(key, pos, "weights", tuple(int(x) for x in want), tuple(int(x) for x in mine.ids[i]),
-                   f"weights off by {err:.3g} (relative, tolerance {tol:g}): trainer "
-                   f"{_fmt(a)} vs engine {_fmt(e)} for experts {order}")
+def _weight_diffs(key: str, pos: np.ndarray, want: np.ndarray, mine: AppliedLayer, i: np.ndarray,
+                  engine: AppliedLayer, j: np.ndarray, tol: float) -> list[RowDiff]:
+    """Rows whose ids agree but whose weights (matched by expert id) differ by more than `tol`, relative to the
+    engine's. A row the engine's own trace routed otherwise than it returned has nothing to weigh against."""
+    if not len(pos):
+        return []
+    ids_a, ids_e = mine.ids[i].astype(np.int64), engine.ids[j].astype(np.int64)
+    oa, oe = np.argsort(ids_a, axis=1), np.argsort(ids_e, axis=1)
+    comparable = ~_set_differs(np.take_along_axis(ids_e, oe, 1), np.sort(want, axis=1))
+    wa = np.take_along_axis(mine.weights[i].astype(np.float64), oa, 1)
+    we = np.take_along_axis(engine.weights[j].astype(np.float64), oe, 1)
+    err = np.linalg.norm(wa - we, axis=1) / np.maximum(np.linalg.norm(we, axis=1), 1e-30)
+    out = []
+    for n in np.nonzero(comparable & (err > tol))[0]:
+        experts = [int(x) for x in np.sort(ids_e[n])]
+        out.append(RowDiff(key, int(pos[n]), "weights", tuple(int(x) for x in want[n]),
+                           tuple(int(x) for x in ids_a[n]),
+                           f"weights off by {err[n]:.3g} (relative, tolerance {tol:g}): trainer {_fmt(wa[n])} vs "
+                           f"engine {_fmt(we[n])} for experts {experts}"))
+    return out
 
 
 def _fmt(v: np.ndarray) -> str:
@@ -236,6 +255,10 @@ def summary_line(c: R3Check) -> str:
             parts.append(f"{verb} in {_layers(lc.layer for lc in hit)} ({rows} rows)")
     if c.not_checked:
         parts.append(f"not checked: {_layers(c.not_checked)} (no trainer trace)")
+    missing = sum(lc.rows_missing for lc in done)
+    if missing:
+        total = missing + sum(lc.rows_checked for lc in done)
+        parts.append(f"{missing} of {total} (layer, row) pairs not in the trainer's trace, not checked")
     if done and not any(lc.order_checked for lc in done):
         parts.append("slot order not checked")
     if done and not any(lc.weights_checked for lc in done):
