@@ -9,6 +9,7 @@ pass's rollout_data["log_probs"], and the train_rollout_logprob_abs_diff slime l
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -113,6 +114,48 @@ def test_the_trace_is_read_as_before(run):
     for name in ("megatron", "sglang"):
         tr = open_trace(run["path"] / "rollout_00000" / name)
         assert tr.ignored == [] and tr.ranks == [0]
+
+
+# ================================================================== tic-trace slime-report
+
+def slime_report(run, rollout_id: int, out: Path, *extra: str) -> tuple[int, dict]:
+    from tic_trace.tools.cli import main as cli_main
+    rc = cli_main(["slime-report", str(run["path"]), "--rollout-id", str(rollout_id), "--json", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
+def test_slime_report_reconciles_slimes_metric(run, tmp_path):
+    """Rollout 1: the engine returned the log-probs of the original logits while the trainer divided by
+    rollout_temperature. The report recomputes slime's logged metric from the recorded log-probs and puts it
+    all on the semantics, naming both; the forward's part is float noise (the finder: consistent)."""
+    logged = run["logged"][1]
+    rc, rep = slime_report(run, 1, tmp_path / "r1.json", "--slime-metric", repr(logged))
+    rec = rep["reconciliation"]
+    assert rc == 0 and rep["verdict"] == "consistent"
+    assert rec["recorded"] == logged and rec["metric"] == pytest.approx(logged, rel=1e-5)
+    assert rec["rows"] == 8 and rec["samples"] == 2 and rec["only"] == {"a": 0, "b": 0}
+    parts = {p["name"]: p for p in rec["parts"]}
+    assert sum(p["value"] for p in rec["parts"]) == pytest.approx(rec["metric"], rel=1e-9)
+    assert parts["semantics"]["significant"] and parts["semantics"]["share"] > 0.99
+    assert rec["sides"]["a"]["best"]["temperature"] == T and rec["sides"]["b"]["best"]["name"] == "raw"
+    assert abs(parts["forward"]["value"]) < 1e-5 and not parts["tokens"]["significant"]
+    assert [c.split(":")[0] for c in rec["causes"]] == ["semantics"]
+    # rollout 0: both sides took their log-probs at T = 0.9: nothing to explain
+    rc, rep = slime_report(run, 0, tmp_path / "r0.json")
+    rec = rep["reconciliation"]
+    assert rc == 0 and rec["causes"] == [] and rec["metric"] < 1e-5 and rec["rows"] == 4
+
+
+def test_slime_report_names_a_corrupt_record_and_keeps_the_rest(run, tmp_path):
+    base = tmp_path / "t"
+    shutil.copytree(run["path"] / "rollout_00001", base / "rollout_00001")
+    part = next((base / "rollout_00001" / "megatron" / fmt.USED_LOGPROBS_DIR).iterdir())
+    part.write_bytes(part.read_bytes()[:-1])
+    from tic_trace.tools.cli import main as cli_main
+    rc = cli_main(["slime-report", str(base), "--rollout-id", "1", "--json", str(tmp_path / "r.json")])
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and rep["verdict"] == "consistent" and rep["rows"]["matched"] == 20
+    assert str(part) in rep["reconciliation"]["unavailable"] and "truncated" in rep["reconciliation"]["unavailable"]
 
 
 # ================================================================== the record on disk, hostile input

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                     help="torch device for the float64 replay (default cpu)")
     sp.add_argument("--allow-unverified", action="store_true",
                     help="compare a side whose architecture is not in its adapter's table (refused by default)")
+    sp.add_argument("--slime-metric", type=float, default=None, metavar="NATS",
+                    help="slime's logged train/train_rollout_logprob_abs_diff for this rollout, shown beside the "
+                         "reconciliation of the traced samples (which recomputes it from the recorded log-probs)")
     sp.set_defaults(fn=slime_report)
 
 
@@ -111,6 +114,9 @@ def slime_report(args, console) -> int:
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
+    from tic_trace.tools.slime_reconcile import reconciliation      # slime's own metric, split (issue 37)
+    report["reconciliation"] = reconciliation(rdir, sides, {"megatron": va, "sglang": vb}, report,
+                                              getattr(args, "slime_metric", None))
     console.print(text(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}"))
     console.print(text(ref_note, style="dim"))
     _print_worst(console, report)

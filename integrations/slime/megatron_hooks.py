@@ -73,7 +73,10 @@ class _Session:
             manifest={"slime": {"rollout_id": self.rollout_id, "phase": self.phase, "store_prefix": "",
                                 "sample_keys": [k for k in keys if k],
                                 # slime's --hf-checkpoint: the exact reference of `slime-report` (docs/replay.md)
-                                "hf_checkpoint": _hf_checkpoint(a)}}, run=self.run)
+                                "hf_checkpoint": _hf_checkpoint(a),
+                                # how slime reduces train_rollout_logprob_abs_diff (the reconciliation's weights)
+                                "calculate_per_token_loss": bool(getattr(a, "calculate_per_token_loss", False))}},
+            run=self.run)
         try:
             self.tracer.start()
         except tic_trace.TraceDirectoryInUse as e:   # an earlier job's trace: keep it, train untraced
