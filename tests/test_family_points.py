@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,9 @@ from tic_trace.graph import canonical
 from tic_trace.graph.canonical import BASE_POINTS, BY_NAME, SCHEMA, SchemaError, assemble, feeds_of
 from tic_trace.graph.point_spec import FamilyPoint, PointSpec
 from tic_trace.testing import child
+from tic_trace.testing.source_imports import module_imports, package_modules
+
+ROOT = Path(__file__).resolve().parents[1]
 
 _SPECIAL = ("<prev>.output", "<last>.output")
 
@@ -146,3 +150,15 @@ def test_a_familys_hooks_import_their_modules_on_first_call():
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split("\n")[:2] == ["[]", "True True ['tic_trace.families.gemma.names', "
                                                "'tic_trace.families.gemma.variants']"]
+
+
+def test_a_familys_points_are_data_importing_only_point_spec():
+    """points.py is read by graph/canonical.py through the registry: anything else it imported could close a circle
+    or bring torch to the reading of a trace."""
+    modules = package_modules({"tic_trace": ROOT / "tic_trace"})
+    points = [n for n in modules if n.startswith("tic_trace.families.") and n.endswith(".points")]
+    assert len(points) >= 3, points
+    for n in points:
+        assert module_imports(n, modules[n], modules) <= {"__future__", "tic_trace.graph.point_spec"}, n
+    assert module_imports("tic_trace.graph.point_spec", modules["tic_trace.graph.point_spec"], modules) <= {
+        "__future__", "dataclasses"}
