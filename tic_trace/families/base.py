@@ -15,9 +15,11 @@ default that changes nothing, so a family states only where it differs from the 
 
 Import rules (tests/test_architecture.py): a family imports only the core (store, graph, view, replay's leaf
 modules) and never another family nor a framework; its `__init__`, facts and shapes import no torch (the exact
-ops and variants may, as replay/ does, and are imported lazily inside the hooks below). A family may not import a
-replay module that dispatches through the registry (reference, model_spec, checkpoint, intrinsic, clean_noise):
-that would be an import circle; it receives what it needs as arguments (the base ops, the config reader).
+ops and variants may, as replay/ does, and are imported lazily by the hooks below: `lazy`). A family may not import
+a module that reads the registry: replay's that dispatch through it (reference, model_spec, checkpoint,
+intrinsic, clean_noise), graph's that assemble from it (canonical, weight_points, supported); that would be an
+import circle; it receives what it needs as arguments (the base ops, the config reader). Its `points.py` imports
+only `graph.point_spec`.
 """
 from __future__ import annotations
 
