@@ -299,6 +299,12 @@ def test_recorded_where_slime_hands_them_to_megatron_and_checked_per_rollout(eng
     assert res.layers_with("ids") == [FAULT_LAYER], res.summary
     assert res.as_dict()["layers"][FAULT_LAYER]["diffs"][0]["kind"] == "ids"
     assert check_rollout(tmp_path / "rollout_00001", trainer=CanonicalView(trace)) is None   # nothing recorded
+    # slime-report's reconciliation reads the same directory: the check, and its JSON form
+    from tic_trace.tools.slime_reconcile import routing_replay
+    r3, note = routing_replay(tmp_path / "rollout_00000",
+                              {"megatron": CanonicalView(trace), "sglang": CanonicalView(engine.trace)})
+    assert note is None and r3.summary == res.summary
+    assert json.loads(json.dumps(r3.as_dict()))["summary"] == res.summary
 
 
 def test_recording_wraps_slimes_own_fill_routing_replay(tmp_path):

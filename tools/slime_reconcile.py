@@ -35,6 +35,9 @@ def reconciliation(rdir: Path, sides: Mapping[str, Path], views: Mapping[str, An
               for name, _ in SIDES if used[name].ignored]
     if r3_note:
         notes.append(r3_note)
+    if r3 is not None:      # which layers, rows and kinds differ: what the routing-replay part stands on
+        notes.append(r3.summary)
+        out["routing_replay"] = r3.as_dict()
     if notes:
         out["notes"] = list(out.get("notes") or []) + notes
     out["files"] = {name: used[name].files for name, _ in SIDES}
