@@ -15,7 +15,7 @@ import pytest
 
 from tic_trace.compare.reconcile import ORDER, Side, SlimeReduction, reconcile
 from tic_trace.store.used_logprobs import Sampling
-from tic_trace.testing.logprob_sides import SAMPLES, SPEC, key, produce, used_side
+from tic_trace.testing.logprob_sides import RESPONSE, SAMPLES, SPEC, key, produce, used_side
 
 from conftest import require_vendored_sources
 
@@ -87,6 +87,7 @@ def test_template_shift_is_the_tokens_part(runs):
     assert math.isclose(r["metric"], float(tr["shift/metric"]), rel_tol=1e-5)
     tok = _part(r, "tokens")
     assert tok["significant"] and tok["share"] > 0.99 and tok["samples"] == 1
+    assert tok["rows"] == RESPONSE      # every row from the shift on: a row with the same token has another context
     assert "shifted template" in tok["summary"] and f"{key(1)}@" in tok["summary"]
     assert [c.split(":")[0] for c in r["causes"]] == ["tokens"]
 

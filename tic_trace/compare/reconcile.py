@@ -127,6 +127,16 @@ def _lp(rows: _Rows, s: str, idx: np.ndarray, sem: Semantics) -> np.ndarray:
     return recompute(np.stack([rows.z[s][i] for i in idx]), rows.tok[s][idx], sem)
 
 
+def _after_first(keys: Sequence[tuple[str, int]], differs: np.ndarray) -> np.ndarray:
+    """Rows whose token differs or that follow, in their sample, a row whose token differs: their context is
+    not the other side's, so neither their forward nor their semantics can be compared."""
+    first: dict[str, int] = {}
+    for (s, p), d in zip(keys, differs):
+        if d:
+            first[s] = min(first.get(s, p), p)
+    return np.array([s in first and p >= first[s] for s, p in keys], dtype=bool)
+
+
 def _r3_token_rows(r3: Any) -> tuple[set[tuple[str, int]] | None, list[str]]:
     """The token rows (sample, position) whose logits row ran other experts: R3's forward rows q give the
     token at q + 1. `r3`: an R3Check (compare/routing_replay.py), a collection of forward rows, or None."""
@@ -181,7 +191,8 @@ def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | 
         return unavailable(f"no (sample, position) row holds a used log-prob on both sides ({rows.only['a']} "
                             f"{trainer.name}-only, {rows.only['b']} {engine.name}-only): check the sample keys",
                             trainer, engine, recorded)
-    tok = rows.tok["a"] != rows.tok["b"]
+    tok_own = rows.tok["a"] != rows.tok["b"]
+    tok = _after_first(rows.keys, tok_own)
     have = np.array([za is not None and zb is not None for za, zb in zip(rows.z["a"], rows.z["b"])])
     fa = _fingerprint(trainer.name, trainer, engine, rows, "a", ~tok & have, tol)
     fb = _fingerprint(engine.name, engine, trainer, rows, "b", ~tok & have, tol)
@@ -200,6 +211,6 @@ def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | 
     levels = [total, m(d0, ~tok), m(d0, measured), m(d["d2"], measured), m(d["d3"], measured),
               m(d["d3"], measured & ~q), 0.0]
     values = dict(zip(ORDER, [levels[i] - levels[i + 1] for i in range(len(ORDER))]))
-    ctx = Ctx(rows, tok, have, filtered, measured, q, r3rows, trainer, engine, fa, fb, c, finder, total, tol)
+    ctx = Ctx(rows, tok, tok_own, have, filtered, measured, q, r3rows, trainer, engine, fa, fb, c, finder, total, tol)
     parts = [part(ctx, name, values[name]) for name in ORDER]
     return result(ctx, parts, reduction, recorded, notes + fa.notes)

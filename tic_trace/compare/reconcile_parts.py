@@ -15,7 +15,8 @@ SHARE_MIN = 0.05         # a part under this share of the metric (or under the t
 @dataclass
 class Ctx:
     rows: Any                       # reconcile._Rows
-    tok: np.ndarray                 # rows whose token ids differ
+    tok: np.ndarray                 # rows whose token ids differ, or that follow one that does
+    tok_own: np.ndarray             # rows whose own token ids differ
     have: np.ndarray                # rows with a logits row on both sides
     filtered: np.ndarray            # measured rows whose token a semantics filters out
     measured: np.ndarray
@@ -52,16 +53,20 @@ def _samples(c: Ctx, sel: np.ndarray) -> int:
 
 
 def _tokens(c: Ctx) -> tuple[np.ndarray, str, str]:
-    sel = c.tok
+    sel, own = c.tok, c.tok_own
     if not sel.any():
         return sel, "", "every joined row holds the same token on both sides"
-    i = int(np.nonzero(sel)[0][0])
+    i = int(np.nonzero(own)[0][0])
     s, p = c.rows.keys[i]
     later = [j for j, k in enumerate(c.rows.keys) if k[0] == s and k[1] >= p]
-    shift = " on (every later token differs: a shifted template?)" if all(sel[j] for j in later) and len(later) > 1 else ""
-    return sel, "", (f"{int(sel.sum())} rows in {_samples(c, sel)} samples hold different token ids, from "
-                     f"{s}@{p}{shift} ({c.trainer.name} {int(c.rows.tok['a'][i])}, {c.engine.name} "
-                     f"{int(c.rows.tok['b'][i])}): their whole gap is theirs")
+    shift = (" (most later tokens differ too: a shifted template?)"
+             if len(later) > 1 and 2 * sum(own[j] for j in later) >= len(later) else "")
+    after = int(sel.sum() - own.sum())
+    return sel, "", (f"{int(own.sum())} rows in {_samples(c, own)} samples hold different token ids, from "
+                     f"{s}@{p} ({c.trainer.name} {int(c.rows.tok['a'][i])}, {c.engine.name} "
+                     f"{int(c.rows.tok['b'][i])}){shift}" + (f", and {after} more follow one that does (another "
+                                                                f"context)" if after else "")
+                     + ": their whole gap is theirs")
 
 
 def _unmeasured(c: Ctx) -> tuple[np.ndarray, str, str]:

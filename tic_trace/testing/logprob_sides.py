@@ -68,49 +68,55 @@ def _route_with_bias(gate, bias: float):
     return forward
 
 
-def _sampling_info(n: int, t: float, top_p: float):
+def _sampling_info(n: int, t: float, top_p: float, top_k: int = 0, min_p: float = 0.0):
     import torch
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     return SamplingBatchInfo(
         temperatures=torch.full((n, 1), t), top_ps=torch.full((n,), top_p),
-        top_ks=torch.full((n,), VOCAB, dtype=torch.int32), min_ps=torch.zeros(n), is_all_greedy=False,
-        is_any_greedy=False, need_top_p_sampling=top_p < 1.0, need_top_k_sampling=False,
-        need_min_p_sampling=False, vocab_size=VOCAB)
+        top_ks=torch.full((n,), top_k or VOCAB, dtype=torch.int32), min_ps=torch.full((n,), min_p),
+        is_all_greedy=False, is_any_greedy=False, need_top_p_sampling=top_p < 1.0, need_top_k_sampling=bool(top_k),
+        need_min_p_sampling=min_p > 0.0, vocab_size=VOCAB)
 
 
-def _kept(row, t: float, top_p: float) -> list[int]:
-    """SGLang's kept top-p set for one logits row (the real torch sampler, its filtered probabilities)."""
+def _filtered(row, t: float, top_p: float, top_k: int = 0, min_p: float = 0.0):
+    """SGLang's filtered probabilities of one logits row (the real torch sampler, `return_filtered_probs`), in
+    vocabulary order: the kept tokens' probabilities after temperature, top-k, top-p and min-p (0: dropped)."""
     import torch
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch as f
     probs = torch.softmax(row[None].float() / t, dim=-1)
-    _, filtered, idx, _ = f(probs, torch.full((1,), VOCAB, dtype=torch.int32), torch.full((1,), top_p),
-                            torch.zeros(1), False, None, torch.zeros(1, dtype=torch.long), return_filtered_probs=True)
-    return sorted(idx[0][filtered[0] > 0].tolist())
+    _, filtered, idx, _ = f(probs, torch.full((1,), top_k or VOCAB, dtype=torch.int32), torch.full((1,), top_p),
+                            torch.full((1,), min_p), min_p > 0.0, None, torch.zeros(1, dtype=torch.long),
+                            return_filtered_probs=True)
+    out = torch.zeros(VOCAB, dtype=filtered.dtype)
+    out[idx[0].long()] = filtered[0]
+    return out
 
 
 def _generate(run: dict, sampler, out: dict) -> None:
     import torch
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     model, ids = _model(run.get("moe_bias", 0.0))
-    t, top_p, name = run["temperature"], run.get("top_p", 1.0), run["name"]
+    t, name = run["temperature"], run["name"]
+    filt = {"top_p": run.get("top_p", 1.0), "top_k": run.get("top_k", 0), "min_p": run.get("min_p", 0.0)}
     for s in range(run["samples"]):
         g = torch.Generator().manual_seed(100 + s)
         prompt = torch.randint(0, VOCAB, (run["prompt"],), generator=g)
-        seq, kept, lps, rows, past = prompt.tolist(), [], [], [], None
+        seq, kept, lps, rows, past, filtered = prompt.tolist(), [], [], [], None, []
         x = prompt[None]
         for _ in range(run["response"]):
             o = model(input_ids=x, past_key_values=past, use_cache=True)
             past, row = o.past_key_values, o.logits[0, -1].float()
             rows.append(row.clone().numpy())           # the traced logits row: what the sampler is given
-            if top_p < 1.0:
-                kept.append(_kept(row, t, top_p))
+            filtered.append(_filtered(row, t, **filt).numpy())
+            kept.append(np.nonzero(filtered[-1] > 0)[0].tolist())
             lo = LogitsProcessorOutput(next_token_logits=row[None].clone())
-            tok = sampler.forward(lo, _sampling_info(1, t, top_p), True, [0], [None], torch.tensor([len(seq)]))
+            tok = sampler.forward(lo, _sampling_info(1, t, **filt), True, [0], [None], torch.tensor([len(seq)]))
             lps.append(float(lo.next_token_logprobs[0]))
             seq.append(int(tok[0]))
             x = tok.view(1, 1).long()
         k = f"{name}/{s}"
         out[f"{k}/tokens"], out[f"{k}/logprobs"], out[f"{k}/logits"] = np.array(seq), np.array(lps), np.stack(rows)
+        out[f"{k}/filtered"] = np.stack(filtered)
         out[f"{k}/kept_ids"] = np.array([i for ks in kept for i in ks], dtype=np.int64)
         out[f"{k}/kept_offsets"] = np.cumsum([0] + [len(ks) for ks in kept]).astype(np.int64)
         out[f"{k}/experts"] = np.stack([torch.cat(ids[L])[:len(seq) - 1].numpy() for L in sorted(ids)], 1)
@@ -256,7 +262,9 @@ SPEC = {
         {"name": "clean", "temperature": 1.0, "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE},
         {"name": "t07", "temperature": 0.7, "samples": SAMPLES, "prompt": PROMPT, "response": RESPONSE},
         {"name": "topp", "temperature": 1.0, "top_p": 0.9, "samples": SAMPLES, "prompt": PROMPT,
-         "response": RESPONSE}]},
+         "response": RESPONSE},
+        {"name": "combo", "temperature": 0.8, "top_k": 5, "top_p": 0.8, "min_p": 0.1, "samples": 1,
+         "prompt": PROMPT, "response": RESPONSE}]},
     "trainer": {"runs": [
         {"name": "clean", "engine": "clean", "samples": SAMPLES},
         {"name": "t07", "engine": "t07", "samples": SAMPLES},                       # --rollout-temperature 1
