@@ -246,7 +246,7 @@ def test_r3_ids_dropped_in_one_layer(engine, trainer):
     res = _check(engine, trace)
     assert res.layers_with("ids") == [FAULT_LAYER], res.summary
     lc = res.layers[FAULT_LAYER]
-    assert {(d.sample, d.position) for d in lc.of_kind("ids")} == want
+    assert lc.rows_of("ids") == want and {(d.sample, d.position) for d in lc.of_kind("ids")} == want
     assert res.differing_rows(["ids"]) == frozenset(want)
     d = lc.of_kind("ids")[0]
     assert d.detail.startswith("dropped ") and set(d.rollout) != set(d.applied)
@@ -261,7 +261,7 @@ def test_r3_slot_order_differs(engine, trainer):
     assert want, "the engine's descending-weight order must leave some rows unsorted"
     res = _check(engine, trace, run["applied"])
     assert res.layers_with("order") == [FAULT_LAYER] and not res.layers_with("ids"), res.summary
-    assert {(d.sample, d.position) for d in res.layers[FAULT_LAYER].of_kind("order")} == want
+    assert res.layers[FAULT_LAYER].rows_of("order") == want
     # megatron scatters the replayed ids into a dense map: its weights do not depend on their order
     assert not res.layers_with("weights")
     assert f"slot order differs in layer {FAULT_LAYER} ({len(want)} rows)" in res.summary
@@ -276,7 +276,8 @@ def test_r3_weights_differ_with_ids_equal(engine, trainer):
     own = {r: sorted(np.argsort(-v)[:TOPK].tolist()) for r, v in zip(logits.rows, logits.values)}
     assert any(own[(k, p)] != sorted(engine.rollout[k][p, FAULT_LAYER].tolist()) for k, p in _rollout_rows(engine))
     assert res.layers_with("weights") == [FAULT_LAYER]
-    rows = {(d.sample, d.position) for d in res.layers[FAULT_LAYER].of_kind("weights")}
+    rows = res.layers[FAULT_LAYER].rows_of("weights")
+    assert {(d.sample, d.position) for d in res.layers[FAULT_LAYER].of_kind("weights")} == rows
     assert rows and rows <= _rollout_rows(engine)
     assert res.differing_rows() == frozenset(rows)
     assert f"weights differ in layer {FAULT_LAYER}" in res.summary
@@ -355,6 +356,18 @@ def test_a_layer_without_trainer_trace_is_not_checked_never_agreeing():
     part = check_routing_replay(rollout, {0: AppliedLayer(0, rows[:1], np.array([[2, 1]]))}, layers=[0])
     assert part.layers[0].rows_checked == 1 and part.layers[0].rows_missing == 1
     assert "1 of 2 (layer, row) pairs not in the trainer's trace" in part.summary
+
+
+def test_every_differing_row_is_kept_and_a_bounded_number_described():
+    from tic_trace.compare.routing_replay import DETAILED
+    n = 3 * DETAILED
+    rollout = {"0-0": np.tile(np.array([[[1, 2]]], dtype=np.int32), (n, 1, 1))}
+    applied = {0: AppliedLayer(0, [("0-0", p) for p in range(n)], np.tile(np.array([[1, 3]]), (n, 1)))}
+    res = check_routing_replay(rollout, applied)
+    lc = res.layers[0]
+    assert len(lc.rows_of("ids")) == n and len(lc.of_kind("ids")) == DETAILED
+    assert res.differing_rows() == frozenset(("0-0", p) for p in range(n))
+    assert res.as_dict()["layers"][0]["differing"]["ids"] == n and f"ids differ in layer 0 ({n} rows)" in res.summary
 
 
 def test_routed_experts_file_round_trip_and_bad_input(tmp_path):

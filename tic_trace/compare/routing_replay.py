@@ -31,6 +31,8 @@ WEIGHTS_POINT = "moe.topk_weights"
 #: exceeds this: fp32 runs agree to ~1e-6, bf16 to ~1e-2; a recomputed score function differs by far more.
 WEIGHT_TOL = 0.05
 KINDS = ("ids", "order", "weights")
+#: Rows of one layer and kind described in full (RowDiff); all of them are kept as (sample, position) either way.
+DETAILED = 32
 
 
 @dataclass(frozen=True)
@@ -70,13 +72,18 @@ class LayerCheck:
     status: str
     rows_checked: int = 0
     rows_missing: int = 0            # rollout rows the trainer's record of this layer lacks (not checked)
-    diffs: tuple[RowDiff, ...] = ()
+    diffs: tuple[RowDiff, ...] = ()  # described in full: the first DETAILED rows of each kind
     order_checked: bool = False
     weights_checked: bool = False
     reason: str = ""
+    differing: Mapping[str, frozenset] = field(default_factory=dict)   # kind -> every differing (sample, position)
 
     def of_kind(self, kind: str) -> tuple[RowDiff, ...]:
+        """The differing rows of `kind` described in full (at most DETAILED; `rows_of` has them all)."""
         return tuple(d for d in self.diffs if d.kind == kind)
+
+    def rows_of(self, kind: str) -> frozenset[RowId]:
+        return self.differing.get(kind, frozenset())
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,10 @@ class R3Check:
     def differing_rows(self, kinds: Iterable[str] = KINDS) -> frozenset[RowId]:
         """The (sample, position) rows whose applied routing differs in any layer, by the given kinds: the
         routing-replay part of the log-prob reconciliation (compare/reconcile.py)."""
-        ks = set(kinds)
-        return frozenset((d.sample, d.position) for lc in self.layers for d in lc.diffs if d.kind in ks)
+        return frozenset().union(*(lc.rows_of(k) for lc in self.layers for k in kinds))
 
     def layers_with(self, kind: str) -> list[int]:
-        return [lc.layer for lc in self.layers if lc.of_kind(kind)]
+        return [lc.layer for lc in self.layers if lc.rows_of(kind)]
 
     @property
     def not_checked(self) -> list[int]:
@@ -109,11 +115,13 @@ class R3Check:
         return summary_line(self)
 
     def as_dict(self) -> dict:
-        """JSON-ready: the summary, then per layer its status, counts and differing rows."""
+        """JSON-ready: the summary, then per layer its status, counts (rows differing per kind) and the rows
+        described in full (bounded: DETAILED per kind)."""
         return {"summary": self.summary, "samples": list(self.samples), "notes": list(self.notes),
                 "layers": [{"layer": lc.layer, "status": lc.status, "rows_checked": lc.rows_checked,
                             "rows_missing": lc.rows_missing, "order_checked": lc.order_checked,
                             "weights_checked": lc.weights_checked, "reason": lc.reason,
+                            "differing": {k: len(lc.rows_of(k)) for k in KINDS},
                             "diffs": [{"sample": d.sample, "position": d.position, "kind": d.kind,
                                        "rollout": list(d.rollout), "applied": list(d.applied), "detail": d.detail}
                                       for d in lc.diffs]}
@@ -168,6 +176,7 @@ def _check_layer(L: int, rollout: Mapping[str, np.ndarray], mine: AppliedLayer |
     eng = {r: i for i, r in enumerate(engine.rows)} if engine is not None and engine.weights is not None \
         and mine.weights is not None else None
     diffs: list[RowDiff] = []
+    rows: dict[str, set] = {k: set() for k in KINDS}
     checked = missing = weighed = 0
     for key in sorted(rollout):
         want_all = rollout[key][:, L, :].astype(np.int64)
@@ -180,14 +189,20 @@ def _check_layer(L: int, rollout: Mapping[str, np.ndarray], mine: AppliedLayer |
         want, got = want_all[pos], mine.ids[idx[pos]].astype(np.int64)
         bad = _set_differs(want, got)
         order = ~bad & (want != got).any(axis=1) if mine.ordered else np.zeros(len(pos), bool)
-        diffs += [_row_diff(key, int(p), w, g, mine.ordered) for p, w, g, b in zip(pos, want, got, bad | order) if b]
+        for kind, mask in (("ids", bad), ("order", order)):
+            hit = np.nonzero(mask)[0]
+            rows[kind].update((key, int(p)) for p in pos[hit])
+            room = max(DETAILED - sum(d.kind == kind for d in diffs), 0)
+            diffs += [_row_diff(key, int(pos[n]), want[n], got[n]) for n in hit[:room]]
         if eng is not None:
             same = pos[~bad & ~order]
             j = np.array([eng.get((key, int(p)), -1) for p in same], dtype=np.int64)
             keep = j >= 0
             weighed += int(keep.sum())
-            diffs += _weight_diffs(key, same[keep], want_all[same[keep]], mine, idx[same[keep]], engine, j[keep],
-                                   weight_tol)
+            hit, detail = _weight_diffs(key, same[keep], want_all[same[keep]], mine, idx[same[keep]], engine,
+                                        j[keep], weight_tol, max(DETAILED - len(rows["weights"]), 0))
+            rows["weights"].update((key, p) for p in hit)
+            diffs += detail
     if not checked:
         return LayerCheck(L, "not_checked", rows_missing=missing,
                           reason="the trainer's record of this layer holds none of the rollout's rows")
@@ -195,8 +210,8 @@ def _check_layer(L: int, rollout: Mapping[str, np.ndarray], mine: AppliedLayer |
     if not weighed:
         reason = "; ".join(filter(None, [reason, "weights not checked: no engine weights for these rows"]))
     diffs.sort(key=lambda d: (d.sample, d.position, KINDS.index(d.kind)))
-    return LayerCheck(L, "differs" if diffs else "applied", checked, missing, tuple(diffs), mine.ordered,
-                      bool(weighed), reason)
+    return LayerCheck(L, "differs" if any(rows.values()) else "applied", checked, missing, tuple(diffs),
+                      mine.ordered, bool(weighed), reason, {k: frozenset(v) for k, v in rows.items() if v})
 
 
 def _set_differs(want: np.ndarray, got: np.ndarray) -> np.ndarray:
@@ -206,7 +221,7 @@ def _set_differs(want: np.ndarray, got: np.ndarray) -> np.ndarray:
     return (np.sort(want, axis=1) != np.sort(got, axis=1)).any(axis=1)
 
 
-def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray, ordered: bool) -> RowDiff:
+def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray) -> RowDiff:
     w, g = [int(x) for x in want], [int(x) for x in got]
     if sorted(w) != sorted(g):
         dropped = sorted(set(w) - set(g))
@@ -218,25 +233,27 @@ def _row_diff(key: str, pos: int, want: np.ndarray, got: np.ndarray, ordered: bo
 
 
 def _weight_diffs(key: str, pos: np.ndarray, want: np.ndarray, mine: AppliedLayer, i: np.ndarray,
-                  engine: AppliedLayer, j: np.ndarray, tol: float) -> list[RowDiff]:
-    """Rows whose ids agree but whose weights (matched by expert id) differ by more than `tol`, relative to the
-    engine's. A row the engine's own trace routed otherwise than it returned has nothing to weigh against."""
+                  engine: AppliedLayer, j: np.ndarray, tol: float, detailed: int) -> tuple[list[int], list[RowDiff]]:
+    """The positions whose ids agree but whose weights (matched by expert id) differ by more than `tol`, relative
+    to the engine's, and the first `detailed` of them described. A row the engine's own trace routed otherwise
+    than it returned has nothing to weigh against."""
     if not len(pos):
-        return []
+        return [], []
     ids_a, ids_e = mine.ids[i].astype(np.int64), engine.ids[j].astype(np.int64)
     oa, oe = np.argsort(ids_a, axis=1), np.argsort(ids_e, axis=1)
     comparable = ~_set_differs(np.take_along_axis(ids_e, oe, 1), np.sort(want, axis=1))
     wa = np.take_along_axis(mine.weights[i].astype(np.float64), oa, 1)
     we = np.take_along_axis(engine.weights[j].astype(np.float64), oe, 1)
     err = np.linalg.norm(wa - we, axis=1) / np.maximum(np.linalg.norm(we, axis=1), 1e-30)
+    hit = np.nonzero(comparable & (err > tol))[0]
     out = []
-    for n in np.nonzero(comparable & (err > tol))[0]:
+    for n in hit[:detailed]:
         experts = [int(x) for x in np.sort(ids_e[n])]
         out.append(RowDiff(key, int(pos[n]), "weights", tuple(int(x) for x in want[n]),
                            tuple(int(x) for x in ids_a[n]),
                            f"weights off by {err[n]:.3g} (relative, tolerance {tol:g}): trainer {_fmt(wa[n])} vs "
                            f"engine {_fmt(we[n])} for experts {experts}"))
-    return out
+    return [int(pos[n]) for n in hit], out
 
 
 def _fmt(v: np.ndarray) -> str:
@@ -246,12 +263,12 @@ def _fmt(v: np.ndarray) -> str:
 def summary_line(c: R3Check) -> str:
     """One line: "R3: ids applied in 24 of 24 layers; weights differ in layers 3, 7 (12 rows); ..." """
     done = [lc for lc in c.layers if lc.status != "not_checked"]
-    ok_ids = [lc for lc in done if not lc.of_kind("ids")]
+    ok_ids = [lc for lc in done if not lc.rows_of("ids")]
     parts = [f"R3: ids applied in {len(ok_ids)} of {len(c.layers)} layers"]
     for kind, verb in (("ids", "ids differ"), ("order", "slot order differs"), ("weights", "weights differ")):
-        hit = [lc for lc in done if lc.of_kind(kind)]
+        hit = [lc for lc in done if lc.rows_of(kind)]
         if hit:
-            rows = len({(d.sample, d.position) for lc in hit for d in lc.of_kind(kind)})
+            rows = len(frozenset().union(*(lc.rows_of(kind) for lc in hit)))
             parts.append(f"{verb} in {_layers(lc.layer for lc in hit)} ({rows} rows)")
     if c.not_checked:
         parts.append(f"not checked: {_layers(c.not_checked)} (no trainer trace)")
