@@ -240,8 +240,9 @@ def scenario_logprobs(out: Path) -> dict:
     """The log-probs each side used (issue 37), through slime's own flow as scenario_flow, at
     --rollout-temperature 0.9: rollout 0's actor log-prob pass (compute_log_prob -> forward_only) with one of its
     two samples traced; rollout 1's train step 0 (kl_coef 0: slime's can_reuse_log_probs_in_loss skips the pass,
-    policy_loss_function computes them) with both traced and the engine returning the log-probs of the original
-    logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature, while the trainer divides by it); rollout 2
+    policy_loss_function computes them) with both traced, the engine returning the log-probs of the original
+    logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature, while the trainer divides by it) and the user's
+    generate function masking each sample's first token out of the loss; rollout 2
     with tracing switched off (the hooks still installed). What slime itself holds is returned beside: each
     sample's rollout_log_probs, the log-prob pass's rollout_data["log_probs"] (through the actor's
     rollout_data_postprocess, called after compute_log_prob) and the train_rollout_logprob_abs_diff it logs."""
@@ -284,11 +285,14 @@ def scenario_logprobs(out: Path) -> dict:
             args.tic_trace_max_samples = 1 if rollout_id == 0 else 2
             if rollout_id == 1:
                 os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+                # the user's generate function masks each sample's first token out of the loss
+                args.tic_trace_chained_hooks["custom_generate_function_path"] = \
+                    "tic_trace.testing.slime_real.mask_first_token"
             samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
             os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
             result["samples"][rollout_id] = [
                 {"index": s.index, "tokens": list(s.tokens), "response_length": s.response_length,
-                 "rollout_log_probs": list(s.rollout_log_probs)} for s in samples]
+                 "rollout_log_probs": list(s.rollout_log_probs), "loss_mask": list(s.loss_mask)} for s in samples]
             actor.train(rollout_id, sr.train_data_refs(args, samples))
     finally:
         _stop_engine_and_trainer(server)

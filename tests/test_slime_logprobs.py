@@ -72,12 +72,18 @@ def test_trainer_side_records_the_logprobs_slime_compares_with_rollout_temperatu
     assert e.logprobs.tolist() == run["trainer_log_probs"]["0"]["0"]
     assert e.sampling.temperature == T and e.sampling.top_p == 1.0 and e.sampling.top_k == -1
     assert e.sampling.extra["phase"] == "logprob" and e.sampling.extra["compared_by_slime"] is True
+    assert e.mask.tolist() == slime_sample(run, 0, 0)["loss_mask"] == [1] * 4     # get_batch's loss_masks
     # rollout 1: kl_coef 0, one step: slime skipped the pass (no rollout_data["log_probs"]) and compared train
-    # step 0's; the recorded numbers give slime's own logged metric (its per-rollout mean over the step's samples)
+    # step 0's; the recorded numbers and masks give slime's own logged metric (its per-rollout mean over the
+    # step's samples, each sample's masked mean)
     assert "1" not in run["trainer_log_probs"]
     a, b = side(run, 1, "megatron"), side(run, 1, "sglang")
     assert {e.sampling.extra["phase"] for e in a.entries} == {"train_step0"}
-    per_sample = [np.mean(np.abs(x.logprobs - y.logprobs)) for x, y in zip(a.entries, b.entries)]
+    assert [e.mask.tolist() for e in a.entries] == [slime_sample(run, 1, i)["loss_mask"] for i in (2, 3)] \
+        == [[0, 1, 1, 1]] * 2
+    assert all(e.mask is None for e in b.entries)         # the engine's answer carries no loss mask
+    per_sample = [np.sum(x.mask * np.abs(x.logprobs - y.logprobs)) / np.sum(x.mask)
+                  for x, y in zip(a.entries, b.entries)]
     assert len(per_sample) == 2 and np.mean(per_sample) == pytest.approx(run["logged"][1], rel=1e-5)
     assert run["logged"][1] > 1e-2          # the engine's log-probs were of the original logits (before T)
 
@@ -134,6 +140,10 @@ def test_slime_report_reconciles_slimes_metric(run, tmp_path):
     assert rc == 0 and rep["verdict"] == "consistent"
     assert rec["recorded"] == logged and rec["metric"] == pytest.approx(logged, rel=1e-5)
     assert rec["rows"] == 8 and rec["samples"] == 2 and rec["only"] == {"a": 0, "b": 0}
+    # the masked first tokens weigh 0: without the masks the same rows give another number
+    a, b = side(run, 1, "megatron"), side(run, 1, "sglang")
+    unmasked = np.mean([np.mean(np.abs(x.logprobs - y.logprobs)) for x, y in zip(a.entries, b.entries)])
+    assert abs(unmasked - logged) > 1e-4
     parts = {p["name"]: p for p in rec["parts"]}
     assert sum(p["value"] for p in rec["parts"]) == pytest.approx(rec["metric"], rel=1e-9)
     assert parts["semantics"]["significant"] and parts["semantics"]["share"] > 0.99
@@ -160,9 +170,9 @@ def test_slime_report_names_a_corrupt_record_and_keeps_the_rest(run, tmp_path):
 
 # ================================================================== the record on disk, hostile input
 
-def entry(sample="0-0", n=3, first=5, **sampling) -> UsedLogprobs:
+def entry(sample="0-0", n=3, first=5, mask=None, **sampling) -> UsedLogprobs:
     return UsedLogprobs(sample, np.arange(first, first + n), np.arange(n) + 7, -np.linspace(0.5, 2.0, n),
-                        Sampling(**sampling))
+                        Sampling(**sampling), mask)
 
 
 def test_parts_merge_across_turns_and_ranks(tmp_path):
@@ -171,13 +181,15 @@ def test_parts_merge_across_turns_and_ranks(tmp_path):
     got = read(tmp_path / "a")
     assert len(got.files) == 2 and got.notes == [] and len(got.entries) == 1
     assert got.entries[0].positions.tolist() == [5, 6, 7, 12, 13, 14]
-    write_part(tmp_path / "b", "megatron-0", [entry(first=5, n=10, temperature=0.9)])
-    write_part(tmp_path / "b", "megatron-1", [entry(first=5, n=10, temperature=0.9)])   # a tensor-parallel twin
+    mask = np.array([0.0] + [1.0] * 9)
+    write_part(tmp_path / "b", "megatron-0", [entry(first=5, n=10, mask=mask, temperature=0.9)])
+    write_part(tmp_path / "b", "megatron-1", [entry(first=5, n=10, mask=mask, temperature=0.9)])   # a TP twin
     got = read(tmp_path / "b")
     assert got.notes == [] and [e.positions.tolist() for e in got.entries] == [list(range(5, 15))]
+    assert got.entries[0].mask.tolist() == mask.tolist()
     # the same (sample, position) with another token: the first is kept, and said
     write_part(tmp_path / "b", "megatron-2", [UsedLogprobs("0-0", np.array([6]), np.array([99]), np.array([-1.0]),
-                                                           Sampling(temperature=0.9))])
+                                                           Sampling(temperature=0.9), np.array([1.0]))])
     got = read(tmp_path / "b")
     assert got.entries[0].tokens[1] == 8 and got.notes == [
         "sample '0-0' position 6: recorded with tokens 8 and 99; the first is kept"]
@@ -211,6 +223,8 @@ def test_corrupt_part_names_the_file(part):
     (lambda d: d.update(version=2), "not a version-1 used log-probs document"),
     (lambda d: d["entries"][0].update(logprobs=b"\0" * 5), "raw 8-byte"),
     (lambda d: d["entries"][0].update(tokens=b"\0" * 8), "one of each per token"),
+    (lambda d: d["entries"][0].update(mask=b"\0" * 8), "and 1 mask values: one of each per token"),
+    (lambda d: d["entries"][0].update(mask=np.array([1.0, np.nan, 0.0], "<f8").tobytes()), "not a finite number"),
     (lambda d: d["entries"][0].update(sample="x" * 300), "'sample' must be a string"),
     (lambda d: d["entries"][0].update(positions=np.array([-1, 0, 1], "<i8").tobytes()), "a position outside"),
     (lambda d: d["entries"][0]["sampling"].update(temperature="hot"), "sampling.temperature"),

@@ -29,7 +29,8 @@ def reconciliation(rdir: Path, sides: Mapping[str, Path], views: Mapping[str, An
         return {"unavailable": f"the used log-probs cannot be read: {e.path}: {e.problem}", "recorded": recorded}
     a, b = (Side(label, used[name].entries, _logits_rows(views[name], used[name].entries)) for name, label in SIDES)
     r3, r3_note = routing_replay(rdir, views)
-    out = reconcile(a, b, r3=r3, finder=finder, reduction=_reduction(views["megatron"]), recorded=recorded)
+    out = reconcile(a, b, r3=r3, finder=finder, reduction=_reduction(views["megatron"], used["megatron"].entries),
+                    recorded=recorded)
     notes = [f"{name}: {n}" for name, _ in SIDES for n in used[name].notes]
     notes += [f"{name}: {used[name].ignored} in used_logprobs/ are no part of the record (not read)"
               for name, _ in SIDES if used[name].ignored]
@@ -61,12 +62,15 @@ def _logits_rows(view, used) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
             for s, idx in by.items()}
 
 
-def _reduction(megatron_view):
-    """slime's reduction of the metric, as the Megatron side's manifest records the run's flag."""
+def _reduction(megatron_view, trainer_used):
+    """slime's reduction of the metric: the run's flag as the Megatron side's manifest records it, and the loss
+    masks the trainer's batches carried (where recorded; else every token weighs 1)."""
     from tic_trace.compare.reconcile import SlimeReduction
     slime = megatron_view.trace.manifest.get("slime")
     per_token = slime.get("calculate_per_token_loss") if isinstance(slime, dict) else None
-    return SlimeReduction(per_token=per_token is True)
+    masks = {(u.sample, int(p)): float(m) for u in trainer_used if u.mask is not None
+             for p, m in zip(np.asarray(u.positions).tolist(), np.asarray(u.mask).tolist())}
+    return SlimeReduction(per_token=per_token is True, loss_mask=masks or None)
 
 
 def routing_replay(rdir: Path, views: Mapping[str, Any]) -> tuple[Any, str | None]:

@@ -39,6 +39,7 @@ class _Session:
         self.handles = [c.register_forward_hook(self._after_forward, always_call=True) for c in self.chunks]
         self.passes = 0
         self.keys: list | None = None     # the current micro-batch's sample keys (None: not traced)
+        self.loss_masks: list | None = None   # its per-sample loss masks, as get_batch returned them
 
     def _after_forward(self, module, args, output):
         # The chunk's forward returned (the tracer already closed its root frame): this micro-batch is done.
@@ -312,6 +313,7 @@ def _patch_get_batch() -> None:
             batch = orig(data_iterator, keys, *a, **kw)
             # Started once the batch is built: its packing ops are not the model's.
             _begin_micro_batch(sess, indices)
+            sess.loss_masks = batch.get("loss_masks") if isinstance(batch, dict) else None
             return batch
         get_batch._tic_trace = True
         model_mod.get_batch = get_batch
@@ -346,7 +348,7 @@ def _recording_log_probs(orig):
         sess = _S.session
         if sess is not None and sess.keys is not None:
             from tic_trace.integrations.slime.used_logprobs import record_trainer
-            record_trainer(sess.args, sess.out_dir, sess.phase, sess.keys, kw, res)
+            record_trainer(sess.args, sess.out_dir, sess.phase, sess.keys, kw, res, sess.loss_masks)
         return res
     get_log_probs_and_entropy._tic_trace = True
     return get_log_probs_and_entropy

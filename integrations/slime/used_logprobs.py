@@ -91,12 +91,13 @@ def request_sampling(payload: dict, meta: dict):
 
 # ================================================================== the trainer side
 
-def record_trainer(args: Any, out_dir: Path, phase: str, keys: list, kwargs: dict, result: Any) -> None:
+def record_trainer(args: Any, out_dir: Path, phase: str, keys: list, kwargs: dict, result: Any,
+                   loss_masks: list | None = None) -> None:
     """The per-sample log-probs ``get_log_probs_and_entropy`` returned for one micro-batch (``kwargs``: the
-    call's ``unconcat_tokens``, ``total_lengths``, ``response_lengths``), for the samples with a key. Never
-    raises."""
+    call's ``unconcat_tokens``, ``total_lengths``, ``response_lengths``), for the samples with a key, with the
+    micro-batch's loss masks (``get_batch``'s ``loss_masks``, one per sample over its response). Never raises."""
     try:
-        entries = trainer_entries(args, phase, keys, kwargs, result)
+        entries = trainer_entries(args, phase, keys, kwargs, result, loss_masks)
         if entries:
             from tic_trace.store.used_logprobs import write_part
             write_part(out_dir, _writer_id("megatron"), entries)
@@ -105,7 +106,8 @@ def record_trainer(args: Any, out_dir: Path, phase: str, keys: list, kwargs: dic
                                            f"{type(e).__name__}: {e}")
 
 
-def trainer_entries(args: Any, phase: str, keys: list, kwargs: dict, result: Any) -> list:
+def trainer_entries(args: Any, phase: str, keys: list, kwargs: dict, result: Any,
+                    loss_masks: list | None = None) -> list:
     import numpy as np
 
     from tic_trace.store.used_logprobs import UsedLogprobs
@@ -123,16 +125,20 @@ def trainer_entries(args: Any, phase: str, keys: list, kwargs: dict, result: Any
         raise ValueError(f"{0 if lps is None else len(lps)} log-prob lists for {len(tokens)} samples and "
                          f"{len(keys)} keys")
     sampling = trainer_sampling(args, phase, kwargs.get("top_p_token_ids") is not None)
+    masks = loss_masks if loss_masks is not None and len(loss_masks) == len(tokens) else [None] * len(tokens)
     out = []
-    for key, lp, tok, total, resp in zip(keys, lps, tokens, totals, responses):
+    for key, lp, tok, total, resp, mask in zip(keys, lps, tokens, totals, responses, masks):
         total, resp = int(total), int(resp)
         if key is None or resp <= 0:
             continue
         v = lp.detach().float().cpu().numpy().astype(np.float64)
         if v.shape != (resp,):
             raise ValueError(f"sample {key}: {tuple(v.shape)} log-probs for a response of {resp} tokens")
+        m = None if mask is None else np.asarray(mask.detach().float().cpu().numpy() if hasattr(mask, "detach")
+                                                 else mask, dtype=np.float64).reshape(-1)
         out.append(UsedLogprobs(key, np.arange(total - resp, total, dtype=np.int64),
-                                tok[-resp:].detach().cpu().numpy().astype(np.int64), v, sampling))
+                                tok[-resp:].detach().cpu().numpy().astype(np.int64), v, sampling,
+                                m if m is not None and m.shape == (resp,) else None))
     return out
 
 

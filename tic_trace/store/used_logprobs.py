@@ -41,19 +41,22 @@ class UsedLogprobs:
     tokens: np.ndarray              # int64 [n]: its token id
     logprobs: np.ndarray            # float64 [n]: the log-prob the side used
     sampling: Sampling
+    mask: np.ndarray | None = None  # float64 [n]: the loss mask the side weighed it with (None: not recorded)
 
     def __post_init__(self) -> None:
         n = len(self.positions)
-        if len(self.tokens) != n or len(self.logprobs) != n:
-            raise ValueError(f"sample {self.sample!r}: {n} positions, {len(self.tokens)} tokens and "
-                             f"{len(self.logprobs)} log-probs; one of each per token")
+        if len(self.tokens) != n or len(self.logprobs) != n or (self.mask is not None and len(self.mask) != n):
+            raise ValueError(f"sample {self.sample!r}: {n} positions, {len(self.tokens)} tokens, "
+                             f"{len(self.logprobs)} log-probs and {'no' if self.mask is None else len(self.mask)} "
+                             "mask values; one of each per token")
 
 
 # ================================================================== on disk
 #
 #   <side trace>/used_logprobs/part-<writer>.msgpack    one framed msgpack document per write (a request's answer,
 #                                                        a micro-batch's log-probs): {"version": 1, "entries":
-#                                                        [{"sample", "positions", "tokens", "logprobs", "sampling"}]}
+#                                                        [{"sample", "positions", "tokens", "logprobs", "sampling",
+#                                                        optional "mask"}]}
 #
 # The arrays are raw little-endian bytes (int64, int64, float64) in msgpack bin fields: nothing is unpickled.
 # Each part is written under a temporary name and renamed (format.write_framed): a reader sees whole parts only.
@@ -85,7 +88,8 @@ def write_part(trace_dir: str | os.PathLike, writer: str, entries: list[UsedLogp
 
 def _to_wire(e: UsedLogprobs) -> dict:
     s = e.sampling
-    return {"sample": e.sample,
+    mask = {} if e.mask is None else {"mask": np.ascontiguousarray(e.mask, dtype="<f8").tobytes()}
+    return {**mask, "sample": e.sample,
             "positions": np.ascontiguousarray(e.positions, dtype="<i8").tobytes(),
             "tokens": np.ascontiguousarray(e.tokens, dtype="<i8").tobytes(),
             "logprobs": np.ascontiguousarray(e.logprobs, dtype="<f8").tobytes(),
@@ -164,20 +168,27 @@ def _entry(d, path: Path, i: int) -> UsedLogprobs:
     if not isinstance(sample, str) or not 0 < len(sample) <= 256:
         raise bad("field 'sample' must be a string of 1 to 256 characters")
     arrays = {}
-    for name, dt in (("positions", "<i8"), ("tokens", "<i8"), ("logprobs", "<f8")):
+    for name, dt in (("positions", "<i8"), ("tokens", "<i8"), ("logprobs", "<f8"), ("mask", "<f8")):
         b = d.get(name)
+        if name == "mask" and b is None:
+            arrays[name] = None
+            continue
         if not isinstance(b, bytes) or len(b) % 8:
             raise bad(f"field {name!r} must be raw 8-byte little-endian values (bytes, a multiple of 8 long)")
         arrays[name] = np.frombuffer(b, dtype=dt).astype(dt[1:])
-    if not len(arrays["positions"]) == len(arrays["tokens"]) == len(arrays["logprobs"]):
-        raise bad(f"{len(arrays['positions'])} positions, {len(arrays['tokens'])} tokens and "
-                  f"{len(arrays['logprobs'])} log-probs: one of each per token")
+    n, mask = len(arrays["positions"]), arrays["mask"]
+    if not n == len(arrays["tokens"]) == len(arrays["logprobs"]) or (mask is not None and len(mask) != n):
+        masks = "" if mask is None else f" and {len(mask)} mask values"
+        raise bad(f"{n} positions, {len(arrays['tokens'])} tokens, {len(arrays['logprobs'])} log-probs{masks}: "
+                  "one of each per token")
+    if arrays["mask"] is not None and not np.isfinite(arrays["mask"]).all():
+        raise bad("a mask value that is not a finite number")
     if (arrays["positions"] < 0).any() or (arrays["positions"] >= 2**31).any():
         raise bad("a position outside [0, 2**31)")
     if (arrays["tokens"] < 0).any():
         raise bad("a negative token id")
     return UsedLogprobs(sample, arrays["positions"], arrays["tokens"], arrays["logprobs"],
-                        _sampling(d.get("sampling"), bad))
+                        _sampling(d.get("sampling"), bad), arrays["mask"])
 
 
 def _sampling(s, bad) -> Sampling:
@@ -220,6 +231,7 @@ def _merge(pieces: list[UsedLogprobs]) -> tuple[list[UsedLogprobs], list[str]]:
         pos = np.concatenate([p.positions for p in g])
         tok = np.concatenate([p.tokens for p in g])
         lp = np.concatenate([p.logprobs for p in g])
+        mask = None if any(p.mask is None for p in g) else np.concatenate([p.mask for p in g])
         keep = []
         for j in np.argsort(pos, kind="stable"):
             key = (g[0].sample, int(pos[j]))
@@ -231,6 +243,7 @@ def _merge(pieces: list[UsedLogprobs]) -> tuple[list[UsedLogprobs], list[str]]:
             seen[key] = int(tok[j])
             keep.append(j)
         idx = np.asarray(keep, dtype=np.int64)
-        out.append(UsedLogprobs(g[0].sample, pos[idx], tok[idx], lp[idx], g[0].sampling))
+        out.append(UsedLogprobs(g[0].sample, pos[idx], tok[idx], lp[idx], g[0].sampling,
+                                None if mask is None else mask[idx]))
     out.sort(key=lambda e: (e.sample, int(e.positions[0]) if len(e.positions) else -1))
     return out, notes

@@ -357,6 +357,15 @@ def user_before_train_step(args, rollout_id, step_id, model_chunks, optimizer, o
     USER_CALLS.append(("train_step", int(rollout_id), int(step_id)))
 
 
+async def mask_first_token(args, sample, sampling_params, evaluation=False):
+    """A user's generate function that leaves each sample's first generated token out of the loss (loss_mask 0),
+    as partial-rollout masking or a custom filter does: slime's metric weighs it 0."""
+    from slime.rollout.sglang_rollout import generate
+    sample = await generate(args, sample, sampling_params)
+    sample.loss_mask = [0] + list(sample.loss_mask[1:])
+    return sample
+
+
 async def user_generate(args, sample, sampling_params, evaluation=False):
     """A user's generate function wrapping slime's (the common case: pre/post-processing around it)."""
     from slime.rollout.sglang_rollout import generate
