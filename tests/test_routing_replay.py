@@ -227,7 +227,7 @@ def test_r3_on_ids_applied_clean(engine, trainer):
     assert [lc.layer for lc in res.layers] == list(range(LAYERS)) and not res.not_checked
     for lc in res.layers:
         assert lc.rows_checked == len(_rollout_rows(engine)) and lc.order_checked and lc.weights_checked
-    assert res.differing_rows() == frozenset()
+    assert res.differing_rows() == frozenset() and res.notes == ()
     assert res.summary == f"R3: ids applied in {LAYERS} of {LAYERS} layers"
     # from the trace alone the slot order is not checked, and said
     only_trace = _check(engine, trace)
@@ -356,6 +356,20 @@ def test_a_layer_without_trainer_trace_is_not_checked_never_agreeing():
     part = check_routing_replay(rollout, {0: AppliedLayer(0, rows[:1], np.array([[2, 1]]))}, layers=[0])
     assert part.layers[0].rows_checked == 1 and part.layers[0].rows_missing == 1
     assert "1 of 2 (layer, row) pairs not in the trainer's trace" in part.summary
+
+
+def test_an_engine_trace_that_routed_otherwise_than_it_returned_is_noted():
+    rollout = {"0-0": np.array([[[1, 2]], [[2, 3]]], dtype=np.int32)}
+    rows = [("0-0", 0), ("0-0", 1)]
+    w = np.full((2, 2), 0.5)
+    trainer = {0: AppliedLayer(0, rows, np.array([[1, 2], [2, 3]]), w)}
+    engine = {0: AppliedLayer(0, rows, np.array([[1, 2], [0, 3]]), w)}
+    res = check_routing_replay(rollout, trainer, engine)
+    assert res.clean and res.engine_off == {0: 1}
+    assert "the engine's trace disagrees with its returned ids in layer 0 (1 rows)" in res.summary
+    assert res.notes == ("layer 0: the engine's trace routed 1 of 2 rows otherwise than the ids it "
+                                       "returned (the returned record does not match the traced forward there; "
+                                       "weights not compared at those rows)",)
 
 
 def test_every_differing_row_is_kept_and_a_bounded_number_described():

@@ -92,6 +92,7 @@ class R3Check:
     layers: tuple[LayerCheck, ...]
     samples: tuple[str, ...]
     notes: tuple[str, ...] = field(default=())
+    engine_off: Mapping[int, int] = field(default_factory=dict)   # layer -> rows its trace routed otherwise
 
     def differing_rows(self, kinds: Iterable[str] = KINDS) -> frozenset[RowId]:
         """The (sample, position) rows whose applied routing differs in any layer, by the given kinds: the
@@ -152,7 +153,27 @@ def check_routing_replay(rollout: Mapping[str, np.ndarray], applied: Mapping[int
         if not 0 <= L < n_layers:
             raise ValueError(f"layer {L}: the rollout's routed experts hold layers 0..{n_layers - 1}")
         out.append(_check_layer(L, rollout, applied.get(L), (engine or {}).get(L), weight_tol))
-    return R3Check(tuple(out), tuple(sorted(rollout)))
+    off = {L: n for L in todo if (n := _engine_off(L, rollout, (engine or {}).get(L)))}
+    notes = [f"layer {L}: the engine's trace routed {n[0]} of {n[1]} rows otherwise than the ids it returned (the "
+             f"returned record does not match the traced forward there; weights not compared at those rows)"
+             for L, n in off.items()]
+    return R3Check(tuple(out), tuple(sorted(rollout)), tuple(notes), {L: n[0] for L, n in off.items()})
+
+
+def _engine_off(L: int, rollout: Mapping[str, np.ndarray], engine: AppliedLayer | None) -> tuple[int, int] | None:
+    """(rows, of rows) the engine's own trace routed otherwise than the ids it returned: the record is not what
+    the engine computed at those rows (shifted, or captured from another forward)."""
+    if engine is None:
+        return None
+    at = {r: i for i, r in enumerate(engine.rows)}
+    off = total = 0
+    for key, a in rollout.items():
+        idx = np.array([at.get((key, p), -1) for p in range(len(a))], dtype=np.int64)
+        pos = np.nonzero(idx >= 0)[0]
+        total += len(pos)
+        if len(pos):
+            off += int(_set_differs(a[pos, L, :].astype(np.int64), engine.ids[idx[pos]].astype(np.int64)).sum())
+    return (off, total) if off else None
 
 
 def _layer_count(rollout: Mapping[str, np.ndarray]) -> int:
@@ -272,6 +293,9 @@ def summary_line(c: R3Check) -> str:
             parts.append(f"{verb} in {_layers(lc.layer for lc in hit)} ({rows} rows)")
     if c.not_checked:
         parts.append(f"not checked: {_layers(c.not_checked)} (no trainer trace)")
+    if c.engine_off:
+        parts.append(f"the engine's trace disagrees with its returned ids in {_layers(c.engine_off)} "
+                     f"({sum(c.engine_off.values())} rows)")
     missing = sum(lc.rows_missing for lc in done)
     if missing:
         total = missing + sum(lc.rows_checked for lc in done)
