@@ -192,7 +192,8 @@ def _routed(rollout: Mapping[str, np.ndarray], layer: int) -> bool:
 def _check_layer(L: int, rollout: Mapping[str, np.ndarray], mine: AppliedLayer | None,
                  engine: AppliedLayer | None, weight_tol: float) -> LayerCheck:
     if mine is None or not len(mine.rows):
-        return LayerCheck(L, "not_checked", reason="no trainer record of this layer (not traced)")
+        return LayerCheck(L, "not_checked", reason="the trainer's trace holds no expert ids of this layer (not "
+                                                   "traced, or statistics only)")
     at = {r: i for i, r in enumerate(mine.rows)}
     eng = {r: i for i, r in enumerate(engine.rows)} if engine is not None and engine.weights is not None \
         and mine.weights is not None else None
@@ -292,7 +293,7 @@ def summary_line(c: R3Check) -> str:
             rows = len(frozenset().union(*(lc.rows_of(kind) for lc in hit)))
             parts.append(f"{verb} in {_layers(lc.layer for lc in hit)} ({rows} rows)")
     if c.not_checked:
-        parts.append(f"not checked: {_layers(c.not_checked)} (no trainer trace)")
+        parts.append(f"not checked: {_layers(c.not_checked)} (the trainer's trace holds no expert ids there)")
     if c.engine_off:
         parts.append(f"the engine's trace disagrees with its returned ids in {_layers(c.engine_off)} "
                      f"({sum(c.engine_off.values())} rows)")
