@@ -152,3 +152,38 @@ def test_a_side_without_used_logprobs_is_refused(runs):
                                for u in disjoint.used], None)
     assert "no (sample, position) row" in reconcile(_trainer(tr, "clean"), disjoint)["unavailable"]
     assert np.isfinite(reconcile(_trainer(tr, "clean"), _engine(eng, "clean", logits=False))["metric"])
+
+
+def _report(rec):
+    from tic_trace.report.schema import Report
+    return Report(verdict="consistent", first=None, findings=[], notes=[], points=[], not_comparable=[], rows={},
+                  worst_tokens=[], routing={}, settings={}, sides={}, reconciliation=rec)
+
+
+def test_terminal_json_and_html_show_the_split(runs):
+    import json
+
+    from rich.console import Console
+
+    from tic_trace.report.html import render_html
+    from tic_trace.report.schema import Report
+    from tic_trace.report.terminal import render_terminal
+    eng, tr = runs
+    rec = reconcile(_trainer(tr, "t07"), _engine(eng, "t07", t=0.7), recorded=float(tr["t07/metric"]))
+    doc = json.loads(json.dumps(_report(rec).to_json()))
+    assert Report.from_json(doc).reconciliation["parts"] == rec["parts"]
+    con = Console(record=True, width=200)
+    render_terminal(doc, con)
+    out = con.export_text()
+    m = f"{rec['metric']:.3g}"
+    assert f"slime's train_rollout_logprob_abs_diff = {m} nats over 3 traced samples (24 rows; slime logged {m}): " \
+           "semantics 100%" in out
+    assert "semantics" in out and "T = 0.7" in out and "routing replay" in out
+    page = render_html(doc)
+    assert 'id="reconciliation"' in page and "semantics 100%" in page and "T = 0.7" in page
+    clean = json.loads(json.dumps(_report(reconcile(_trainer(tr, "clean"), _engine(eng, "clean"))).to_json()))
+    con = Console(record=True, width=200)
+    render_terminal(clean, con)
+    assert "no cause (every part under 0.001 nats or 5% of the metric)" in con.export_text()
+    refused = _report(reconcile(Side("megatron", []), _engine(eng, "clean"))).to_json()
+    assert "not made — megatron recorded no used log-probs" in render_html(refused)

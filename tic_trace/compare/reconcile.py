@@ -141,7 +141,7 @@ def _r3_token_rows(r3: Any) -> tuple[set[tuple[str, int]] | None, list[str]]:
     """The token rows (sample, position) whose logits row ran other experts: R3's forward rows q give the
     token at q + 1. `r3`: an R3Check (compare/routing_replay.py), a collection of forward rows, or None."""
     if r3 is None:
-        return None, ["routing replay not checked (R3 off, or no check given): no routing-replay part"]
+        return None, []         # the routing-replay part says it was not checked
     notes = []
     if hasattr(r3, "differing_rows"):
         if getattr(r3, "not_checked", None):

@@ -332,6 +332,8 @@ class Report(_Indexable):
     identity: dict = field(default_factory=dict)       # the rows behind rows' identity counts (align.RowIdentity)
     attribution: dict | None = None                    # which difference explains how much of the gap (attribution.py)
     coverage: dict = field(default_factory=dict)       # what the verdict covered (compare/coverage.py builds it)
+    reconciliation: dict | None = None                 # slime's train_rollout_logprob_abs_diff split into parts
+                                                       # (compare/reconcile.py; docs/reconcile.md)
     extra: dict = field(default_factory=dict)          # fields callers add (e.g. "slime"), kept verbatim
 
     @property
@@ -351,13 +353,15 @@ class Report(_Indexable):
             doc["attribution"] = self.attribution
         if self.coverage:
             doc["coverage"] = self.coverage
+        if self.reconciliation is not None:
+            doc["reconciliation"] = self.reconciliation
         return encode({**self.extra, **doc})
 
     @classmethod
     def from_json(cls, d: dict) -> "Report":
         known = {"schema", "verdict", "exit_code", "contract", "first_divergence", "findings", "notes", "points",
                  "not_comparable", "rows", "worst_tokens", "routing", "settings", "sides", "token_errors",
-                 "structure", "identity", "attribution", "coverage"}
+                 "structure", "identity", "attribution", "coverage", "reconciliation"}
         fd = d.get("first_divergence")
         wt_names = {f.name for f in fields(WorstToken)}
         return cls(
@@ -377,11 +381,13 @@ class Report(_Indexable):
             identity=dict(d.get("identity") or {}) if isinstance(d.get("identity"), dict) else {},
             attribution=_decode_attribution(d.get("attribution")),
             coverage=dict(d["coverage"]) if isinstance(d.get("coverage"), dict) else {},
+            reconciliation=_decode_attribution(d.get("reconciliation")),
             extra={k: v for k, v in d.items() if k not in known})
 
 
 def _decode_attribution(d: Any) -> dict | None:
-    """A saved attribution with its numbers decoded (NaN/Inf were written as strings); None if absent."""
+    """A saved attribution (or reconciliation) with its numbers decoded (NaN/Inf were written as strings); None
+    if absent."""
     if not isinstance(d, dict):
         return None
 

@@ -16,6 +16,7 @@ from ..graph.canonical import BY_NAME, CURVE_POINTS, EMBEDDING, HEAD_POINTS, par
 from .attribution_lines import attribution_lines
 from .bounds import TERMINAL, bounded, omitted_lines
 from .coverage import coverage_line
+from .reconcile_lines import reconciliation_lines
 from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint, ulp_na, ulp_text
 from .schema import architecture_refusal, num, unverified_sides
 from .text import text, visible
@@ -184,6 +185,8 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
         _contract(c, contract)
     _causes(c, report)
     for line in attribution_lines(report):
+        c.print(text(line), soft_wrap=True)
+    for line in reconciliation_lines(report):
         c.print(text(line), soft_wrap=True)
     if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
