@@ -41,7 +41,7 @@ def main(out: Path) -> dict:
 
     megatron_hooks.install_megatron_patches()
     args = SimpleNamespace(tic_trace=True, tic_trace_dir=str(out), tic_trace_rollout_ids=[0], tic_trace_every=0,
-                           tic_trace_max_samples=1, rollout_batch_size=2, n_samples_per_prompt=1,
+                           tic_trace_mode="rows", tic_trace_max_samples=1, rollout_batch_size=2, n_samples_per_prompt=1,
                            num_experts=EXPERTS, data_pad_size_multiplier=1, sequence_parallel=False,
                            allgather_cp=False)
     g = torch.Generator().manual_seed(0)

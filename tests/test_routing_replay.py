@@ -289,7 +289,7 @@ def test_recorded_where_slime_hands_them_to_megatron_and_checked_per_rollout(eng
     from tic_trace.compare.routing_replay import check_rollout
     from tic_trace.integrations.slime.routing_replay import record_rollout_routed_experts, routed_experts_path
     args = SimpleNamespace(tic_trace=True, tic_trace_dir=str(tmp_path), tic_trace_rollout_ids=[0], tic_trace_every=0,
-                           tic_trace_max_samples=2, rollout_batch_size=2, n_samples_per_prompt=2)
+                           tic_trace_mode="rows", tic_trace_max_samples=2, rollout_batch_size=2, n_samples_per_prompt=2)
     # this DP rank's share of rollout 0 as _split_train_data_by_dp ships it: samples 0, 1 traced, 3 not
     data = {"sample_indices": [0, 1, 3], "rollout_routed_experts": [*engine.routed, engine.routed[0]]}
     assert record_rollout_routed_experts(args, 0, data, rank=0) == 2
@@ -356,6 +356,16 @@ def test_a_layer_without_trainer_trace_is_not_checked_never_agreeing():
     part = check_routing_replay(rollout, {0: AppliedLayer(0, rows[:1], np.array([[2, 1]]))}, layers=[0])
     assert part.layers[0].rows_checked == 1 and part.layers[0].rows_missing == 1
     assert "1 of 2 (layer, row) pairs not in the trainer's trace" in part.summary
+
+
+def test_nothing_recorded_for_a_statistics_only_rollout(tmp_path):
+    from tic_trace.integrations.slime.routing_replay import record_rollout_routed_experts
+    data = {"sample_indices": [0], "rollout_routed_experts": [np.ones((3, 2, 2), np.int32)]}
+    args = SimpleNamespace(tic_trace=True, tic_trace_dir=str(tmp_path), tic_trace_rollout_ids=[0], tic_trace_every=5,
+                           tic_trace_mode=None, tic_trace_periodic_mode="stats", tic_trace_max_samples=1)
+    assert record_rollout_routed_experts(args, 0, data) == 1          # listed: rows
+    assert record_rollout_routed_experts(args, 5, data) == 0          # periodic, statistics only
+    assert not (tmp_path / "rollout_00005").exists()
 
 
 def test_an_engine_trace_that_routed_otherwise_than_it_returned_is_noted():

@@ -19,7 +19,9 @@ import importlib
 from typing import Any, Callable
 
 from tic_trace.integrations.slime.budget import ROUTING_REPLAY as SUBDIR   # the disk budget prunes it
-from tic_trace.integrations.slime.config import enabled, rollout_dir, sample_key, selected, traced, warn_once
+from tic_trace.integrations.slime.config import (
+    enabled, mode_for, rollout_dir, sample_key, selected, traced, warn_once,
+)
 
 _INSTALLED: set[str] = set()
 
@@ -32,8 +34,8 @@ def routed_experts_path(base, rollout_id: int, rank: int):
 def record_rollout_routed_experts(args: Any, rollout_id: int, rollout_data: dict, rank: int = 0) -> int:
     """Write the routed experts of the traced samples in `rollout_data` (this DP rank's share); returns how many
     samples were written (0: R3 off, rollout not traced, or none of its samples traced)."""
-    if not enabled(args) or not traced(args, rollout_id):
-        return 0
+    if not enabled(args) or not traced(args, rollout_id) or mode_for(args, rollout_id) == "stats":
+        return 0        # a statistics-only trace holds no expert ids to check them against
     experts, indices = rollout_data.get("rollout_routed_experts"), rollout_data.get("sample_indices")
     if experts is None or indices is None:
         return 0
