@@ -30,7 +30,7 @@ import tic_trace
 from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
 from tic_trace.compare.routing_replay import (
-    AppliedLayer, applied_from_packed, applied_from_view, check_routing_replay,
+    WEIGHT_TOL, AppliedLayer, applied_from_packed, applied_from_view, check_routing_replay,
 )
 from tic_trace.store.errors import TraceFormatError
 from tic_trace.store.routed_experts import RoutedExperts, read_routed_experts, write_routed_experts
@@ -91,9 +91,9 @@ def engine(tmp_path_factory):
     cfg = _cfg()
     hf = build_hf_model(cfg, seed=3)
     ids = sample_tokens(len(KEYS), SEQ, seed=5)
-    chosen: dict[int, torch.Tensor] = {}
+    chosen: dict[int, tuple] = {}       # layer -> (weights, ids) [b, s, k], the router's output order
     hooks = [layer.mlp.gate.register_forward_hook(
-        lambda m, a, out, i=i: chosen.__setitem__(i, out[2].detach().reshape(len(KEYS), SEQ, TOPK)))
+        lambda m, a, out, i=i: chosen.__setitem__(i, tuple(o.detach().reshape(len(KEYS), SEQ, TOPK) for o in out[1:])))
         for i, layer in enumerate(hf.model.layers)]
     out = tmp_path_factory.mktemp("engine") / "hf"
     with tic_trace.trace(hf, out, adapter="hf", points_mode="full", sample_keys=KEYS) as t, torch.no_grad():
@@ -101,7 +101,7 @@ def engine(tmp_path_factory):
     assert t.failed is None, t.failed
     for h in hooks:
         h.remove()
-    per_token = torch.stack([chosen[i] for i in range(LAYERS)], dim=2).to(torch.int32)   # [b, s, layers, k]
+    per_token = torch.stack([chosen[i][1] for i in range(LAYERS)], dim=2).to(torch.int32)   # [b, s, layers, k]
     args = SimpleNamespace(num_layers=LAYERS, moe_router_topk=TOPK, moe_layer_freq=None)
     with _slime_on_path():
         from slime.observability.rollout_data_utils import validate_rollout_routed_experts_for_replay
@@ -117,6 +117,7 @@ def engine(tmp_path_factory):
         routed = [torch.as_tensor(s.rollout_routed_experts) for s in samples]
         validate_rollout_routed_experts_for_replay(routed, args)
     return SimpleNamespace(cfg=cfg, hf=hf, ids=ids, trace=str(out), routed=routed,
+                           weights={i: chosen[i][0].numpy() for i in range(LAYERS)},
                            rollout={k: r.numpy() for k, r in zip(KEYS, routed)})
 
 
@@ -152,7 +153,7 @@ def _train_forward(engine, out: Path, fault: str | None = None) -> dict:
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     if fault == "dropped":  # this layer's router is not replayed: it chooses (and records) its own experts
         replays[FAULT_LAYER].set_router_replay_action(RouterReplayAction.RECORD)
-    applied = _capture_replayed(replays)
+    applied, scores = _capture_replayed(replays)
     cu = torch.tensor([0, SEQ, 2 * SEQ], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                           cu_seqlens_kv_padded=cu, max_seqlen_q=SEQ, max_seqlen_kv=SEQ)
@@ -163,19 +164,21 @@ def _train_forward(engine, out: Path, fault: str | None = None) -> dict:
     assert t.failed is None, t.failed
     own = {i: r.recorded_topk_idx for i, r in enumerate(replays) if r.recorded_topk_idx is not None}
     RouterReplay.clear_global_router_replay_instances()
-    return {"applied": applied, "own": own}
+    return {"applied": applied, "scores": scores, "own": own}
 
 
-def _capture_replayed(replays) -> dict[int, torch.Tensor]:
-    """What each router's replay returned as its top-k ids in this forward (a recording, not a change)."""
+def _capture_replayed(replays) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """What each router's replay returned in this forward: its top-k ids and the scores it gathered at them
+    (a recording, not a change)."""
     got: dict[int, torch.Tensor] = {}
+    scores: dict[int, torch.Tensor] = {}
     for i, r in enumerate(replays):
         def wrapped(*a, _orig=r.get_replay_topk, _i=i, **kw):
             probs, idx = _orig(*a, **kw)
-            got[_i] = idx.detach().clone()
+            got[_i], scores[_i] = idx.detach().clone(), probs.detach().clone()
             return probs, idx
         r.get_replay_topk = wrapped
-    return got
+    return got, scores
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +281,16 @@ def test_r3_weights_differ_with_ids_equal(engine, trainer):
     assert res.layers_with("weights") == [FAULT_LAYER]
     rows = res.layers[FAULT_LAYER].rows_of("weights")
     assert {(d.sample, d.position) for d in res.layers[FAULT_LAYER].of_kind("weights")} == rows
-    assert rows and rows <= _rollout_rows(engine)
+    # the rows where the weights megatron made of its replayed scores (softmax over the k, moe_utils'
+    # topk_routing_with_score_function) are off the engine router's, both in slot order
+    trained = torch.softmax(run["scores"][FAULT_LAYER], dim=-1, dtype=torch.float32).numpy()
+    want = set()
+    for b, key in enumerate(KEYS):
+        for p in range(SEQ - 1):
+            e = engine.weights[FAULT_LAYER][b, p]
+            if np.linalg.norm(trained[b * SEQ + p] - e) / np.linalg.norm(e) > WEIGHT_TOL:
+                want.add((key, p))
+    assert rows == want and want
     assert res.differing_rows() == frozenset(rows)
     assert f"weights differ in layer {FAULT_LAYER}" in res.summary
 
