@@ -61,6 +61,11 @@ class Semantics:
         parts += [f for f in _FILTERS if self._on(f)]
         return "+".join(parts) + ("_bf16" if self.bf16 else "")
 
+    @property
+    def filters(self) -> bool:
+        """Some of top-k, top-p, min-p is on: the log-prob is renormalised over the kept tokens."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
     def _on(self, f: str) -> bool:
         return {"top_k": self.top_k > 0, "top_p": self.top_p < 1.0, "min_p": self.min_p > 0.0}[f]
 
@@ -131,36 +136,44 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 def recompute(logits: np.ndarray, tokens: np.ndarray, sem: Semantics) -> np.ndarray:
     """The log-prob of each row's token under `sem`, in float64 (-inf: the token is filtered out)."""
+    return recompute_many(logits, tokens, [sem])[0]
+
+
+def recompute_many(logits: np.ndarray, tokens: np.ndarray, sems: Sequence[Semantics]) -> list[np.ndarray]:
+    """`recompute` under each of `sems`, sharing each temperature's softmax and sort among its filters (a
+    150k vocabulary is sorted once per row and temperature, not once per candidate)."""
     z_all = np.asarray(logits)
     toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if z_all.ndim != 2 or len(z_all) != len(toks):
         raise ValueError(f"logits {z_all.shape} and {len(toks)} tokens: one logits row [V] per token")
     if len(toks) and (toks.min() < 0 or toks.max() >= z_all.shape[1]):
         raise ValueError(f"a token id is outside the logits' vocabulary of {z_all.shape[1]}")
-    out = np.empty(len(toks))
+    out = [np.empty(len(toks)) for _ in sems]
     step = max(1, _BLOCK // max(z_all.shape[1], 1))
     for i in range(0, len(toks), step):
-        out[i:i + step] = _block(z_all[i:i + step], toks[i:i + step], sem)
+        for j, lp in enumerate(_block(z_all[i:i + step], toks[i:i + step], sems)):
+            out[j][i:i + step] = lp
     return out
 
 
-def _block(z_in: np.ndarray, toks: np.ndarray, sem: Semantics) -> np.ndarray:
+def _block(z_in: np.ndarray, toks: np.ndarray, sems: Sequence[Semantics]) -> list[np.ndarray]:
     rows = np.arange(len(toks))
-    if sem.bf16:
-        z = bf16_round(bf16_round(z_in) / (sem.temperature or 1.0))
-        lp = z - _logsumexp(z)
-        return bf16_round(lp[rows, toks])
-    z = np.asarray(z_in, dtype=np.float64)
-    if sem.temperature is not None:
-        z = z / sem.temperature
-    lse = _logsumexp(z)
-    lp = z[rows, toks] - lse[:, 0]
-    if not (sem.top_k or sem.top_p < 1.0 or sem.min_p > 0.0):
-        return lp
-    keep = _kept(np.exp(z - lse), sem)
-    p = np.exp(z - lse)
-    mass = np.where(keep, p, 0.0).sum(axis=1)
-    return np.where(keep[rows, toks], lp - np.log(mass), -math.inf)
+    out: list[np.ndarray | None] = [None] * len(sems)
+    for t in dict.fromkeys(s.temperature for s in sems if not s.bf16):
+        z = np.asarray(z_in, dtype=np.float64)
+        z = z / t if t is not None else z
+        lse = _logsumexp(z)
+        lp = z[rows, toks] - lse[:, 0]
+        filters = [j for j, s in enumerate(sems) if s.temperature == t and not s.bf16 and s.filters]
+        sorted_p = _sorted_probs(np.exp(z - lse), toks) if filters else None
+        for j, s in enumerate(sems):
+            if s.temperature == t and not s.bf16:
+                out[j] = _filtered_lp(lp, s, *sorted_p) if j in filters else lp
+    for j, s in enumerate(sems):
+        if s.bf16:
+            z = bf16_round(bf16_round(z_in) / (s.temperature or 1.0))
+            out[j] = bf16_round((z - _logsumexp(z))[rows, toks])
+    return out
 
 
 def _logsumexp(z: np.ndarray) -> np.ndarray:
@@ -169,22 +182,30 @@ def _logsumexp(z: np.ndarray) -> np.ndarray:
     return m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True))
 
 
-def _kept(p: np.ndarray, sem: Semantics) -> np.ndarray:
-    """SGLang's kept tokens (`top_k_top_p_min_p_sampling_from_probs_torch`): rank < k; the cumulative
-    probability before the token <= p; probability >= min_p x the largest (after top-k and top-p)."""
-    order = np.argsort(-p, axis=1, kind="stable")
-    ps = np.take_along_axis(p, order, axis=1)
-    keep_sorted = np.ones(ps.shape, dtype=bool)
+def _sorted_probs(p: np.ndarray, toks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's probabilities sorted descending, their running sums, and the token's rank in that order
+    (ties in vocabulary order, as a stable sort puts them)."""
+    ps = -np.sort(-p, axis=1)
+    pt = p[np.arange(len(toks)), toks][:, None]
+    rank = (p > pt).sum(axis=1) + ((p == pt) & (np.arange(p.shape[1])[None, :] < toks[:, None])).sum(axis=1)
+    return ps, np.cumsum(ps, axis=1), rank
+
+
+def _filtered_lp(lp: np.ndarray, sem: Semantics, ps: np.ndarray, cum: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """SGLang's kept tokens (`top_k_top_p_min_p_sampling_from_probs_torch`) are a prefix of the sorted order:
+    rank < k; the cumulative probability before the token <= p (`(probs_sum - probs_sort) > top_p` is
+    dropped); probability >= min_p x the largest (`probs_sort < min_p_thresholds` dropped). The log-prob is
+    renormalised over that prefix; a token outside it is -inf."""
+    n = np.full(len(lp), ps.shape[1])
     if sem.top_k:
-        keep_sorted[:, sem.top_k:] = False
+        n = np.minimum(n, sem.top_k)
     if sem.top_p < 1.0:
-        keep_sorted &= ~((np.cumsum(ps, axis=1) - ps) > sem.top_p)
+        n = np.minimum(n, ((cum - ps) <= sem.top_p).sum(axis=1))
     if sem.min_p > 0.0:
-        kept = np.where(keep_sorted, ps, 0.0)
-        keep_sorted &= ~(kept < (kept[:, :1] * sem.min_p))
-    keep = np.empty_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=1)
-    return keep
+        n = np.minimum(n, (ps >= ps[:, :1] * sem.min_p).sum(axis=1))
+    n = np.maximum(n, 1)
+    mass = cum[np.arange(len(lp)), n - 1]
+    return np.where(rank < n, lp - np.log(mass), -math.inf)
 
 
 @dataclass
@@ -251,8 +272,8 @@ def fingerprint(side: str, logits: np.ndarray, tokens: np.ndarray, used: np.ndar
         return SemanticsMatch(side, "not_measured", None, None, missing=missing, tol=tol)
     cands, notes = candidates(stated, int(z.shape[1]))
     fits = []
-    for sem in cands:
-        d = np.abs(recompute(z, tokens, sem) - used)
+    for sem, lp in zip(cands, recompute_many(z, tokens, cands)):
+        d = np.abs(lp - used)
         d = np.where(np.isnan(d), math.inf, d)
         fits.append(Fit(sem, float(np.mean(d)), float(np.max(d)), int(np.argmax(d))))
     fits.sort(key=lambda f: (f.mean, f.max))

@@ -20,14 +20,13 @@ numpy only (tests/test_architecture.py).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..store.used_logprobs import UsedLogprobs
-from .logprob_semantics import MATCH_TOL, SemanticsMatch, Semantics, fingerprint, recompute
+from .logprob_semantics import MATCH_TOL, SemanticsMatch, Semantics, fingerprint, recompute_many
 from .reconcile_parts import Ctx, part, result, unavailable
 
 ORDER = ("tokens", "unmeasured", "semantics", "residual", "routing_replay", "forward")
@@ -121,10 +120,10 @@ def _fingerprint(name: str, side: Side, other: Side, rows: _Rows, s: str, mask: 
                        missing=int(sum(r is None for r in rows.z[s])), tol=tol)
 
 
-def _lp(rows: _Rows, s: str, idx: np.ndarray, sem: Semantics) -> np.ndarray:
+def _lps(rows: _Rows, s: str, idx: np.ndarray, sems: Sequence[Semantics]) -> list[np.ndarray]:
     if not len(idx):
-        return np.zeros(0)
-    return recompute(np.stack([rows.z[s][i] for i in idx]), rows.tok[s][idx], sem)
+        return [np.zeros(0) for _ in sems]
+    return recompute_many(np.stack([rows.z[s][i] for i in idx]), rows.tok[s][idx], sems)
 
 
 def _after_first(keys: Sequence[tuple[str, int]], differs: np.ndarray) -> np.ndarray:
@@ -162,8 +161,9 @@ def _stages(rows: _Rows, measured: np.ndarray, sems: dict, common: Semantics) ->
     """D2 and D3 over every joined row (0 off `measured`), and the measured rows whose token a semantics
     filters out (-inf: they cannot be split)."""
     idx = np.nonzero(measured)[0]
-    own = {s: _lp(rows, s, idx, sems[s]) for s in "ab"}
-    com = {s: _lp(rows, s, idx, common) for s in "ab"}
+    own, com = {}, {}
+    for s in "ab":
+        own[s], com[s] = _lps(rows, s, idx, [sems[s], common])
     ok = np.all([np.isfinite(x) for x in (*own.values(), *com.values())], axis=0) if len(idx) else np.zeros(0, bool)
     d = {k: np.zeros(len(rows.keys)) for k in ("d2", "d3")}
     aligned = {s: rows.u[s][idx] - own[s] + com[s] for s in "ab"}
