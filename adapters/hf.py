@@ -24,7 +24,18 @@ from tic_trace.adapters.router_facts import selection_facts
 
 # the families' HF tables (tic_trace/families/<name>/names.py); what each key means: families.base.FrameworkNames
 _FAM = framework_names("hf")
-_TAPS = {suffix: fns for n in _FAM for suffix, fns in n.tables.get("taps", {}).items()}
+
+
+def _taps() -> dict[str, tuple[str, ...]]:
+    """A module name's last part -> the functions of its modeling module to tap (every family's `taps`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for n in _FAM:
+        for suffix, fns in n.tables.get("taps", {}).items():
+            out[suffix] = (*out.get(suffix, ()), *fns)
+    return out
+
+
+_TAPS = _taps()
 _TOKEN_DIMS = {part: d for n in _FAM for part, d in n.tables.get("token_dims", {}).items()}
 
 # the base rows (families/transformer/names.py), then each family's rows (each for its architectures)
@@ -56,8 +67,6 @@ class HFAdapter(Adapter):
                     ns = sys.modules.get(type(mod).__module__)
                     if ns is not None and hasattr(ns, "apply_rotary_pos_emb") and ns.__name__ not in tapped:
                         tracer.tap_function(ns, "apply_rotary_pos_emb")
-                        if hasattr(ns, "apply_rotary_pos_emb_interleave"):     # DeepSeek-V3's MLA
-                            tracer.tap_function(ns, "apply_rotary_pos_emb_interleave")
                         tapped.add(ns.__name__)
                 for suffix, fns in _TAPS.items():                              # a family's module functions
                     ns = sys.modules.get(type(mod).__module__) if name.endswith(suffix) else None

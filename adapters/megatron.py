@@ -78,7 +78,7 @@ from tic_trace.adapters.router_facts import router_facts
 from tic_trace.graph.adapter import Adapter, ArchitectureCheck, PointMap, plain_settings, register_adapter
 # The layout's transforms and merges register by name on import; the rows name each micro-batch's rows.
 from tic_trace.adapters.megatron_layout import rows_from_packed, rows_from_sbhd
-from tic_trace.adapters.megatron_features import feature_facts, feature_refusal
+from tic_trace.adapters.megatron_features import family_attention, feature_facts, feature_refusal
 from tic_trace.families import framework_names
 
 # TransformerConfig fields that change how the model computes (precision, kernels, fusions, routing).
@@ -227,7 +227,7 @@ class MegatronAdapter(Adapter):
         padded = int(getattr(root, "vocab_size", 0) or 0)
         attn0 = getattr(layers[0], "self_attention", None) if layers else None
         qk = bool(getattr(cfg, "qk_layernorm", False)) and not _is_identity(getattr(attn0, "q_layernorm", None))
-        qk = qk and not getattr(cfg, "multi_latent_attention", False)     # MLA's q_layernorm is the q latent's
+        qk = qk and not family_attention(cfg)     # a family's own attention: MLA's q_layernorm is the q latent's
         rope = getattr(root, "rotary_pos_emb", None) or getattr(attn0, "rotary_pos_emb", None)   # MLA: per layer
         theta = None
         if rope is not None and getattr(rope, "inv_freq", None) is not None and rope.inv_freq.numel() > 1:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from tic_trace.families import framework_names
+
 
 class Feature(NamedTuple):
     off: Any                    # the value that changes nothing
@@ -54,6 +56,17 @@ _ONE_RANK = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_mo
              "expert_model_parallel_size")
 # Where the model keeps a switch that is not a config field (GPTModel's constructor argument).
 _ON_MODEL = ("position_embedding_type",)
+
+
+# The switches under which a family's own attention module stands in for ``SelfAttention`` (the families'
+# ``attention_switch`` tables: MLA's): its ``q_layernorm`` is no per-head QK-norm, its parameters no ``linear_qkv``.
+_FAMILY_ATTENTION = tuple(n.tables["attention_switch"] for n in framework_names("megatron")
+                          if "attention_switch" in n.tables)
+
+
+def family_attention(cfg: Any) -> bool:
+    """Whether a family's own attention module stands in for ``SelfAttention`` in this config."""
+    return any(getattr(cfg, switch, False) for switch in _FAMILY_ATTENTION)
 
 
 def feature_facts(cfg: Any, root: Any) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from tic_trace.adapters.megatron_features import family_attention
 from tic_trace.record.weight_pieces import WeightPiece, cols, rows, whole
 
 _TAIL = re.compile(r"(?:^|\.)((?:embedding|decoder|output_layer)\..+)$")
@@ -64,8 +65,7 @@ def _facts(cfg: Any, c: dict, vocab: int) -> dict:
             "shared_gate": bool(getattr(cfg, "moe_shared_expert_gate", False)),
             "experts": int(getattr(cfg, "num_moe_experts", 0) or 0), "vocab": vocab,
             "glu": bool(getattr(cfg, "gated_linear_unit", False)),
-            "plain_attn": not (getattr(cfg, "multi_latent_attention", False)
-                               or getattr(cfg, "attention_output_gate", False)),
+            "plain_attn": not (family_attention(cfg) or getattr(cfg, "attention_output_gate", False)),
             "tp": (int(c.get("tp_rank", 0)), tp), "ep": (int(c.get("ep_rank", 0)), ep),
             "etp": (int(c.get("etp_rank", c.get("tp_rank", 0) if "etp_size" not in c else 0)),
                     int(c.get("etp_size", tp)))}
@@ -84,7 +84,7 @@ def _pieces(rel: str, p, f: dict, off: int) -> list[WeightPiece] | None:
         return None
     base, rest = f"model.layers.{int(m.group(1)) + off}.", m.group(2)
     if rest in _NORMS:
-        # multi-latent attention's q/k layernorms are its latents' norms, not q_norm / k_norm
+        # a family's own attention's q/k layernorms (MLA's: its latents' norms) are not q_norm / k_norm
         latent = not f["plain_attn"] and rest.startswith("self_attention.") and "linear_qkv" not in rest
         return None if latent else whole(base + _NORMS[rest], p)
     if not f["plain_attn"] and rest.startswith("self_attention."):

@@ -78,7 +78,7 @@ import sys
 from typing import Any, Callable
 
 from tic_trace.adapters.router_facts import selection_facts
-from tic_trace.adapters.sglang_facts import fused_shared_facts, mla_path_facts, routed_scale_facts
+from tic_trace.adapters.sglang_facts import attention_facts, fused_shared_facts, routed_scale_facts
 from tic_trace.families import framework_names
 from tic_trace.graph.adapter import Adapter, ArchitectureCheck, PointMap, merge, plain_settings, register_adapter
 from tic_trace.replay.grid import round_to
@@ -167,7 +167,7 @@ class SGLangAdapter(Adapter):
         layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
         real = [lay for lay in layers if hasattr(lay, "self_attn")]
         attn0 = getattr(real[0], "self_attn", None) if real else None
-        mla = attn0 is not None and not hasattr(attn0, "qkv_proj")
+        own_attention = attention_facts(attn0)      # a family's own attention (MLA's); {}: the base's
         tp, _ = _tp()
         partial: dict[str, list[int]] = {p: [] for p in PARTIAL_POINTS}
         shared = False
@@ -209,7 +209,7 @@ class SGLangAdapter(Adapter):
             **self.architecture_facts(models),
             "model_type": getattr(text, "model_type", None),
             "arch_table": ARCH_OF_CLASS.get(_cls(model)),
-            "attention": "mla" if mla else "mha",
+            "attention": own_attention.get("attention", "mha"),
             "num_layers": int(text.num_hidden_layers),
             "hidden_size": int(text.hidden_size),
             "num_attention_heads": heads,
@@ -226,7 +226,7 @@ class SGLangAdapter(Adapter):
             "tensor_model_parallel_size": tp,
             "tp_partial": partial,
             "fused_add_norm_fp32": _adds_in_fp32(getattr(real[0], "input_layernorm", None) if real else None),
-            **({**_family_facts(text), **mla_path_facts()} if mla else {}),
+            **({**_family_facts(text), **own_attention} if own_attention else {}),
             **(selection_facts(model, text, "sglang") if n_exp else {}),
             **({**routed_scale_facts(model, text), **fused_shared_facts(model)} if n_exp else {}),
         }
@@ -325,7 +325,7 @@ class SGLangAdapter(Adapter):
             return False
         if not arch_row_applies(pm, config.get("architecture")):
             return False
-        if pm.point in MHA_POINTS and config.get("attention") == "mla" and "archs" not in pm.opts:
+        if pm.point in MHA_POINTS and config.get("attention", "mha") != "mha" and "archs" not in pm.opts:
             return False
         if any(n.tables["applies"](pm, config) is False for n in _FAM if "applies" in n.tables):
             return False                # a family's row its model's setup lacks (MLA without a q latent...)

@@ -1,12 +1,15 @@
 """Facts read off SGLang's live modules at trace time for the manifest (never importing SGLang at load): where a
-MoE block applies its routed scaling factor, how many shared experts it fused into the routed ones, and which
-attention backend ran multi-latent attention's absorbed decode path. The rows that read these facts and the
-setups they refuse are the families' (tic_trace/families/<name>/names*.py, refusals.py).
+MoE block applies its routed scaling factor, how many shared experts it fused into the routed ones, and what a
+family says of its own attention (MLA's: which backend ran its absorbed decode path). The rows that read these
+facts and the setups they refuse are the families' (tic_trace/families/<name>/names*.py, refusals.py).
 """
 from __future__ import annotations
 
+import importlib
 import sys
-from typing import Any
+from typing import Any, Mapping
+
+from tic_trace.families import framework_names
 
 
 def _routed_scale_in_experts(mlp: Any, in_weights: bool | None) -> bool | None:
@@ -48,20 +51,36 @@ def routed_scale_facts(model: Any, text: Any) -> dict:
             "routed_scale_in_experts": _routed_scale_in_experts(mlp, in_weights)}
 
 
-def mla_path_facts() -> dict:
-    """The attention backend MLA ran on and whether its absorbed path hands the RoPE dims to the kernel apart
-    (``attn_mqa(q_nope_out, ..., q_rope=, k_rope=)``, the backends in ``deepseek_common/utils.py``'s
-    ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS``) instead of inside the attention's q and k inputs, where the
-    rows read them. None where the trace cannot tell (no server arguments, or a version without that list)."""
+def _server_args() -> Any:
+    """The running server's arguments (None outside a server: a model built directly has none)."""
     try:
         from sglang.srt.runtime_context import get_server_args
-        sa = get_server_args()
+        return get_server_args()
     except Exception:  # noqa: BLE001 - outside a server (a model built directly) there are none
-        sa = None
-    backend = getattr(sa, "decode_attention_backend", None) or getattr(sa, "attention_backend", None)
-    try:
-        from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS as apart
-    except Exception:  # noqa: BLE001 - another SGLang layout: unknown
-        apart = None
-    return {"mla_decode_backend": backend,
-            "mla_rope_apart": None if backend is None or apart is None else backend in apart}
+        return None
+
+
+def _constant_reader(constants: Mapping[str, tuple[str, str]]):
+    """A family's reader of the SGLang constants its table names (key -> (module, name)): the value, or None
+    where this SGLang lays them out otherwise. Only SGLang's own modules are imported."""
+    def constant(key: str) -> Any:
+        module, name = constants[key]
+        if not module.startswith("sglang."):
+            raise ValueError(f"a family's `constants` table names {module!r}: only SGLang's modules are read")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception:  # noqa: BLE001 - another SGLang layout: unknown
+            return None
+    return constant
+
+
+def attention_facts(attn: Any) -> dict:
+    """What the first family whose attention a layer's live ``self_attn`` module is says of it (the families'
+    ``attention_facts`` tables: its ``attention`` kind and the facts its rows and refusals read); {}: the base's
+    multi-head attention."""
+    for n in framework_names("sglang"):
+        hook = n.tables.get("attention_facts")
+        facts = hook(attn, _server_args, _constant_reader(n.tables.get("constants", {}))) if hook else {}
+        if facts:
+            return facts
+    return {}

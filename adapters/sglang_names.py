@@ -13,7 +13,8 @@ from tic_trace.graph.adapter import Architecture, PointMap, TransformContext, re
 
 #: Points whose module outputs may be per-rank partial sums at TP > 1 (see ``describe()["tp_partial"]``).
 PARTIAL_POINTS = ("attn.out", "moe.experts_out", "moe.shared_out", "mlp.out")
-#: Points that exist only with the multi-head (Qwen/GLM-style) attention, not with DeepSeek's MLA.
+#: Points of the base's multi-head attention: with a family's own attention (the manifest's `attention` other than
+#: "mha": MLA's) only that family's rows of them apply.
 MHA_POINTS = ("attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.q_rope", "attn.k_rope",
               "attn.core")
 

@@ -32,8 +32,11 @@ _SIGMOID = {"router_scoring": "sigmoid"}       # in the router's code, not in th
 #: The points MLA lacks (the architecture rows' `lacks`): MLA has no k/v projection of its own, no per-head QK-norm.
 STANDARD_ATTN = ("attn.k", "attn.v", "attn.q_norm", "attn.k_norm")
 
-# MLA's rows: the latent projections and norms, and q from q_b_proj (or q_proj, without a q latent) per head.
-# The base transformer's RoPE rows read `apply_rotary_pos_emb(_interleave)`: q's rope dims and the one shared k_pe.
+# MLA's rows: the latent projections and norms, q from q_b_proj (or q_proj, without a q latent) per head, and RoPE
+# over interleaved pairs (q's rope dims and the one shared k_pe); without `rope_interleave` the base transformer's
+# RoPE rows read `apply_rotary_pos_emb`.
+#: The modeling module's functions tapped where a module `self_attn` is (adapters/hf.py's `taps` table).
+TAPPED = ("apply_rotary_pos_emb_interleave",)
 HF_POINTS = (
     PointMap("attn.q_a", _A + r"\.q_a_proj:out"),
     PointMap("attn.q_a_norm", _A + r"\.q_a_layernorm:out"),
@@ -41,6 +44,8 @@ HF_POINTS = (
     PointMap("attn.kv_a", _A + r"\.kv_a_proj_with_mqa:out", note="the kv latent, then k_pe"),
     PointMap("attn.kv_a_norm", _A + r"\.kv_a_layernorm:out"),
     PointMap("attn.kv_b", _A + r"\.kv_b_proj:out", "latent_heads", note="every head's k_nope, then its v"),
+    PointMap("attn.q_rope", _A + r"/fn:apply_rotary_pos_emb_interleave:out\[0\]", "bhsd"),
+    PointMap("attn.k_rope", _A + r"/fn:apply_rotary_pos_emb_interleave:out\[1\]", "bhsd"),
 )
 
 

@@ -71,10 +71,14 @@ def latent_applies(pm: PointMap, rows: tuple[PointMap, ...], config: dict) -> bo
     return None
 
 
+#: The TransformerConfig switch that builds ``MLASelfAttention`` instead of ``SelfAttention``.
+MLA_SWITCH = "multi_latent_attention"
+
+
 def latent_facts(cfg: Any) -> dict:
     """MLA's config facts for the manifest, in the HF adapter's spelling (none without MLA), and what
     ``refusals.latent_refusal`` reads."""
-    if not getattr(cfg, "multi_latent_attention", False):
+    if not getattr(cfg, MLA_SWITCH, False):
         return {}
     return {"q_lora_rank": getattr(cfg, "q_lora_rank", None), "kv_lora_rank": int(cfg.kv_lora_rank),
             "qk_nope_head_dim": int(cfg.qk_head_dim), "qk_rope_head_dim": int(cfg.qk_pos_emb_head_dim),

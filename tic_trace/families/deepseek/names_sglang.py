@@ -31,7 +31,7 @@ What SGLang's model code computes (0.5.23 and slime's 0.5.15.post1, `srt/models/
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ...graph.adapter import Architecture, PointMap
 from . import transforms  # noqa: F401 - registers the transforms the rows name
@@ -94,6 +94,28 @@ def row_applies(pm: PointMap, config: dict) -> bool | None:
     if pm.point in ("attn.q_a", "attn.q_a_norm"):
         return fused
     return True
+
+
+#: SGLang's constants the attention facts read, by key: (module, name). `rope_apart`: the attention backends whose
+#: absorbed path hands MLA's RoPE dims to the kernel apart (``attn_mqa(q_nope_out, ..., q_rope=, k_rope=)``)
+#: instead of inside the attention's q and k inputs, where the rows read them.
+CONSTANTS = {"rope_apart": ("sglang.srt.models.deepseek_common.utils", "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS")}
+
+
+def attention_facts(attn: Any, server_args: Callable[[], Any], constant: Callable[[str], Any]) -> dict:
+    """The manifest's attention facts where a layer's live ``self_attn`` module is MLA's (it has no fused
+    ``qkv_proj``; {} otherwise): the attention backend MLA's decode ran on and whether that backend takes the RoPE
+    dims apart (``refusals.setup_refusal`` reads both). None where the trace cannot tell (no server arguments, or a
+    version without that list). ``server_args()`` and ``constant(key)`` (a `CONSTANTS` entry, None where SGLang
+    lacks it) are the adapter's readers of the running SGLang (adapters/sglang_facts.py): this table imports no
+    framework."""
+    if attn is None or hasattr(attn, "qkv_proj"):
+        return {}
+    sa = server_args()
+    backend = getattr(sa, "decode_attention_backend", None) or getattr(sa, "attention_backend", None)
+    apart = constant("rope_apart")
+    return {"attention": "mla", "mla_decode_backend": backend,
+            "mla_rope_apart": None if backend is None or apart is None else backend in apart}
 
 
 #: Module paths (regexes, layer index written N) each of its architectures' tables relies on.
