@@ -347,11 +347,16 @@ def _recording_log_probs(orig):
         res = orig(logits, *a, **kw)
         sess = _S.session
         if sess is not None and sess.keys is not None:
-            from tic_trace.integrations.slime.used_logprobs import record_trainer
-            record_trainer(sess.args, sess.out_dir, sess.phase, sess.keys, kw, res, sess.loss_masks)
+            _record_log_probs(sess, kw, res)
         return res
     get_log_probs_and_entropy._tic_trace = True
     return get_log_probs_and_entropy
+
+
+@_guard
+def _record_log_probs(sess: _Session, kw: dict, res) -> None:
+    from tic_trace.integrations.slime.used_logprobs import record_trainer
+    record_trainer(sess.args, sess.out_dir, sess.phase, sess.keys, kw, res, sess.loss_masks)
 
 
 @_guard

@@ -42,10 +42,14 @@ async def generate(args, sample, sampling_params, evaluation=False):
             _RID.reset(tokens[0])
 
 
-def _used_dir(args, rid: str) -> str:
-    """The sglang/ trace directory of the rollout a rid "{rollout_id}-{index}" belongs to."""
+def _used_dir(args, rid: str) -> str | None:
+    """The sglang/ trace directory of the rollout a rid "{rollout_id}-{index}" belongs to (None: not known)."""
     from tic_trace.integrations.slime.config import rollout_dir
-    return str(rollout_dir(args.tic_trace_dir, int(rid.split("-", 1)[0])) / "sglang")
+    try:
+        return str(rollout_dir(args.tic_trace_dir, int(rid.split("-", 1)[0])) / "sglang")
+    except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
+        warn_once("used-dir", f"tic-trace: returned log-probs not recorded: {type(e).__name__}: {e}")
+        return None
 
 
 def request_rid() -> str | None:
@@ -139,9 +143,15 @@ def _rid_post(orig):
         out = await out if inspect.isawaitable(out) else out
         if generate and _USED_DIR.get() is not None:
             # the log-probs slime's generate takes from this answer (meta_info.output_token_logprobs)
-            from tic_trace.integrations.slime.used_logprobs import record_response
-            record_response(_USED_DIR.get(), rid, payload, out)
+            _record_answer(_USED_DIR.get(), rid, payload, out)
         return out
     post._tic_trace = True
     return post
 
+
+def _record_answer(out_dir: str, rid: str, payload, answer) -> None:
+    try:
+        from tic_trace.integrations.slime.used_logprobs import record_response
+        record_response(out_dir, rid, payload, answer)
+    except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
+        warn_once("used-logprobs-rollout", f"tic-trace: returned log-probs not recorded: {type(e).__name__}: {e}")
