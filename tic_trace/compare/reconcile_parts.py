@@ -109,10 +109,13 @@ def _residual(c: Ctx) -> tuple[np.ndarray, str, str]:
 def _routing(c: Ctx) -> tuple[np.ndarray, str, str]:
     if c.r3rows is None:
         return c.q, "routing replay not checked", "not checked (R3 off, or no routing-replay check given)"
-    outside = len([k for k in c.r3rows if k not in set(c.rows.keys)])
-    miss = f"{outside} differing rows outside the joined, split rows" if outside else ""
-    return c.q, miss, (f"the forward's gap on {int(c.q.sum())} token rows whose logits row ran other experts "
-                       "than the rollout's" if c.q.any() else "no split row ran other experts than the rollout's")
+    outside = len(c.r3rows) - int(c.q.sum())
+    text = (f"the forward's gap on {int(c.q.sum())} token rows whose logits row ran other experts than the "
+            "rollout's" if c.q.any() else "no split row ran other experts than the rollout's")
+    if outside:
+        text += (f"; {outside} more differing rows score no split used token (prompt rows, or rows not split): "
+                 "what they change in later tokens is in the forward part")
+    return c.q, "", text
 
 
 def _forward(c: Ctx) -> tuple[np.ndarray, str, str]:
