@@ -1,10 +1,10 @@
 """Routing replay (R3, issue 37): the trainer applied the rollout's expert ids, per token and MoE layer.
 
-The engine: HF transformers' Qwen3-MoE (real code, random weights), whose router computes what SGLang's
-`fused_topk` does for this model (softmax over the experts, top-k in descending order, renormalised), and whose
-chosen ids, in that slot order, are captured per layer the way SGLang's `RoutedExpertsCapturer` captures
-`topk_ids`; they travel as SGLang returns them (`meta_info["routed_experts"]`: base64 of int32
-[tokens - 1, layers, topk]) through slime's own `Sample.append_response_tokens` and
+The engine: SGLang 0.5.23's Qwen3-MoE on CPU (its model code and weight loading; random weights), generating two
+samples with its routed-experts capture on: SGLang's own capture site hands each layer's `topk_ids` (its slot
+order) to a capturer whose buffer is the test's (`_Capturer`); they travel as SGLang returns them
+(`meta_info["routed_experts"]`: base64 of int32 [tokens - 1, layers, topk]) through slime's own
+`Sample.append_response_tokens` and
 `validate_rollout_routed_experts_for_replay`, then slime's `prepare_routed_experts_for_routing_replay` packs them
 for the micro-batch (the vendored slime 624b824a8). The trainer: megatron-core 0.16.1's GPTModel with
 `moe_enable_routing_replay`, its `RouterReplay` in `REPLAY_FORWARD`, on a packed THD micro-batch, traced by
@@ -24,9 +24,12 @@ from types import SimpleNamespace
 import megatron.core  # noqa: F401 - a required test dependency: fail loudly if missing
 import numpy as np
 import pytest
+import sglang  # noqa: F401 - a required test dependency: fail loudly if missing
 import torch
+import transformers
 
 import tic_trace
+from tic_trace.adapters import sglang as sga
 from tic_trace.adapters.megatron import MegatronAdapter
 from tic_trace.adapters.megatron_weights import hf_to_megatron_state_dict, load_into
 from tic_trace.compare.routing_replay import (
@@ -35,6 +38,7 @@ from tic_trace.compare.routing_replay import (
 from tic_trace.store.errors import TraceFormatError
 from tic_trace.store.routed_experts import RoutedExperts, read_routed_experts, write_routed_experts
 from tic_trace.testing import megatron_cpu as mc
+from tic_trace.testing import sglang_cpu as sc
 from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
 from tic_trace.testing import child
 from tic_trace.testing.slime_vendor import MEGATRON_ENV, SLIME_ENV, sources
@@ -44,7 +48,8 @@ from conftest import require_vendored_sources
 
 LAYERS, EXPERTS, TOPK = 3, 8, 2
 KEYS = ["0-0", "0-1"]
-SEQ = 9                       # tokens per sample (both the same length: one HF batch, two packed segments)
+SEQ = 9                       # tokens per sample: a prompt of PROMPT, then the response
+PROMPT = 5
 FAULT_LAYER = 1
 
 
@@ -84,40 +89,84 @@ def _cfg():
 
 # ---------------------------------------------------------------- the engine and what slime hands the trainer
 
+class _Capturer:
+    """Stands in for the buffer of SGLang's RoutedExpertsCapturer only: SGLang's own capture site
+    (`capture_routed_experts_if_allowed` in layers/moe/topk.py, called by `select_experts`) hands it each MoE
+    layer's `topk_ids` of a forward, its rows in the forward's order; the real one writes them into a buffer by KV
+    slot and returns a request's rows when it finishes (`meta_info["routed_experts"]`)."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, torch.Tensor]] = []
+
+    def capture(self, layer_id, topk_indices):
+        self.calls.append((int(layer_id), topk_indices.detach().clone()))
+
+
+def _per_row(records, calls) -> dict:
+    """(sample, position) -> [layers, k] from each forward's captures (one per MoE layer, in layer order)."""
+    assert len(calls) == len(records) * LAYERS, (len(calls), len(records))
+    out: dict = {}
+    for f, rec in enumerate(records):
+        mine = calls[f * LAYERS:(f + 1) * LAYERS]
+        assert [c[0] for c in mine] == list(range(LAYERS))
+        for i, row in enumerate(rec.row_keys):
+            out[row] = np.stack([c[1][i].numpy() for c in mine])
+    return out
+
+
+def _sglang_rollout(hf, ids, out: Path):
+    """SGLang 0.5.23's Qwen3-MoE (its model code and weight loading, on CPU) generates each sample's response
+    (forced to the given tokens) with its routed-experts capture on, traced. Returns the trace directory, the ids
+    it captured and the top-k weights its router gave, per (sample, position)."""
+    from sglang.srt.state_capturer.routed_experts import set_global_experts_capturer
+    hf.save_pretrained(out / "ck")
+    sc.init_sglang_distributed(tp_size=1)
+    cap, weights = _Capturer(), []
+    try:
+        model = sc.build_sglang_model(transformers.AutoConfig.from_pretrained(str(out / "ck")), str(out / "ck"),
+                                      dtype=torch.float32)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.topk.register_forward_hook(
+                lambda m, a, o, i=i: weights.append((i, o.topk_weights.detach().clone())))
+        set_global_experts_capturer(cap)
+        engine = sc.SGLangRollout(model)
+        with sga.trace_forwards(model, out / "sg", points_mode="full") as t:
+            res = engine.generate({k: ids[b, :PROMPT].tolist() for b, k in enumerate(KEYS)}, SEQ - PROMPT - 1,
+                                  forced_tokens={k: ids[b, PROMPT:].tolist() for b, k in enumerate(KEYS)})
+        assert t.failed is None, t.failed
+        assert res.outputs == {k: ids[b, PROMPT:].tolist() for b, k in enumerate(KEYS)}
+    finally:
+        set_global_experts_capturer(None)
+        sga.close_sessions()
+        sc.destroy_sglang_distributed()
+    return out / "sg", _per_row(engine.records, cap.calls), _per_row(engine.records, weights)
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """The engine's forward, traced, and its routed experts per sample as slime's Sample holds them."""
+    """The engine's rollout, traced, and its routed experts per sample as slime's Sample holds them."""
     require_vendored_sources()
     cfg = _cfg()
     hf = build_hf_model(cfg, seed=3)
     ids = sample_tokens(len(KEYS), SEQ, seed=5)
-    chosen: dict[int, tuple] = {}       # layer -> (weights, ids) [b, s, k], the router's output order
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda m, a, out, i=i: chosen.__setitem__(i, tuple(o.detach().reshape(len(KEYS), SEQ, TOPK) for o in out[1:])))
-        for i, layer in enumerate(hf.model.layers)]
-    out = tmp_path_factory.mktemp("engine") / "hf"
-    with tic_trace.trace(hf, out, adapter="hf", points_mode="full", sample_keys=KEYS) as t, torch.no_grad():
-        hf(ids)
-    assert t.failed is None, t.failed
-    for h in hooks:
-        h.remove()
-    per_token = torch.stack([chosen[i][1] for i in range(LAYERS)], dim=2).to(torch.int32)   # [b, s, layers, k]
+    trace, routed_rows, weights = _sglang_rollout(hf, ids, tmp_path_factory.mktemp("engine"))
     args = SimpleNamespace(num_layers=LAYERS, moe_router_topk=TOPK, moe_layer_freq=None)
     with _slime_on_path():
         from slime.observability.rollout_data_utils import validate_rollout_routed_experts_for_replay
         from slime.utils.types import Sample
         samples = []
-        for b in range(len(KEYS)):
-            s = Sample(tokens=ids[b, :5].tolist())
-            # SGLang returns the experts of every token it computed: prompt and response, not the last sampled one
-            wire = base64.b64encode(per_token[b, :SEQ - 1].numpy().astype("<i4").tobytes()).decode("ascii")
-            s.append_response_tokens(args, tokens=ids[b, 5:].tolist(), log_probs=[-1.0] * (SEQ - 5),
+        for b, key in enumerate(KEYS):
+            s = Sample(tokens=ids[b, :PROMPT].tolist())
+            # what SGLang returns: every token it computed (prompt and response, not the last one sampled), as
+            # base64 of int32 [tokens - 1, layers, topk]
+            arr = np.stack([routed_rows[(key, p)] for p in range(SEQ - 1)]).astype("<i4")
+            wire = base64.b64encode(arr.tobytes()).decode("ascii")
+            s.append_response_tokens(args, tokens=ids[b, PROMPT:].tolist(), log_probs=[-1.0] * (SEQ - PROMPT),
                                      meta_info={"routed_experts": wire}, update_terminal_info=False)
             samples.append(s)
         routed = [torch.as_tensor(s.rollout_routed_experts) for s in samples]
         validate_rollout_routed_experts_for_replay(routed, args)
-    return SimpleNamespace(cfg=cfg, hf=hf, ids=ids, trace=str(out), routed=routed,
-                           weights={i: chosen[i][0].numpy() for i in range(LAYERS)},
+    return SimpleNamespace(cfg=cfg, hf=hf, ids=ids, trace=str(trace), routed=routed, weights=weights,
                            rollout={k: r.numpy() for k, r in zip(KEYS, routed)})
 
 
@@ -287,7 +336,7 @@ def test_r3_weights_differ_with_ids_equal(engine, trainer):
     want = set()
     for b, key in enumerate(KEYS):
         for p in range(SEQ - 1):
-            e = engine.weights[FAULT_LAYER][b, p]
+            e = engine.weights[(key, p)][FAULT_LAYER]
             if np.linalg.norm(trained[b * SEQ + p] - e) / np.linalg.norm(e) > WEIGHT_TOL:
                 want.add((key, p))
     assert rows == want and want
