@@ -101,6 +101,29 @@ def _r3_rows(eng, tr):
     return out
 
 
+def _r3_check(eng, tr):
+    """compare/routing_replay.py's check on the engine's returned ids against the trainer's applied ones."""
+    from tic_trace.compare.routing_replay import AppliedLayer, check_routing_replay
+    rollout = {key(s): eng[f"clean/{s}/experts"] for s in range(SAMPLES)}
+    applied = {}
+    for L in range(rollout[key(0)].shape[1]):
+        rows = [(key(s), q) for s in range(SAMPLES) for q in range(len(tr[f"r3/{s}/experts"]))]
+        ids = np.concatenate([tr[f"r3/{s}/experts"][:, L] for s in range(SAMPLES)])
+        applied[L] = AppliedLayer(L, rows, ids)
+    return check_routing_replay(rollout, applied)
+
+
+def test_forward_part_cites_the_finder(runs):
+    eng, tr = runs
+    finder = {"verdict": "divergent", "first_divergence": {"key": "L0.moe.topk_ids", "cause": "routing"},
+              "attribution": {"first": "L0.moe.experts_out"}}
+    r = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), finder=finder)
+    assert "the finder's first divergence: L0.moe.topk_ids [routing] (attribution: L0.moe.experts_out)" in \
+        _part(r, "forward")["summary"]
+    clean = reconcile(_trainer(tr, "clean"), _engine(eng, "clean"), finder={"verdict": "consistent"})
+    assert "the finder: consistent" in _part(clean, "forward")["summary"]
+
+
 def test_routing_replay_rows_are_the_routing_part(runs):
     eng, tr = runs
     rows = _r3_rows(eng, tr)
@@ -110,6 +133,9 @@ def test_routing_replay_rows_are_the_routing_part(runs):
     rr, fwd = _part(r, "routing_replay"), _part(r, "forward")
     assert rr["significant"] and rr["rows"] > 0 and rr["value"] > fwd["value"], r["parts"]
     assert "routing_replay" in [c.split(":")[0] for c in r["causes"]]
+    check = _r3_check(eng, tr)          # the same rows through the routing-replay check itself
+    assert check.differing_rows() == frozenset(rows)
+    assert reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), r3=check)["parts"] == r["parts"]
     unchecked = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"))      # R3 not checked: all of it is forward
     assert _part(unchecked, "routing_replay")["value"] == 0 and "not checked" in _part(unchecked, "routing_replay")["summary"]
     assert math.isclose(_part(unchecked, "forward")["value"], rr["value"] + fwd["value"], rel_tol=1e-9)
