@@ -115,9 +115,16 @@ def _fingerprint(name: str, side: Side, other: Side, rows: _Rows, s: str, mask: 
                  tol: float) -> SemanticsMatch:
     idx = np.nonzero(mask)[0]
     z = np.stack([rows.z[s][i] for i in idx]) if len(idx) else np.zeros((0, 1))
-    stated = [u.sampling for u in side.used[:1]] + [u.sampling for u in other.used[:1]]
-    return fingerprint(name, z, rows.tok[s][idx], rows.u[s][idx], stated,
-                       missing=int(sum(r is None for r in rows.z[s])), tol=tol)
+    stated = {}
+    for u in (*side.used, *other.used):       # each distinct statement once (extra is a dict: not hashable)
+        stated.setdefault((u.sampling.temperature, u.sampling.top_p, u.sampling.top_k, u.sampling.min_p), u.sampling)
+    m = fingerprint(name, z, rows.tok[s][idx], rows.u[s][idx], list(stated.values()),
+                    missing=int(sum(r is None for r in rows.z[s])), tol=tol)
+    own = {(u.sampling.temperature, u.sampling.top_p, u.sampling.top_k, u.sampling.min_p) for u in side.used}
+    if len(own) > 1:
+        m.notes.append(f"{name}'s samples state {len(own)} different sampling parameters: one semantics is fitted "
+                       "to all of its rows")
+    return m
 
 
 def _lps(rows: _Rows, s: str, idx: np.ndarray, sems: Sequence[Semantics]) -> list[np.ndarray]:
@@ -213,4 +220,4 @@ def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | 
     values = dict(zip(ORDER, [levels[i] - levels[i + 1] for i in range(len(ORDER))]))
     ctx = Ctx(rows, tok, tok_own, have, filtered, measured, q, r3rows, trainer, engine, fa, fb, c, finder, total, tol)
     parts = [part(ctx, name, values[name]) for name in ORDER]
-    return result(ctx, parts, reduction, recorded, notes + fa.notes)
+    return result(ctx, parts, reduction, recorded, notes + list(dict.fromkeys(fa.notes + fb.notes)))
