@@ -73,6 +73,10 @@ def _no_names() -> dict[str, "FrameworkNames"]:
     return {}
 
 
+def _no_kv_rows(feeds: Mapping[str, Any], common_rows: Callable, tensor: Callable) -> dict | None:
+    return None
+
+
 def lazy(package: str, module: str, attr: str, *, cache: bool = False) -> Callable:
     """A hook that imports `module` (relative to `package`: the family's `__name__`) on its first call and calls
     its `attr` with the hook's arguments: a family's `__init__` states its hooks without importing torch or its
@@ -160,6 +164,14 @@ class Family:
     # op name (`op_of`'s) -> its clean envelope in 16 bits, the excess over correct rounding its clean kernels
     # reach (intrinsic_verdict.ENVELOPE: the limit where its variants did not run)
     envelopes: Mapping[str, float] = field(default_factory=dict)
+    # the recorded points its attention (attn.core) reads at every earlier key row of a sample, not row-selected,
+    # besides the base's attn.k_rope and attn.v (MLA's kv_b and kv latent: replay/intrinsic.py gathers them)
+    kv_points: tuple[str, ...] = ()
+    # those rows gathered where its attention reads its own: (attn.core's recorded feeds by point, each a
+    # view.align.CanonicalTensor; common_rows(first, [others]) -> (rows of the first in every other, each one's
+    # indices of them); tensor(numpy array) -> float64 tensor on the replay's device) -> the op's key/value feeds
+    # with "__kv_rows__" (row -> index), or None where the base's k_rope / v rows serve
+    kv_rows: Callable[[Mapping[str, Any], Callable, Callable], dict | None] = _no_kv_rows
 
     # --- name tables: framework (FRAMEWORKS) -> FrameworkNames, imported lazily (names.py)
     names: Callable[[], Mapping[str, FrameworkNames]] = _no_names

@@ -28,8 +28,8 @@ from .variant_fit import fingerprint, frame, run_variants, undeclared_layouts
 from .fact_variants import FACT_VARIANTS
 from .variants import DTYPES, VARIANTS, VariantInput, tp_degrees, variant_rows
 
-# attention's every key/value row: not row-selected (MLA: the decompressed k_nope and v in attn.kv_b)
-_KV_FEEDS = ("attn.k_rope", "attn.v", "attn.kv_b", "attn.kv_a_norm", "__kv_rows__")
+# attention's every key/value row: not row-selected (and a family's own, `Family.kv_points`)
+_KV_FEEDS = ("attn.k_rope", "attn.v", "__kv_rows__")
 #: Norms a fused add + norm feeds with the residual sum (the trace's `fused_add_norm_fp32` says it reads the
 #: unrounded sum of the addends: _unrounded_sum).
 SUM_NORMS = ("attn_norm", "mlp_norm", "final_norm")
@@ -220,6 +220,7 @@ class SideReplayer:
         # computed, whatever tensor the checkpoint lacks.
         self.has_qk_norm = reference.has_qk_norm or any(p == "attn.q_norm" for p, _ in self.present)
         self.tp = tp_degrees(view.trace.manifest)    # the row-parallel shard counts its clean variants try
+        self.kv_feeds = (*_KV_FEEDS, *self.ref.family.kv_points)
 
     def _load(self, point: str, layer: int | None) -> CanonicalTensor:
         key = (point, layer)
@@ -304,7 +305,7 @@ class SideReplayer:
             if point in SUM_NORMS and self.view.config.get("fused_add_norm_fp32"):
                 feeds[k[0] if f[0] != "<" else f] = self._unrounded_sum(t, k)
         # Attention reads every earlier key/value row of a sample, not the query's row: those are gathered apart.
-        aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f not in _KV_FEEDS}
+        aligned = {f: t for f, t in feeds.items() if point != "attn.core" or f not in self.kv_feeds}
         rows, idx = _common_rows(out, list(aligned.values()))
         rows, idx, rows_total = sample.keep(rows, idx)
         if not rows:
@@ -312,11 +313,10 @@ class SideReplayer:
                                 + (" among the rows replayed" if rows_total else ""))
         dev = self.ref.device
         x = {f: _tensor(t.values[idx[i + 1]], dev) for i, (f, t) in enumerate(aligned.items())}
-        if point == "attn.core" and "attn.kv_b" in feeds:
-            x.update(_latent_kv_feeds(feeds["attn.k_rope"], feeds["attn.kv_b"], feeds.get("attn.kv_a_norm"), dev))
-        elif point == "attn.core":
-            x.update(_kv_feeds(*(feeds[f] for f in _KV_FEEDS if f in feeds), dev,
-                               names=[f for f in _KV_FEEDS if f in feeds]))
+        if point == "attn.core":
+            own = self.ref.family.kv_rows(feeds, _common_rows, lambda a: _tensor(a, dev))
+            x.update(own if own is not None else _kv_feeds(
+                *(feeds[f] for f in _KV_FEEDS if f in feeds), dev, names=[f for f in _KV_FEEDS if f in feeds]))
         try:
             exact = self.ref.compute(point, layer, x, rows, self.view.tokens).cpu().numpy()
         except (RuntimeError, ValueError) as e:    # the side's inputs do not fit the checkpoint's op
@@ -346,7 +346,7 @@ class SideReplayer:
         whole = err.envelope_key in self.ref.family.whole_sample_ops
         sel = list(range(len(rows))) if whole else variant_rows(len(rows))
         t = torch.tensor(sel, device=self.ref.device)
-        feeds = x if len(sel) == len(rows) else {f: (v[t] if isinstance(v, torch.Tensor) and f not in _KV_FEEDS
+        feeds = x if len(sel) == len(rows) else {f: (v[t] if isinstance(v, torch.Tensor) and f not in self.kv_feeds
                                                      else v) for f, v in x.items()}
         vin = VariantInput(self.ref, layer, feeds, [rows[i] for i in sel], DTYPES[err.dtype], self.tp, point=err.point)
         fr = frame(y[sel], exact[sel], err.dtype)
@@ -471,25 +471,6 @@ def _kv_feeds(k: CanonicalTensor, v: CanonicalTensor, dev: str, names=("attn.k_r
     rows, idx = _common_rows(k, [v])
     kt, vt = _tensor(k.values[idx[0]], dev), _tensor(v.values[idx[1]], dev)
     return {names[0]: kt, names[1]: vt, "__kv_rows__": {r: i for i, r in enumerate(rows)}}
-
-
-def _latent_kv_feeds(k_pe: CanonicalTensor, kv_b: CanonicalTensor, latent: CanonicalTensor | None, dev: str) -> dict:
-    """MLA's key/value rows (all passes): k_pe, and kv_b where the side materialised it (NaN where it did not:
-    an absorbed path), with the normed latent those rows were up-projected from (MLA's core op reads it
-    where kv_b is NaN). Without the latent, the rows that have a kv_b."""
-    if any(t is not None and t.values is None for t in (k_pe, kv_b, latent)):
-        raise NotReplayable("attn.k_rope, attn.kv_b or attn.kv_a_norm has no values")
-    rows, idx = _common_rows(k_pe, [latent if latent is not None else kv_b])
-    at = {r: i for i, r in enumerate(kv_b.rows)}
-    vb = np.full((len(rows),) + kv_b.values.shape[1:], np.nan)
-    for n, r in enumerate(rows):
-        if r in at:
-            vb[n] = kv_b.values[at[r]]
-    out = {"attn.k_rope": _tensor(k_pe.values[idx[0]], dev), "attn.kv_b": _tensor(vb, dev),
-           "__kv_rows__": {r: i for i, r in enumerate(rows)}}
-    if latent is not None:
-        out["attn.kv_a_norm"] = _tensor(latent.values[idx[1]], dev)
-    return out
 
 
 def replay_side(view: CanonicalView | str, reference: ExactReference,

@@ -61,6 +61,8 @@ FAMILY = Family(
     derived_weight=derived_weight,
     variants=lazy(__name__, ".variants", "latent_variants"),
     optional_inputs=OPTIONAL_INPUTS,
+    kv_points=("attn.kv_b", "attn.kv_a_norm"),      # MLA's attention reads every key's kv_b (or its latent)
+    kv_rows=lazy(__name__, ".ops", "latent_kv_rows"),
     # the same roundings as the standard ops they stand for (RMSNorm, RoPE's bf16 tables, eager attention)
     envelopes={"latent_rmsnorm": 1.50, "latent_rope": 1.67, "latent_attention": 2.00},
     names=lazy(__name__, ".names", "names"),

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ...replay.not_replayable import NotReplayable
 from .spec import LATENT_NORM_EPS, softmax_scale
 
@@ -53,8 +55,31 @@ def key_values(ref, layer, feeds: dict, proj) -> tuple:
     return kv_b, heads(proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), s), present
 
 
+def latent_kv_rows(feeds: dict, common_rows, tensor) -> dict | None:
+    """MLA's key/value rows for its attention (`Family.kv_rows`; all passes): k_pe, and kv_b where the side
+    materialised it (NaN where it did not: an absorbed path), with the normed latent those rows were up-projected
+    from (`LatentOps.core` reads it where kv_b is NaN). Without the latent, the rows that have a kv_b. None
+    without a recorded kv_b: the base's k_rope / v rows serve."""
+    kv_b, k_pe, latent = feeds.get("attn.kv_b"), feeds.get("attn.k_rope"), feeds.get("attn.kv_a_norm")
+    if kv_b is None:
+        return None
+    if any(t is not None and t.values is None for t in (k_pe, kv_b, latent)):
+        raise NotReplayable("attn.k_rope, attn.kv_b or attn.kv_a_norm has no values")
+    rows, idx = common_rows(k_pe, [latent if latent is not None else kv_b])
+    at = {r: i for i, r in enumerate(kv_b.rows)}
+    vb = np.full((len(rows),) + kv_b.values.shape[1:], np.nan)
+    for n, r in enumerate(rows):
+        if r in at:
+            vb[n] = kv_b.values[at[r]]
+    out = {"attn.k_rope": tensor(k_pe.values[idx[0]]), "attn.kv_b": tensor(vb),
+           "__kv_rows__": {r: i for i, r in enumerate(rows)}}
+    if latent is not None:
+        out["attn.kv_a_norm"] = tensor(latent.values[idx[1]])
+    return out
+
+
 def kv_b_present(feeds: dict) -> "torch.Tensor":
-    """Which key rows hold a recorded kv_b (the rest are NaN: see intrinsic._latent_kv_feeds)."""
+    """Which key rows hold a recorded kv_b (the rest are NaN: see `latent_kv_rows`)."""
     kv_b = feeds["attn.kv_b"]
     return ~kv_b.reshape(kv_b.shape[0], -1).isnan().any(dim=1)
 
