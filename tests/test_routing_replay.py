@@ -472,3 +472,9 @@ def test_routed_experts_file_round_trip_and_bad_input(tmp_path):
     bad.write_bytes(short)
     with pytest.raises(TraceFormatError, match=r"8 bytes of ids, shape \[2, 3, 2\] needs 48"):
         read_routed_experts(bad)
+    flipped = bytearray(p.read_bytes())
+    at = flipped.index(a.tobytes()) + 5            # one bit of one id
+    flipped[at] ^= 1
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(TraceFormatError, match="checksum mismatch: the file is corrupted"):
+        read_routed_experts(bad)

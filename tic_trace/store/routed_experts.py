@@ -10,7 +10,8 @@ Row `i` of a sample's array holds the experts of the token at position `i` (the 
 back: it has no row). One msgpack document, never pickle:
 
     {"format": "tic-trace routed experts", "version": 1, "rollout_id": int, "source": str,
-     "samples": [{"key": str, "shape": [rows, layers, topk], "ids": bytes (int32, little-endian)}, ...]}
+     "samples": [{"key": str, "shape": [rows, layers, topk], "ids": bytes (int32, little-endian),
+                  "crc32": int (of the ids bytes)}, ...]}
 
 numpy and msgpack only.
 """
@@ -20,6 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+
+import zlib
 
 import msgpack
 import numpy as np
@@ -49,7 +52,8 @@ def write_routed_experts(path: os.PathLike | str, rec: RoutedExperts) -> None:
         a = np.ascontiguousarray(np.asarray(ids), dtype="<i4")
         if a.ndim != _MAX_RANK:
             raise ValueError(f"sample {key!r}: routed experts must be [rows, layers, topk], got shape {list(a.shape)}")
-        samples.append({"key": str(key), "shape": [int(d) for d in a.shape], "ids": a.tobytes()})
+        b = a.tobytes()
+        samples.append({"key": str(key), "shape": [int(d) for d in a.shape], "ids": b, "crc32": zlib.crc32(b)})
     doc = {"format": FORMAT, "version": VERSION, "rollout_id": rec.rollout_id, "source": rec.source,
            "samples": samples}
     p = Path(path)
@@ -93,10 +97,12 @@ def _sample(p: Path, i: int, s: object) -> tuple[str, np.ndarray]:
             or not all(type(d) is int and 0 <= d < 1 << 31 for d in shape)):
         raise TraceFormatError(p, f"samples[{i}] ({s['key']!r}): shape must be 3 non-negative integers "
                                   f"[rows, layers, topk], got {shape!r:.100}")
-    want = 4 * int(np.prod(shape, dtype=np.int64))
+    want = 4 * shape[0] * shape[1] * shape[2]        # Python integers: a hostile shape cannot wrap around
     if len(s["ids"]) != want:
         raise TraceFormatError(p, f"samples[{i}] ({s['key']!r}): {len(s['ids'])} bytes of ids, shape {shape} "
                                   f"needs {want}")
+    if s.get("crc32") != zlib.crc32(s["ids"]):
+        raise TraceFormatError(p, f"samples[{i}] ({s['key']!r}): checksum mismatch: the file is corrupted")
     return s["key"], np.frombuffer(s["ids"], dtype="<i4").reshape(shape)
 
 
