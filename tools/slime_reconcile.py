@@ -74,19 +74,11 @@ def _reduction(megatron_view, trainer_used):
 
 
 def routing_replay(rdir: Path, views: Mapping[str, Any]) -> tuple[Any, str | None]:
-    """The routing-replay check (compare/routing_replay.py) when the rollout's routed experts were recorded
-    (``--use-rollout-routing-replay``), else None; and a note when they could not be read."""
-    d = rdir / "routing_replay"
-    if not d.is_dir():
-        return None, None
-    from tic_trace.compare.routing_replay import applied_from_view, check_routing_replay
+    """The routing-replay check (compare/routing_replay.check_rollout) when the rollout's routed experts were
+    recorded (``--use-rollout-routing-replay``), else None; and a note when they could not be read."""
+    from tic_trace.compare.routing_replay import check_rollout
     from tic_trace.store.errors import TraceFormatError
-    from tic_trace.store.routed_experts import merge_routed_experts, read_routed_experts
     try:
-        recs = [read_routed_experts(p) for p in sorted(d.glob("rank*.routed_experts.msgpack"))]
-        if not recs:
-            return None, f"routing replay: {d} holds no routed experts (not checked)"
-        return check_routing_replay(merge_routed_experts(recs), applied_from_view(views["megatron"]),
-                                    applied_from_view(views["sglang"])), None
+        return check_rollout(rdir, views["megatron"], views["sglang"]), None
     except (TraceFormatError, ValueError) as e:
         return None, f"routing replay not checked: {e}"
