@@ -45,10 +45,8 @@ SCHEMA_VERSION = 1
 MAGIC = b"TICTRACE"
 _HEADER = struct.Struct("<8sHHQI")  # magic, schema, kind, payload length, crc32
 KIND_MANIFEST, KIND_RANK, KIND_INDEX, KIND_USED_LOGPROBS = 1, 2, 3, 4
-_KIND_NAMES = {KIND_MANIFEST: "manifest", KIND_RANK: "rank", KIND_INDEX: "pass index",
-               KIND_USED_LOGPROBS: "used log-probs"}
-#: The side directory's record of the log-probs the side used (store/used_logprobs.py), beside the ranks.
-USED_LOGPROBS_DIR = "used_logprobs"
+_KIND_NAMES = {KIND_MANIFEST: "manifest", KIND_RANK: "rank", KIND_INDEX: "pass index", KIND_USED_LOGPROBS: "used log-probs"}
+USED_LOGPROBS_DIR = "used_logprobs"     # beside the ranks: the log-probs the side used (store/used_logprobs.py)
 
 
 # Byte limits per file kind, checked against the file's size before it is read: a manifest or rank file is a
