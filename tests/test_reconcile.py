@@ -101,14 +101,14 @@ def _r3_rows(eng, tr):
     return out
 
 
-def _r3_check(eng, tr):
+def _r3_check(eng, tr, run="r3"):
     """compare/routing_replay.py's check on the engine's returned ids against the trainer's applied ones."""
     from tic_trace.compare.routing_replay import AppliedLayer, check_routing_replay
     rollout = {key(s): eng[f"clean/{s}/experts"] for s in range(SAMPLES)}
     applied = {}
     for L in range(rollout[key(0)].shape[1]):
-        rows = [(key(s), q) for s in range(SAMPLES) for q in range(len(tr[f"r3/{s}/experts"]))]
-        ids = np.concatenate([tr[f"r3/{s}/experts"][:, L] for s in range(SAMPLES)])
+        rows = [(key(s), q) for s in range(SAMPLES) for q in range(len(tr[f"{run}/{s}/experts"]))]
+        ids = np.concatenate([tr[f"{run}/{s}/experts"][:, L] for s in range(SAMPLES)])
         applied[L] = AppliedLayer(L, rows, ids)
     return check_routing_replay(rollout, applied)
 
@@ -136,6 +136,9 @@ def test_routing_replay_rows_are_the_routing_part(runs):
     check = _r3_check(eng, tr)          # the same rows through the routing-replay check itself
     assert check.differing_rows() == frozenset(rows)
     assert reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), r3=check)["parts"] == r["parts"]
+    applied = reconcile(_trainer(tr, "clean"), _engine(eng, "clean"), r3=_r3_check(eng, tr, "clean"))
+    assert _part(applied, "routing_replay")["value"] == 0 and applied["causes"] == []    # R3 on, ids applied
+    assert "no split row ran other experts" in _part(applied, "routing_replay")["summary"]
     unchecked = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"))      # R3 not checked: all of it is forward
     assert _part(unchecked, "routing_replay")["value"] == 0 and "not checked" in _part(unchecked, "routing_replay")["summary"]
     assert math.isclose(_part(unchecked, "forward")["value"], rr["value"] + fwd["value"], rel_tol=1e-9)
