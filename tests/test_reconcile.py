@@ -169,6 +169,12 @@ def test_rows_without_logits_are_named_not_split(runs):
     un = _part(r, "unmeasured")
     assert un["rows"] == len(engine.used[0].positions) and "without a traced logits row on sglang" in un["missing"]
     assert un["value"] > 0 and r["sides"]["b"]["missing"] == un["rows"]
+    u0 = engine.used[0]
+    short = Side(engine.name, [type(u0)(u0.sample, u0.positions[:-2], u0.tokens[:-2], u0.logprobs[:-2], u0.sampling),
+                               *engine.used[1:]], engine.logits)
+    r = reconcile(_trainer(tr, "t07"), short)
+    assert r["only"] == {"a": 2, "b": 0} and r["rows"] == SAMPLES * RESPONSE - 2
+    assert "2 rows megatron-only: a used log-prob the other side lacks, left out of the metric" in r["notes"]
 
 
 def test_a_side_without_used_logprobs_is_refused(runs):

@@ -150,6 +150,10 @@ def result(c: Ctx, parts: list[Part], reduction: Any, recorded: float | None, no
     how = ("per-token mean (--calculate-per-token-loss)" if reduction.per_token else
            "per-rollout mean (slime's sum_of_sample_mean over the step's rollout count)")
     causes = [f"{p.name}: {p.summary}" for p in parts if p.significant]
+    only = [f"{rows.only[k]} rows {name}-only" for k, name in (("a", c.trainer.name), ("b", c.engine.name))
+            if rows.only[k]]
+    if only:        # slime compares the same response tokens on both sides: a row one side lacks is not in it
+        notes = [f"{', '.join(only)}: a used log-prob the other side lacks, left out of the metric"] + notes
     return {
         "metric": c.total, "recorded": recorded, "reduction": how,
         "rows": len(rows.keys), "samples": len({k[0] for k in rows.keys}),
