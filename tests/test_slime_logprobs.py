@@ -239,6 +239,38 @@ def test_hostile_part_names_the_file_and_problem(part, edit, problem):
     assert e.value.path == str(part)
 
 
+def test_fuzzed_parts_only_ever_give_a_trace_format_error(part):
+    """Any field of a part replaced by a value of any type (rewritten with valid framing): read() answers or
+    raises TraceFormatError naming the file, never another exception."""
+    import random
+    rng = random.Random(37)
+    good = msgpack.unpackb(part.read_bytes()[fmt._HEADER.size:], raw=False)
+    values = [None, True, -1, 2**63, -2**63, 0.5, float("nan"), "", "x" * 5000, b"", b"\0" * 7, b"\xff" * 24, [], {},
+              [1, 2], {"a": 1}, {1: 2}]
+
+    def paths(obj, at=()):
+        yield at
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from paths(v, at + (k,))
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                yield from paths(v, at + (i,))
+    spots = [p for p in paths(good) if p]
+    for _ in range(300):
+        doc = msgpack.unpackb(msgpack.packb(good, use_bin_type=True), raw=False, strict_map_key=False)
+        at = rng.choice(spots)
+        target = doc
+        for k in at[:-1]:
+            target = target[k]
+        target[at[-1]] = rng.choice(values)
+        fmt.write_framed(part, fmt.KIND_USED_LOGPROBS, doc)
+        try:
+            read(part.parents[1])
+        except TraceFormatError as e:
+            assert e.path == str(part)
+
+
 def test_strays_are_listed_and_links_out_refused(part, tmp_path):
     d = part.parent
     (d / "notes.txt").write_text("x")
