@@ -4,8 +4,8 @@ The inverse of `megatron_weights.hf_to_megatron_state_dict`, per rank: `linear_q
 [q heads; k; v] (rows of q_proj / k_proj / v_proj), `linear_fc1` [gate; up] (rows of gate_proj / up_proj),
 column-parallel layers a block of rows of their tensor and row-parallel ones (`linear_proj`, `linear_fc2`) a
 block of columns, the vocabulary's padding rows belong to no tensor, experts are numbered from this rank's
-first expert-parallel expert. A parameter this map does not know (multi-latent attention, biases other than
-q/k/v's, an attention output gate) is left out: the comparison names it as not mappable.
+first expert-parallel expert. A parameter this map does not know (a family's own attention, such as MLA's;
+biases other than q/k/v's, an attention output gate) is left out: the comparison names it as not mappable.
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def _pieces(rel: str, p, f: dict, off: int) -> list[WeightPiece] | None:
     base, rest = f"model.layers.{int(m.group(1)) + off}.", m.group(2)
     if rest in _NORMS:
         # a family's own attention's q/k layernorms (MLA's: its latents' norms) are not q_norm / k_norm
-        latent = not f["plain_attn"] and rest.startswith("self_attention.") and "linear_qkv" not in rest
-        return None if latent else whole(base + _NORMS[rest], p)
+        own_attn = not f["plain_attn"] and rest.startswith("self_attention.") and "linear_qkv" not in rest
+        return None if own_attn else whole(base + _NORMS[rest], p)
     if not f["plain_attn"] and rest.startswith("self_attention."):
         return None
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

@@ -157,8 +157,9 @@ def test_the_pending_names_are_still_there():
 # `apply_rotary_pos_emb_interleave`, `MLASelfAttention`), its module paths in a framework, and its own canonical
 # points are that family's knowledge: no product module outside tic_trace/families/ may write them, in a string
 # (`hasattr(attn, "kv_b_proj")`, "attn.kv_b"), as an attribute, function or variable name (`attn.linear_attn`) or in
-# an import. They are read off the families' own tables: every identifier of a family's PointMap records (each
-# spelling of the regex), architectures, refused classes, named tables (their values) and checkpoint weight points
+# an import; nor its ops' names (`softcapped_logits`). They are read off the families' own tables: every
+# identifier of a family's PointMap records (each spelling of the regex), architectures, refused classes, named
+# tables (their values), checkpoint weight points and op names (its variants', envelopes', report words' keys)
 # that is not in the base transformer's tables, not a canonical point's own word, in no other family's tables, not
 # a plain word (a module name has an inner underscore, a digit or an inner capital: `sinks`, `router`, `norm` are
 # the domain's words), and not in GENERIC. Docstrings and comments may say which family a mechanic serves; code
@@ -221,6 +222,9 @@ def _table_identifiers(fam) -> set[str]:
         _strings_of([tables.points, tables.architectures, list(tables.refused), list(tables.tables.values())],
                     strings)
     _strings_of([rx for rx, _ in fam.weight_points], strings)
+    # its ops' names (`op_of`'s: the keys of its variants, envelopes, report words)
+    _strings_of([list(fam.variants()), list(fam.envelopes), list(fam.op_words), list(fam.judged_in_compute),
+                 list(fam.whole_sample_ops)], strings)
     return {t for s in strings for spelling in _spellings(s) for t in _IDENT.findall(spelling)}
 
 

@@ -164,6 +164,11 @@ class Family:
     # op name (`op_of`'s) -> its clean envelope in 16 bits, the excess over correct rounding its clean kernels
     # reach (intrinsic_verdict.ENVELOPE: the limit where its variants did not run)
     envelopes: Mapping[str, float] = field(default_factory=dict)
+    # op name (`op_of`'s) -> how a report names it ("B's RMSNorm (1 + w) at L1 matches ...": intrinsic_verdict)
+    op_words: Mapping[str, str] = field(default_factory=dict)
+    # ops whose fp32 output carries the precision of the 16-bit GEMM before it (logits soft-capped in fp32 from a
+    # 16-bit lm_head): judged in the side's compute dtype, as fp32 ULPs would blame every clean run (intrinsic.py)
+    judged_in_compute: frozenset = frozenset()
     # the recorded points its attention (attn.core) reads at every earlier key row of a sample, not row-selected,
     # besides the base's attn.k_rope and attn.v (MLA's kv_b and kv latent: replay/intrinsic.py gathers them)
     kv_points: tuple[str, ...] = ()

@@ -257,7 +257,8 @@ class SideReplayer:
     def _replay(self, point: str, layer: int | None, sample: Sample) -> IntrinsicError:
         rows, y, exact, dtype, x, (rows_total, columns) = self._exact(point, layer, sample)
         op = self.ref.op_of(point, layer)
-        err = intrinsic_error(point, layer, y, exact, judged_dtype(op, dtype, self.view.config.get("dtype")),
+        err = intrinsic_error(point, layer, y, exact, judged_dtype(op, dtype, self.view.config.get("dtype"),
+                                                                   self.ref.family.judged_in_compute),
                               head_dim=self.ref.spec.head_dim if BY_NAME[point].per_head else None, op=op)
         if rows_total or columns:
             err = dataclasses.replace(err, rows_total=rows_total, columns=columns,
@@ -434,11 +435,11 @@ class SideReplayer:
                 if keep is None or lay in keep]
 
 
-def judged_dtype(op: str, recorded: str, compute: str | None) -> str:
-    """The dtype a point is judged in. Logits soft-capped in fp32 from a 16-bit lm_head GEMM (SGLang's
-    LogitsProcessor: its fused cast + soft-cap kernel on GPU, tanh in fp32 on CPU) are fp32 values off the
-    16-bit grid, but their precision is the GEMM's: judged in fp32 ULPs every clean run would be blamed."""
-    if op == "softcapped_logits" and recorded == "float32" and compute in DTYPES:
+def judged_dtype(op: str, recorded: str, compute: str | None, in_compute: frozenset = frozenset()) -> str:
+    """The dtype a point is judged in. An op of `in_compute` (a family's `judged_in_compute`: logits soft-capped
+    in fp32 from a 16-bit lm_head GEMM, as SGLang's LogitsProcessor does) recorded in fp32 is fp32 values off the
+    16-bit grid whose precision is the GEMM's: judged in fp32 ULPs every clean run would be blamed."""
+    if op in in_compute and recorded == "float32" and compute in DTYPES:
         return compute
     return recorded
 

@@ -227,10 +227,9 @@ _OP_WORDS = {"attn_norm": "RMSNorm", "mlp_norm": "RMSNorm", "final_norm": "RMSNo
              "attn.q": "q_proj", "attn.k": "k_proj", "attn.v": "v_proj", "attn.out": "o_proj",
              "moe.router_logits": "router GEMM", "moe.topk_weights": "top-k weights", "moe.experts_out": "experts",
              "gated_mlp": "gated MLP", "logits": "lm_head",
-             # the ops a family's op_of, or config facts (reference._generic_op_of), name
-             "offset_rmsnorm": "RMSNorm (1 + w)", "attention_ext": "attention", "gated_mlp_act": "gated MLP",
-             "softcapped_logits": "lm_head + soft-cap", "router_bias_gemm": "router GEMM",
-             "clamped_swiglu_experts": "experts"}
+             # the ops config facts name (reference._generic_op_of)
+             "attention_ext": "attention", "gated_mlp_act": "gated MLP"}
+_OP_WORDS.update({op: w for fam in FAMILIES for op, w in fam.op_words.items()})    # the families' own ops
 
 
 def fingerprint_text(e: IntrinsicError, side: str) -> str:

@@ -33,5 +33,9 @@ FAMILY = Family(
     inputs_of=spec.inputs_of,
     op_of=spec.op_of,
     variants=lazy(__name__, ".variants", "variants", cache=True),
+    op_words={"offset_rmsnorm": "RMSNorm (1 + w)", "softcapped_logits": "lm_head + soft-cap"},
+    # SGLang's LogitsProcessor soft-caps a 16-bit lm_head's logits in fp32 (its fused cast + soft-cap kernel on
+    # GPU, tanh in fp32 on CPU): fp32 values off the 16-bit grid with the GEMM's precision
+    judged_in_compute=frozenset({"softcapped_logits"}),
     names=lazy(__name__, ".names", "names"),
 )

@@ -37,5 +37,6 @@ FAMILY = Family(
     op_of=spec.op_of,
     derived_weight=spec.derived_weight,
     variants=lazy(__name__, ".variants", "variants", cache=True),
+    op_words={"router_bias_gemm": "router GEMM", "clamped_swiglu_experts": "experts"},
     names=lazy(__name__, ".names", "names"),
 )
