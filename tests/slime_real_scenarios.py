@@ -243,7 +243,8 @@ def scenario_logprobs(out: Path) -> dict:
     policy_loss_function computes them) with both traced, the engine returning the log-probs of the original
     logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature, while the trainer divides by it) and the user's
     generate function masking each sample's first token out of the loss; rollout 2
-    with tracing switched off (the hooks still installed). What slime itself holds is returned beside: each
+    with tracing switched off (the hooks still installed); rollout 3's log-prob pass, both samples traced, generated
+    by slime's streaming generate function (sglang_streaming_rollout.generate_streaming: SSE, not post). What slime itself holds is returned beside: each
     sample's rollout_log_probs, the log-prob pass's rollout_data["log_probs"] (through the actor's
     rollout_data_postprocess, called after compute_log_prob) and the train_rollout_logprob_abs_diff it logs."""
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
@@ -253,14 +254,14 @@ def scenario_logprobs(out: Path) -> dict:
     hf, ckpt = _checkpoint(out)
     (out / "ref").mkdir()
     argv = sr.base_argv(ckpt, hf.config) + [
-        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2",
+        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2,3",
         "--tic-trace-max-samples", "1", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
         "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
         "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
         "--rollout-temperature", "0.9"]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
     _start_engine_and_trainer(args)
-    result = {"samples": {}, "trainer_log_probs": {}, "logged": _logged_metric()}
+    result = {"samples": {}, "trainer_log_probs": {}, "logged": _logged_metric(), "requests": {}}
     server = None
     try:
         sg_model = sc.build_sglang_model(hf.config, hf)
@@ -279,8 +280,8 @@ def scenario_logprobs(out: Path) -> dict:
                     str(int(i)): [float(x) for x in lp] for i, lp in
                     zip(rollout_data["sample_indices"], rollout_data["log_probs"])}
         actor.rollout_data_postprocess = keep
-        for rollout_id in (0, 1, 2):
-            args.kl_coef = 0.01 if rollout_id == 0 else 0.0
+        for rollout_id in (0, 1, 2, 3):
+            args.kl_coef = 0.01 if rollout_id in (0, 3) else 0.0
             args.tic_trace = rollout_id != 2
             args.tic_trace_max_samples = 1 if rollout_id == 0 else 2
             if rollout_id == 1:
@@ -288,8 +289,13 @@ def scenario_logprobs(out: Path) -> dict:
                 # the user's generate function masks each sample's first token out of the loss
                 args.tic_trace_chained_hooks["custom_generate_function_path"] = \
                     "tic_trace.testing.slime_real.mask_first_token"
+            if rollout_id == 3:             # slime's streaming generate: SSE through http_utils' client, not post
+                args.tic_trace_chained_hooks["custom_generate_function_path"] = \
+                    "slime.rollout.sglang_streaming_rollout.generate_streaming"
+            server.seen.clear()
             samples = sr.rollout(args, rollout_id, _samples(rollout_id, (9, 5), seed=11))
             os.environ.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
+            result["requests"][rollout_id] = sorted(str(p.get("rid")) for p in server.seen)
             result["samples"][rollout_id] = [
                 {"index": s.index, "tokens": list(s.tokens), "response_length": s.response_length,
                  "rollout_log_probs": list(s.rollout_log_probs), "loss_mask": list(s.loss_mask)} for s in samples]

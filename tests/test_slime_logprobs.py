@@ -90,7 +90,7 @@ def test_trainer_side_records_the_logprobs_slime_compares_with_rollout_temperatu
 
 def test_keys_positions_and_tokens_match_across_sides_and_the_traced_logits(run):
     from tic_trace.view.align import CanonicalView
-    for rollout_id in (0, 1):
+    for rollout_id in (0, 1, 3):
         base = run["path"] / f"rollout_{rollout_id:05d}"
         a, b = read(base / "megatron"), read(base / "sglang")
         assert [(e.sample, e.positions.tolist(), e.tokens.tolist()) for e in a.entries] == \
@@ -103,6 +103,22 @@ def test_keys_positions_and_tokens_match_across_sides_and_the_traced_logits(run)
             z = np.stack([lg.values[row[(e.sample, int(p) - 1)]] for p in e.positions]).astype(np.float64) / T
             want = z[np.arange(len(z)), e.tokens] - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) - z.max(-1)
             np.testing.assert_allclose(e.logprobs, want, atol=2e-5)
+
+
+def test_streamed_requests_are_tagged_and_their_logprobs_recorded_from_the_sample(run, tmp_path):
+    """Rollout 3: slime's sglang_streaming_rollout.generate_streaming sends through http_utils' client (SSE), not
+    post: its requests still carry the rid, and the log-probs slime kept on the sample are recorded."""
+    assert run["requests"]["3"] == ["3-6", "3-7"]
+    got = side(run, 3, "sglang")
+    assert [e.sample for e in got.entries] == ["3-6", "3-7"]
+    for e in got.entries:
+        s = slime_sample(run, 3, int(e.sample.split("-")[1]))
+        assert e.logprobs.tolist() == s["rollout_log_probs"] and e.tokens.tolist() == s["tokens"][-4:]
+        assert e.positions.tolist() == list(range(len(s["tokens"]) - 4, len(s["tokens"])))
+        assert "rollout_log_probs" in e.sampling.source and e.sampling.temperature == T
+    rc, rep = slime_report(run, 3, tmp_path / "r3.json")
+    rec = rep["reconciliation"]
+    assert rc == 0 and rep["rows"]["matched"] == 20 and rec["rows"] == 8 and rec["causes"] == []
 
 
 def test_nothing_recorded_with_tracing_off(run):

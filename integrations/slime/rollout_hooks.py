@@ -22,6 +22,8 @@ FULLY_ASYNC_THREAD = "fully-async-rollout"
 _RID: contextvars.ContextVar[str | None] = contextvars.ContextVar("tic_trace_rid", default=None)
 #: Where the traced sample's returned log-probs go (the rollout's sglang/ trace directory), with `_RID`.
 _USED_DIR: contextvars.ContextVar[str | None] = contextvars.ContextVar("tic_trace_used_dir", default=None)
+#: How many /generate answers `post` recorded for the sample `generate` is running ([count], shared in the task).
+_ANSWERS: contextvars.ContextVar[list | None] = contextvars.ContextVar("tic_trace_answers", default=None)
 
 
 async def generate(args, sample, sampling_params, evaluation=False):
@@ -31,15 +33,32 @@ async def generate(args, sample, sampling_params, evaluation=False):
     ``slime.rollout.sglang_rollout.generate`` runs unchanged. Evaluation requests are never tagged."""
     rid = _rid_for(args, sample, evaluation)
     fn = _generate_delegate(args)
-    tokens = (_RID.set(rid), _USED_DIR.set(_used_dir(args, rid))) if rid is not None else None
+    if rid is None:
+        return await _call(fn, args, sample, sampling_params, evaluation)
+    used, answers, before = _used_dir(args, rid), [0], _response_length(sample)
+    tokens = (_RID.set(rid), _USED_DIR.set(used), _ANSWERS.set(answers))
     try:
-        if "evaluation" in _params(fn):
-            return await fn(args, sample, sampling_params, evaluation=evaluation)
-        return await fn(args, sample, sampling_params)
+        out = await _call(fn, args, sample, sampling_params, evaluation)
     finally:
-        if tokens is not None:
-            _USED_DIR.reset(tokens[1])
-            _RID.reset(tokens[0])
+        for var, token in zip((_ANSWERS, _USED_DIR, _RID), reversed(tokens)):
+            var.reset(token)
+    if used is not None and not answers[0]:
+        # no answer came through `post` (a streamed request, another client): what slime kept on the sample
+        _record_sample(used, rid, before, out, sampling_params)
+    return out
+
+
+async def _call(fn, args, sample, sampling_params, evaluation):
+    if "evaluation" in _params(fn):
+        return await fn(args, sample, sampling_params, evaluation=evaluation)
+    return await fn(args, sample, sampling_params)
+
+
+def _response_length(sample) -> int:
+    try:
+        return int(getattr(sample, "response_length", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _used_dir(args, rid: str) -> str | None:
@@ -129,14 +148,41 @@ def install_rid_injection() -> None:
         if orig is None or getattr(orig, "_tic_trace", False):
             continue
         setattr(mod, "post", _rid_post(orig))
+    try:
+        _wrap_stream(sys.modules.get(POST_MODULES[0]))
+    except Exception as e:  # noqa: BLE001 - post still carries the rid
+        warn_once("stream", f"tic-trace: streamed requests are not tagged: {type(e).__name__}: {e}")
+
+
+def _wrap_stream(http_utils) -> None:
+    """slime's streaming generate (``sglang_streaming_rollout.generate_streaming``) sends its ``/generate`` through
+    ``http_utils._http_client.stream("POST", url, json=payload)``: the client's ``stream`` gets the rid too (the
+    client is made once by ``init_http_client``; a new one is wrapped at the next traced sample)."""
+    client = getattr(http_utils, "_http_client", None)
+    orig = getattr(client, "stream", None)
+    if orig is None or getattr(orig, "_tic_trace", False):
+        return
+
+    @functools.wraps(orig)
+    def stream(method, url, *a, **kw):
+        rid, body = _RID.get(), kw.get("json")
+        if rid is not None and str(method).upper() == "POST" and isinstance(body, dict) and "rid" not in body \
+                and _is_generate(url):
+            kw["json"] = {**body, "rid": rid}
+        return orig(method, url, *a, **kw)
+    stream._tic_trace = True
+    client.stream = stream
+
+
+def _is_generate(url) -> bool:
+    return str(url).split("?", 1)[0].rstrip("/").endswith("/generate")
 
 
 def _rid_post(orig):
     @functools.wraps(orig)
     async def post(url, payload, *a, **kw):
         rid = _RID.get()
-        generate = rid is not None and isinstance(payload, dict) \
-            and str(url).split("?", 1)[0].rstrip("/").endswith("/generate")
+        generate = rid is not None and isinstance(payload, dict) and _is_generate(url)
         if generate and "rid" not in payload:
             payload = {**payload, "rid": rid}
         out = orig(url, payload, *a, **kw)
@@ -144,6 +190,8 @@ def _rid_post(orig):
         if generate and _USED_DIR.get() is not None:
             # the log-probs slime's generate takes from this answer (meta_info.output_token_logprobs)
             _record_answer(_USED_DIR.get(), rid, payload, out)
+            if _ANSWERS.get() is not None:
+                _ANSWERS.get()[0] += 1
         return out
     post._tic_trace = True
     return post
@@ -153,5 +201,13 @@ def _record_answer(out_dir: str, rid: str, payload, answer) -> None:
     try:
         from tic_trace.integrations.slime.used_logprobs import record_response
         record_response(out_dir, rid, payload, answer)
+    except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
+        warn_once("used-logprobs-rollout", f"tic-trace: returned log-probs not recorded: {type(e).__name__}: {e}")
+
+
+def _record_sample(out_dir: str, rid: str, before: int, sample, sampling_params) -> None:
+    try:
+        from tic_trace.integrations.slime.used_logprobs import record_sample
+        record_sample(out_dir, rid, before, sample, sampling_params)
     except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
         warn_once("used-logprobs-rollout", f"tic-trace: returned log-probs not recorded: {type(e).__name__}: {e}")

@@ -71,6 +71,39 @@ def response_entry(key: str, payload: Any, output: Any):
                         np.asarray(lps, dtype=np.float64), request_sampling(payload, meta))
 
 
+def record_sample(out_dir: str | os.PathLike, key: str, before: int, sample: Any, sampling_params: Any) -> None:
+    """When no ``/generate`` answer came through ``post`` (a streamed request, another HTTP client): the
+    log-probs slime kept on the sample for the tokens this call added (``rollout_log_probs[before:]``), with the
+    sampling parameters the generate function was given. Never raises."""
+    try:
+        entry = sample_entry(key, before, sample, sampling_params)
+        if entry is not None:
+            from tic_trace.store.used_logprobs import write_part
+            write_part(out_dir, _writer_id("rollout"), [entry])
+    except Exception as e:  # noqa: BLE001 - never break a rollout over tracing
+        warn_once("used-logprobs-rollout", f"tic-trace: the returned log-probs of {key} were not recorded: "
+                                           f"{type(e).__name__}: {e}")
+
+
+def sample_entry(key: str, before: int, sample: Any, sampling_params: Any):
+    """The :class:`UsedLogprobs` of the response tokens a generate call added to `sample` (None: none)."""
+    import dataclasses
+
+    import numpy as np
+
+    from tic_trace.store.used_logprobs import UsedLogprobs
+    tokens, lps = list(getattr(sample, "tokens", None) or []), getattr(sample, "rollout_log_probs", None)
+    r = int(getattr(sample, "response_length", 0) or 0)
+    if lps is None or r <= before or len(lps) < r or len(tokens) < r:
+        return None
+    start = len(tokens) - r + before
+    sampling = request_sampling({"sampling_params": sampling_params if isinstance(sampling_params, dict) else {}}, {})
+    return UsedLogprobs(key, np.arange(start, len(tokens), dtype=np.int64), np.asarray(tokens[start:], dtype=np.int64),
+                        np.asarray([float(x) for x in lps[before:r]], dtype=np.float64),
+                        dataclasses.replace(sampling, source="slime Sample.rollout_log_probs (no /generate answer "
+                                                              "through post: a streamed request or another client)"))
+
+
 def request_sampling(payload: dict, meta: dict):
     """What the request asked SGLang to apply (its defaults for what it omits) and what else was stated."""
     from tic_trace.store.used_logprobs import Sampling

@@ -268,7 +268,27 @@ class EngineServer:
         if len(self.pending) == self.expected:
             batch, self.pending = self.pending, []
             self._run(batch)
+        if payload.get("stream"):
+            return await self._stream(request, await fut)
         return web.json_response(await fut)
+
+    @staticmethod
+    async def _stream(request, result: dict):
+        """``"stream": true``: server-sent events as SGLang's ``/generate`` sends them (each chunk cumulative, a
+        ``data: [DONE]`` last): one chunk after the first token, then the whole answer."""
+        import json as _json
+
+        from aiohttp import web
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        meta = result["meta_info"]
+        first = {**result, "meta_info": {**meta, "output_token_logprobs": meta["output_token_logprobs"][:1],
+                                         "completion_tokens": 1, "finish_reason": None}}
+        for chunk in (first, result):
+            await resp.write(f"data: {_json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     def _run(self, batch) -> None:
         n = int(batch[0][1]["sampling_params"]["max_new_tokens"])
