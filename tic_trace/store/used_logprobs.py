@@ -9,7 +9,8 @@ Rows are keyed like the trace's rows: the sample key (`f"{rollout_id}-{sample.in
 Megatron's packed-segment key) and the position, in the sample's token sequence, of the token whose log-prob it
 is (its logits are the row at `position - 1`).
 
-numpy only: both the record flow (writing) and the answer flow (reading) use it.
+numpy (and, to read and write the parts, the trace format's msgpack framing) only: both the record flow
+(writing, integrations/slime/used_logprobs.py) and the answer flow (reading, tools/slime_reconcile.py) use it.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class UsedLogprobs:
 #                                                        [{"sample", "positions", "tokens", "logprobs", "sampling",
 #                                                        optional "mask"}]}
 #
-# The arrays are raw little-endian bytes (int64, int64, float64) in msgpack bin fields: nothing is unpickled.
+# The arrays are raw little-endian bytes (int64, int64, float64; the optional loss mask float64) in msgpack bin
+# fields: nothing is unpickled.
 # Each part is written under a temporary name and renamed (format.write_framed): a reader sees whole parts only.
 # Several writers (the rollout process, every train rank) write their own parts; the reader merges them.
 
