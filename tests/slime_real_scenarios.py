@@ -244,9 +244,10 @@ def scenario_logprobs(out: Path) -> dict:
     logits (SGLANG_RETURN_ORIGINAL_LOGPROB=1: before temperature, while the trainer divides by it) and the user's
     generate function masking each sample's first token out of the loss; rollout 2
     with tracing switched off (the hooks still installed); rollout 3's log-prob pass, both samples traced, generated
-    by slime's streaming generate function (sglang_streaming_rollout.generate_streaming: SSE, not post). What slime itself holds is returned beside: each
-    sample's rollout_log_probs, the log-prob pass's rollout_data["log_probs"] (through the actor's
-    rollout_data_postprocess, called after compute_log_prob) and the train_rollout_logprob_abs_diff it logs."""
+    by slime's streaming generate function (sglang_streaming_rollout.generate_streaming: SSE, not post). What
+    slime itself holds is returned beside: each sample's rollout_log_probs, the log-prob pass's
+    rollout_data["log_probs"] (through the actor's rollout_data_postprocess, called after compute_log_prob) and the
+    train_rollout_logprob_abs_diff it logs."""
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
 
     from tic_trace.testing import sglang_cpu as sc
