@@ -172,6 +172,13 @@ def test_slime_report_reconciles_slimes_metric(run, tmp_path):
     assert rc == 0 and rec["causes"] == [] and rec["metric"] < 1e-5 and rec["rows"] == 4
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-0.5", "lots"])
+def test_slime_metric_is_a_number_of_nats(bad, tmp_path, capsys):
+    from tic_trace.tools.cli import main as cli_main
+    assert cli_main(["slime-report", str(tmp_path), "--rollout-id", "0", "--slime-metric", bad]) == 2
+    assert "--slime-metric" in capsys.readouterr().err
+
+
 def test_slime_report_names_a_corrupt_record_and_keeps_the_rest(run, tmp_path):
     base = tmp_path / "t"
     shutil.copytree(run["path"] / "rollout_00001", base / "rollout_00001")
