@@ -335,6 +335,34 @@ def test_rollout_recording_keeps_positions_of_each_turn_and_never_raises(tmp_pat
     assert "not recorded" in caplog.text
 
 
+def test_trainer_entries_state_what_get_log_probs_and_entropy_applied():
+    """The call's own arguments say which rows and what semantics: the packed samples' response positions,
+    rollout_temperature, the top-p replay when slime passed the rollout's nucleus ids; and whether slime's
+    metric compares these numbers (with --use-rollout-logprobs it compares the train step's)."""
+    import argparse
+
+    import torch
+    from tic_trace.integrations.slime.used_logprobs import trainer_entries
+    args = argparse.Namespace(rollout_temperature=0.7, rollout_top_p=0.9, use_rollout_logprobs=True,
+                              context_parallel_size=1)
+    kw = {"unconcat_tokens": [torch.arange(10, 16), torch.arange(20, 29)], "total_lengths": [6, 9],
+          "response_lengths": [2, 3], "top_p_token_ids": [[1], [2]], "top_p_token_offsets": [[0], [0]]}
+    res = (torch.empty(0), {"log_probs": [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.25, -0.125])]})
+    masks = [torch.tensor([1, 0]), torch.tensor([1, 1, 1])]
+    got = trainer_entries(args, "logprob", [None, "4-1"], kw, res, masks)
+    assert len(got) == 1                                   # the untraced sample is left out
+    e = got[0]
+    assert (e.sample, e.positions.tolist(), e.tokens.tolist()) == ("4-1", [6, 7, 8], [26, 27, 28])
+    assert e.logprobs.tolist() == [-0.5, -0.25, -0.125] and e.mask.tolist() == [1.0, 1.0, 1.0]
+    assert (e.sampling.temperature, e.sampling.top_p, e.sampling.top_k) == (0.7, 0.9, -1)
+    assert e.sampling.extra == {"phase": "logprob", "compared_by_slime": False, "use_rollout_logprobs": True,
+                                "top_p_replay": True}
+    step0 = trainer_entries(args, "train_step0", ["4-0", None], {**kw, "top_p_token_ids": None}, res)[0]
+    assert step0.sampling.top_p == 1.0 and step0.sampling.extra["compared_by_slime"] is True and step0.mask is None
+    assert trainer_entries(argparse.Namespace(**{**vars(args), "context_parallel_size": 2}), "logprob",
+                           ["4-0", "4-1"], kw, res) == []  # context-parallel shards: not recorded
+
+
 def test_trainer_recording_failure_never_raises(tmp_path, caplog):
     import argparse
     from tic_trace.integrations.slime.used_logprobs import record_trainer
