@@ -66,6 +66,12 @@ tests=(
   "tests/test_slime_real.py::test_real_flow_tags_requests_and_traces_the_log_prob_pass"
   "tests/test_slime_real.py::test_real_flow_chains_the_users_hooks"
   "tests/test_slime_real.py::test_real_flow_slime_report"
+  # slime's metric reconciled: the used log-probs recorded on slime's own flow, SGLang 0.5.15.post1's sampler's
+  # semantics, the split, and routing replay (R3) through slime's code into Megatron-LM's RouterReplay
+  tests/test_slime_logprobs.py
+  tests/test_logprob_semantics.py
+  tests/test_reconcile.py
+  tests/test_routing_replay.py
 )
 # Ray is no part of slime's image as the lane installs it (the default lane runs this test).
 deselect=(--deselect tests/test_finder.py::test_workers_as_ray_tasks_give_the_same_report)

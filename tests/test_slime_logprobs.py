@@ -164,6 +164,9 @@ def test_slime_report_reconciles_slimes_metric(run, tmp_path):
     assert sum(p["value"] for p in rec["parts"]) == pytest.approx(rec["metric"], rel=1e-9)
     assert parts["semantics"]["significant"] and parts["semantics"]["share"] > 0.99
     assert rec["sides"]["a"]["best"]["temperature"] == T and rec["sides"]["b"]["best"]["name"] == "raw"
+    # the engine's requests said T = 0.9 while its numbers are of the raw logits: its fingerprint says both
+    assert f"though it states T = {T:g}" in rec["sides"]["b"]["summary"]
+    assert "though it states" not in rec["sides"]["a"]["summary"]
     assert abs(parts["forward"]["value"]) < 1e-5 and not parts["tokens"]["significant"]
     assert [c.split(":")[0] for c in rec["causes"]] == ["semantics"]
     # rollout 0: both sides took their log-probs at T = 0.9: nothing to explain

@@ -126,6 +126,15 @@ def test_real_flow_slime_report(flow, tmp_path):
     rep1 = json.loads(bad.read_text())
     fd = rep1["first_divergence"]
     assert (fd["point"], fd["layer"]) == (FAULTS["rmsnorm_eps"].point, 1)
+    # slime's own metric over the traced samples, reconciled: rollout 0 has no cause; in rollout 1 the whole of it
+    # is the forward part (same tokens, same semantics on both sides), which cites the finder's first divergence
+    rec0, rec1 = rep0["reconciliation"], rep1["reconciliation"]
+    assert rec0["causes"] == [] and rec0["metric"] < 1e-3
+    parts = {p["name"]: p for p in rec1["parts"]}
+    assert [p["name"] for p in rec1["parts"] if p["significant"]] == ["forward"]
+    assert parts["forward"]["share"] > 0.99 and parts["forward"]["rows"] == rec1["rows"] > 0
+    assert f"L1.{fd['point']}" in parts["forward"]["summary"]
+    assert abs(sum(p["value"] for p in rec1["parts"]) - rec1["metric"]) <= 1e-9 * max(rec1["metric"], 1.0)
 
 
 def test_real_drift_names_a_stale_weight_sync_at_its_rollout(tmp_path):

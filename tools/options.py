@@ -42,12 +42,22 @@ def at_least_one(s: str) -> int:
 
 
 def positive(s: str) -> float:
+    return _finite(s, above_zero=True)
+
+
+def nats(s: str) -> float:
+    """A mean |Δ| in nats (--slime-metric): finite, 0 or more."""
+    return _finite(s, above_zero=False, what="a number of nats")
+
+
+def _finite(s: str, *, above_zero: bool, what: str = "a number") -> float:
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+    if not (math.isfinite(v) and (v > 0 if above_zero else v >= 0)):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'above 0' if above_zero else '0 or more'}, "
+                                         f"got {s!r}")
     return v
 
 

@@ -10,7 +10,8 @@ from rich.text import Text
 
 from tic_trace.report.text import error_line, text
 from tic_trace.tools.options import (GROWTH_HELP, HTML_HELP, JSON_HELP, TOL_HELP, WORKERS_HELP, WORST_TOKENS_HELP,
-                                     checkpoint_dir, count, output_file, positive, tol_item, torch_device, workers)
+                                     checkpoint_dir, count, nats, output_file, positive, tol_item, torch_device,
+                                     workers)
 
 
 def add_parser(sub) -> None:
@@ -34,23 +35,10 @@ def add_parser(sub) -> None:
                     help="torch device for the float64 replay (default cpu)")
     sp.add_argument("--allow-unverified", action="store_true",
                     help="compare a side whose architecture is not in its adapter's table (refused by default)")
-    sp.add_argument("--slime-metric", type=_nats, default=None, metavar="NATS",
+    sp.add_argument("--slime-metric", type=nats, default=None, metavar="NATS",
                     help="slime's logged train/train_rollout_logprob_abs_diff for this rollout, shown beside the "
                          "reconciliation of the traced samples (which recomputes it from the recorded log-probs)")
     sp.set_defaults(fn=slime_report)
-
-
-def _nats(s: str) -> float:
-    """--slime-metric: a mean |Δ| in nats, finite and not negative."""
-    import argparse
-    import math
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of nats, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of nats, 0 or above, got {s!r}")
-    return v
 
 
 def slime_report(args, console) -> int:

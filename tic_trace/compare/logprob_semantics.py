@@ -232,6 +232,8 @@ class SemanticsMatch:
     missing: int = 0                 # used log-probs without a traced logits row: not measured
     tol: float = MATCH_TOL
     notes: list[str] = field(default_factory=list)
+    # the temperatures the side's own requests state (T = 1 as None): a match at another says so
+    stated_temperatures: tuple = ()
 
     @property
     def semantics(self) -> Semantics | None:
@@ -247,12 +249,20 @@ class SemanticsMatch:
                 f"nats on {self.rows} rows")
         other = f"; next best {r.semantics.name} mean {r.mean:.2g}, max {r.max:.2g}" if r else ""
         if self.verdict == "match":
-            return head + other
+            return head + self._against_stated() + other
         if self.verdict == "ambiguous":
             return (f"{self.side}: ambiguous between {b.semantics.name} (mean |Δ| {b.mean:.2g}) and "
                     f"{r.semantics.name} (mean {r.mean:.2g}): these rows do not tell them apart")
         return (f"{self.side}'s log-probs match no known semantics: the closest, {b.semantics.name}, is off by "
                 f"mean {b.mean:.2g}, max {b.max:.2g} nats (over {self.tol:g})")
+
+    def _against_stated(self) -> str:
+        """ ", though it states T = 0.9" where the matched temperature is none its requests state."""
+        temps = self.stated_temperatures
+        if not temps or self.best is None or self.best.semantics.temperature in temps:
+            return ""
+        said = ", ".join("1" if t is None else f"{t:g}" for t in temps)
+        return f", though it states T = {said}"
 
     def to_json(self) -> dict:
         return {"side": self.side, "verdict": self.verdict, "summary": self.summary, "rows": self.rows,

@@ -121,6 +121,10 @@ def _fingerprint(name: str, side: Side, other: Side, rows: _Rows, s: str, mask: 
     m = fingerprint(name, z, rows.tok[s][idx], rows.u[s][idx], list(stated.values()),
                     missing=int(sum(r is None for r in rows.z[s])), tol=tol)
     own = {(u.sampling.temperature, u.sampling.top_p, u.sampling.top_k, u.sampling.min_p) for u in side.used}
+    temps = {u.sampling.temperature for u in side.used}
+    if None not in temps:       # every request states its temperature: a match at another one is worth saying
+        m.stated_temperatures = tuple(sorted({None if float(t) == 1.0 else float(t) for t in temps},
+                                             key=lambda t: -1.0 if t is None else t))
     if len(own) > 1:
         m.notes.append(f"{name}'s samples state {len(own)} different sampling parameters: one semantics is fitted "
                        "to all of its rows")

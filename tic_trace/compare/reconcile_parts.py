@@ -163,7 +163,8 @@ def result(c: Ctx, parts: list[Part], reduction: Any, recorded: float | None, no
         "order": [p.name for p in parts], "parts": [p.to_json() for p in parts],
         "residual": next(p.value for p in parts if p.name == "residual"),
         "causes": causes, "tol": c.tol, "notes": notes,
-        "covered": ("over the traced samples only: slime's logged value averages every sample of the step"),
+        "covered": ("measured over the traced samples; slime's logged value averages every sample of the step, "
+                    "the same number when every sample is traced"),
     }
 
 
