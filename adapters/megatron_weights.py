@@ -17,7 +17,7 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   (group ``g`` owns query heads ``g*NH/NG ... (g+1)*NH/NG-1``), and TP rank ``r`` holds the contiguous
   ``r``-th 1/tp slice of those rows (whole groups when ``NG >= tp``). ``attention_bias`` models get
   ``linear_qkv.bias`` in the same order. Phi-3's fused ``qkv_proj`` (``[q | k | v]`` rows) and ``gate_up_proj``
-  (``[gate | up]``) are split first (the phi3 family's Megatron tables ``fused_qkv`` / ``fused_gate_up``).
+  (``[gate | up]``) are split first (the Phi-3 family's Megatron tables ``fused_qkv`` / ``fused_gate_up``).
 * ``...self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hn]`` <- ``q_norm`` / ``k_norm``.
 * ``...self_attention.linear_proj.weight`` ``[H, NH*hn/tp]``: column slice ``r`` of ``o_proj``
   (``RowParallelLinear``; head order is preserved).
@@ -45,7 +45,7 @@ FFN size, ``F`` expert FFN size, ``E`` experts, ``V`` vocab):
   (``mlp.shared_expert.*``) the same, its ``mlp.shared_expert_gate.weight`` -> ``mlp.shared_experts.gate_weight``.
 * GPT-OSS (a layer with ``mlp.router.weight``): ``o_proj.bias`` -> ``linear_proj.bias``, ``self_attn.sinks`` ->
   ``core_attention.softmax_offset``, ``mlp.router.{weight,bias}`` -> ``mlp.router.{weight,bias}``, the experts as
-  ``_interleaved_experts`` says (gate and up de-interleaved from alternate columns; the names: the gpt_oss
+  ``_interleaved_experts`` says (gate and up de-interleaved from alternate columns; the names: the GPT-OSS
   family's Megatron table ``interleaved_experts``).
 * ``decoder.final_layernorm.weight`` <- ``model.norm.weight``.
 * ``output_layer.weight`` ``[V/tp, H]`` <- ``lm_head.weight`` (row slice). With ``tie_word_embeddings``
