@@ -1,8 +1,9 @@
 """The log-prob semantics a side used, fingerprinted on its own traced logits (compare/logprob_semantics.py).
 
-The used log-probs come from real code (tic_trace/testing/logprob_sides.py): SGLang 0.5.23's `Sampler.forward`
-(its default return, and with its own SGLANG_RETURN_ORIGINAL_LOGPROB switch), SGLang's torch top-k/top-p/min-p
-filter, and slime's `get_log_probs_and_entropy` with its rollout top-p replay.
+The used log-probs come from real code (tic_trace/testing/logprob_sides.py): the installed SGLang's
+`Sampler.forward` (0.5.23; 0.5.15.post1 in the slime-stack lane: the same semantics, the same assertions) with its
+default return and with its own SGLANG_RETURN_ORIGINAL_LOGPROB switch, SGLang's torch top-k/top-p/min-p filter, and
+slime's `get_log_probs_and_entropy` with its rollout top-p replay.
 """
 from __future__ import annotations
 

@@ -1,13 +1,19 @@
 """Both sides' used log-probs for the reconciliation tests (issue 37), from real code. TEST SUPPORT ONLY.
 
 Engine (`python -m tic_trace.testing.logprob_sides engine SPEC OUT`, a process of its own): a tiny HF Qwen3-MoE
-with random weights (`hf_models`) generates each sample token by token; every step's logits row goes through
-SGLang 0.5.23's real `Sampler.forward` (`sglang/srt/layers/sampler.py`, on a CPU with the `pytorch` sampling
-backend, after SGLang's own distributed start-up: `sglang_cpu.init_sglang_distributed`), which samples the token
-and returns its log-prob (`next_token_logprobs`, what `meta_info.output_token_logprobs` carries). The kept top-p
-set of each step (what slime asks SGLang for with `return_top_p_token_ids`) comes from SGLang's real
-`top_k_top_p_min_p_sampling_from_probs_torch(..., return_filtered_probs=True)`. `SGLANG_RETURN_ORIGINAL_LOGPROB`
-is SGLang's own switch (read when the sampler module is imported).
+with random weights (`hf_models`) generates each sample token by token; every step's logits row goes through the
+installed SGLang's real `Sampler.forward` (`sglang/srt/layers/sampler.py`: 0.5.23 in the default lane,
+0.5.15.post1 in the slime-stack lane; on a CPU with the `pytorch` sampling backend, after SGLang's own distributed
+start-up: `sglang_cpu.init_sglang_distributed`), which samples the token and returns its log-prob
+(`next_token_logprobs`, what `meta_info.output_token_logprobs` carries). Each version gets its own
+`SamplingBatchInfo` fields (:func:`_sampling_info`); `Sampler.forward`'s positional arguments are the same in
+both. The kept top-p set of each step (what slime asks SGLang for with `return_top_p_token_ids`) comes from
+SGLang's real `top_k_top_p_min_p_sampling_from_probs_torch`: 0.5.23 returns its filtered probabilities
+(`return_filtered_probs=True`); 0.5.15.post1 has no such argument, and they are read as it hands them to
+`torch.multinomial` (:func:`_filtered_in_flight`). `SGLANG_RETURN_ORIGINAL_LOGPROB` is SGLang's own switch (read
+when the sampler module is imported). On this path (no `--rl-on-policy-target`, no deterministic inference) both
+versions return the same semantics: `log(softmax(z / T))` over the full distribution, or `log_softmax(z)` with the
+switch (docs/reconcile.md).
 
 Trainer (`... trainer SPEC OUT`, a process of its own: it puts the vendored Megatron-LM first on the path): the
 same model scores each sample's whole sequence; the packed logits go through slime's own
@@ -69,27 +75,73 @@ def _route_with_bias(gate, bias: float):
 
 
 def _sampling_info(n: int, t: float, top_p: float, top_k: int = 0, min_p: float = 0.0):
+    """SGLang's `SamplingBatchInfo` for `n` requests on a CPU batch, its flags set as its own
+    `from_schedule_batch` sets them; the optional fields (grammars, penalties, custom processors, seeds, 0.5.23's
+    sampling masks, watermarks and `max_top_k`) keep their defaults. `is_any_greedy` is a field of 0.5.23's
+    dataclass only (0.5.15.post1's has none): it is passed where the installed version declares it; any other
+    field a version requires fails the construction here rather than being guessed."""
+    import dataclasses
+
     import torch
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    k = top_k or VOCAB
+    since_0523 = {"is_any_greedy": k <= 1}
+    have = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
     return SamplingBatchInfo(
         temperatures=torch.full((n, 1), t), top_ps=torch.full((n,), top_p),
-        top_ks=torch.full((n,), top_k or VOCAB, dtype=torch.int32), min_ps=torch.full((n,), min_p),
-        is_all_greedy=False, is_any_greedy=False, need_top_p_sampling=top_p < 1.0, need_top_k_sampling=bool(top_k),
-        need_min_p_sampling=min_p > 0.0, vocab_size=VOCAB)
+        top_ks=torch.full((n,), k, dtype=torch.int32), min_ps=torch.full((n,), min_p),
+        is_all_greedy=k <= 1, need_top_p_sampling=top_p < 1.0, need_top_k_sampling=bool(top_k),
+        need_min_p_sampling=min_p > 0.0, vocab_size=VOCAB, device="cpu",
+        **{name: v for name, v in since_0523.items() if name in have})
 
 
 def _filtered(row, t: float, top_p: float, top_k: int = 0, min_p: float = 0.0):
-    """SGLang's filtered probabilities of one logits row (the real torch sampler, `return_filtered_probs`), in
-    vocabulary order: the kept tokens' probabilities after temperature, top-k, top-p and min-p (0: dropped)."""
+    """SGLang's filtered probabilities of one logits row (its real torch sampler,
+    `top_k_top_p_min_p_sampling_from_probs_torch`), in vocabulary order: the kept tokens' probabilities after
+    temperature, top-k, top-p and min-p (0: dropped), not renormalised (what the function samples from)."""
+    import inspect
+
     import torch
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch as f
     probs = torch.softmax(row[None].float() / t, dim=-1)
-    _, filtered, idx, _ = f(probs, torch.full((1,), top_k or VOCAB, dtype=torch.int32), torch.full((1,), top_p),
-                            torch.full((1,), min_p), min_p > 0.0, None, torch.zeros(1, dtype=torch.long),
-                            return_filtered_probs=True)
+    args = (probs, torch.full((1,), top_k or VOCAB, dtype=torch.int32), torch.full((1,), top_p),
+            torch.full((1,), min_p), min_p > 0.0, None, torch.zeros(1, dtype=torch.long))
+    if "return_filtered_probs" in inspect.signature(f).parameters:      # 0.5.23: it returns them
+        _, filtered, idx, _ = f(*args, return_filtered_probs=True)
+    else:                                                               # 0.5.15.post1: read on the way
+        filtered, idx = _filtered_in_flight(f, args)
     out = torch.zeros(VOCAB, dtype=filtered.dtype)
     out[idx[0].long()] = filtered[0]
     return out
+
+
+def _filtered_in_flight(f, args):
+    """SGLang 0.5.15.post1's function returns only the sampled ids. Its filtered, sorted probabilities are the
+    tensor it hands to `torch.multinomial` (sampler.py: `sampled_index = torch.multinomial(probs_sort,
+    num_samples=1)`), and their token ids the permutation it gathers the sampled id from (`torch.gather(probs_idx,
+    dim=1, index=sampled_index)`): both read as they go in, the real torch functions still doing the work (the
+    unseeded path: `args` carry no sampling seed)."""
+    import torch
+    seen: dict = {}
+    real = {"multinomial": torch.multinomial, "gather": torch.gather}
+
+    def reading(name):
+        def call(x, *a, **kw):
+            seen.setdefault(name, x.clone())
+            return real[name](x, *a, **kw)
+        return call
+    for name in real:
+        setattr(torch, name, reading(name))
+    try:
+        f(*args)
+    finally:
+        for name, fn in real.items():
+            setattr(torch, name, fn)
+    whole = set(seen) == set(real) and seen["multinomial"].shape == seen["gather"].shape == args[0].shape
+    if not whole or not torch.equal(seen["gather"][0].long().sort()[0], torch.arange(VOCAB)):
+        raise RuntimeError(f"{f.__module__}.{f.__name__} no longer samples one sorted row through "
+                           "torch.multinomial and torch.gather: read its filtered probabilities another way")
+    return seen["multinomial"], seen["gather"]
 
 
 def _generate(run: dict, sampler, out: dict) -> None:
