@@ -8,6 +8,7 @@
   it), nor an architecture its name tables verify, except the registry; nor a module, parameter or function name
   of the family's own (read off its name tables), nor one of its own canonical points. Exempt: tic_trace/testing/
   and tests/, which build the test models of every family by their frameworks' names;
+- no module outside tic_trace/families/ writes a config.json key only one family's folder reads (its facts);
 - no module is over about 500 lines (the core's bound in test_architecture.py, here for adapters, tools,
   integrations and test support too), but the exceptions listed with their reason;
 - README.md's family table is what the families' own `__init__`s say (`families.table.families_markdown`).
@@ -354,3 +355,69 @@ def test_the_readme_family_table_is_the_families_own():
     assert m, "README.md has no families block"
     assert m.group(1) == families_markdown(), "README.md's family table differs from the families' __init__s: " \
         "paste `python -c 'from tic_trace.families.table import families_markdown as f; print(f(), end=\"\")'`"
+
+
+# ---------------------------------------------------------------- the families' config.json keys
+#
+# The config.json keys a family's folder reads through model_spec's typed reader (the first argument of
+# `c.int("kv_lora_rank", ...)`, c.ints / num / bool / str / raw / has / obj / error, in any of its modules) are its
+# config facts. Those no other family's folder reads, but SHARED_CONFIG_KEYS, are its own: no product module
+# outside tic_trace/families/ may write them (a string literal, an attribute, keyword or variable name:
+# replay/model_spec.py once read MLA's ranks itself). tic_trace/testing/ is exempt (it builds every family's models).
+_READS = {"int", "ints", "num", "bool", "str", "raw", "has", "obj", "error"}
+# Keys a family reads that are every model's, each with why. One no family reads any more fails
+# test_the_shared_config_keys_are_still_read.
+SHARED_CONFIG_KEYS = {
+    "num_hidden_layers": "every decoder's layer count (Qwen3-Next's facts size its layer kinds by it)",
+    "layer_types": "any family's kinds of layer (replay/layer_types.py reads sliding windows from it; Qwen3-Next "
+                   "names its linear-attention layers there)",
+}
+
+
+def _config_reads(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in _READS and n.args and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n.args[0].value)}
+
+
+def _family_config_keys() -> dict[str, set[str]]:
+    """Family -> the config.json keys its folder reads."""
+    out: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        fam = _family_of_module(name)
+        if fam is not None:
+            out.setdefault(fam, set()).update(_config_reads(path))
+    return out
+
+
+def _own_config_keys() -> dict[str, str]:
+    """Config key -> the one family whose folder alone reads it."""
+    seen: dict[str, set[str]] = {}
+    for fam, keys in _family_config_keys().items():
+        for k in keys:
+            seen.setdefault(k, set()).add(fam)
+    return {k: next(iter(f)) for k, f in seen.items() if len(f) == 1 and k not in SHARED_CONFIG_KEYS}
+
+
+def test_no_module_outside_the_families_reads_a_familys_config_keys():
+    own = _own_config_keys()
+    # the check knows each family's keys, and finds one where code writes it (not in a docstring)
+    assert {own.get(k) for k in ("kv_lora_rank", "rope_interleave", "query_pre_attn_scalar", "swiglu_limit",
+                                 "linear_conv_kernel_dim")} == {"deepseek", "gemma", "gpt_oss", "qwen3_next"}, own
+    src = '"""kv_lora_rank"""\ndef f(c, cfg):\n    return c.int("kv_lora_rank", 1, 9), cfg.swiglu_limit, c.int("vocab_size")\n'
+    assert {t for t, _ in _names_written(src, "<example>") if t in own} == {"kv_lora_rank", "swiglu_limit"}
+    bad = []
+    for name, path in MODULES.items():
+        if name.startswith("tic_trace.testing") or name.startswith("tic_trace.families"):
+            continue
+        rel = str(path.relative_to(ROOT))
+        bad += [f"{rel}:{line} names config key {t!r} (family {own[t]}'s: read it in the family's facts)"
+                for t, line in sorted(_names_written(path.read_text(encoding="utf-8"), rel)) if t in own]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_shared_config_keys_are_still_read():
+    read = set().union(*_family_config_keys().values())
+    assert not set(SHARED_CONFIG_KEYS) - read, f"no family reads these any more: take them off SHARED_CONFIG_KEYS: " \
+        f"{sorted(set(SHARED_CONFIG_KEYS) - read)}"

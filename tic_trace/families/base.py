@@ -10,7 +10,7 @@ onto its canonical points (strings and `graph.adapter` rows only, no framework i
 
 Each family's `__init__.py` builds one `Family` (`FAMILY = Family(...)`) and says in its docstring what the
 family is and what is verified per framework; `tic_trace/families/__init__.py` is the registry of them. The core
-asks the registry (`family_of(model_type)`) and calls these hooks; it never names a family. Every hook has a
+asks the registry (`family_of_config`, `family_for`) and calls these hooks; it never names a family. Every hook has a
 default that changes nothing, so a family states only where it differs from the base transformer.
 
 Import rules (tests/test_architecture.py): a family imports only the core (store, graph, view, replay's leaf
@@ -115,8 +115,11 @@ class Family:
     model_types: tuple[str, ...]                # config.json model_type values it owns (the registry's keys)
     description: str                            # what the family is, one or two sentences
     verified: Mapping[str, str]                 # framework (FRAMEWORKS) -> what is verified there; absent: not
-    # A model whose model_type no family owns is this family's when its spec states what only this family
-    # computes (MLA's kv latent: Kimi-K2's `kimi_k2` is DeepSeek-V3's architecture); None: model_type alone.
+    # A model whose model_type no family owns is this family's when its config.json states what only this family
+    # computes (MLA's kv latent: Kimi-K2's `kimi_k2` is DeepSeek-V3's architecture): `claims_config(c)` on
+    # model_spec's typed reader picks the family whose `facts` read the config; `claims(spec)` on the spec those
+    # facts made picks the family whose ops replay it (`families.family_for`). None: model_type alone.
+    claims_config: Callable[[Any], bool] | None = None
     claims: Callable[[Any], bool] | None = None
 
     # --- the canonical graph (points.py: data only, `graph.point_spec`; graph/canonical.py assembles them)

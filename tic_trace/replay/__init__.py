@@ -3,7 +3,7 @@ weights from an HF checkpoint, `checkpoint`, and model facts from its config.jso
 error of each side against it (`intrinsic`) and the rule that turns two sides' intrinsic errors into a verdict
 (`intrinsic_verdict`); a float dtype's rounding grid (`grid`), shared with the finder's measure step.
 
-May import: store, graph, view, families (the registry of model families, `family_of`); of record only
-`record.stats` (a checkpoint tensor hashed as the tracer hashes a parameter); of compare only
+May import: store, graph, view, families (the registry of model families, `family_of_config`, `family_for`); of
+record only `record.stats` (a checkpoint tensor hashed as the tracer hashes a parameter); of compare only
 `compare.contract` (`check_reference`, run before a replay).
 """

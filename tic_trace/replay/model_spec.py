@@ -12,7 +12,7 @@ from typing import Any
 
 from .not_replayable import CheckpointError
 from .rope import ROPE_KINDS
-from ..families import family_of
+from ..families import Family, family_of_config
 
 # A real config.json is a few KB (multimodal ones tens of KB): anything this large is not one.
 CONFIG_MAX_BYTES = 4 << 20
@@ -63,17 +63,11 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     intermediate_size: int = 0             # dense MLP width (0: not stated); for the tensors' shape check
     moe_intermediate_size: int = 0         # one expert's width (0: not stated)
-    # DeepSeek-V3 / GLM-4.5 style MoE and multi-latent attention (MLA); 0 / None where the config has none
+    # DeepSeek-V3 / GLM-4.5 style MoE; 0 where the config has none (MLA's facts are its family's: `extra`)
     first_k_dense_replace: int = 0         # layers 0..k-1 run a dense MLP, the others the MoE block
     mlp_only_layers: tuple[int, ...] = ()  # Qwen2/3-MoE: these layers run a dense MLP
     decoder_sparse_step: int = 1           # Qwen2/3-MoE: layer i runs the MoE block only where (i+1) % step == 0
-    q_lora_rank: int | None = None         # MLA: q down-projection width (None: one q projection)
-    kv_lora_rank: int = 0                  # MLA: the kv latent's width (0: not an MLA model)
-    qk_nope_head_dim: int = 0              # MLA: per-head q/k dims without RoPE
-    qk_rope_head_dim: int = 0              # MLA: per-head q/k dims with RoPE (k's shared by every head)
-    v_head_dim: int = 0                    # MLA: per-head v dims
-    rope_interleave: bool = False          # MLA: RoPE over interleaved pairs, output de-interleaved (HF)
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)     # the family's config facts (Family.facts), `layer_ropes`
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` of this MoE model runs the MoE block (not a dense MLP)."""
@@ -279,9 +273,9 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
     if experts and not 1 <= topk <= experts:
         raise c.error("num_experts_per_tok", f"an integer from 1 to the number of experts ({experts})", topk)
     model_type = c.str("model_type", "")
-    fam = family_of(model_type)
+    fam = family_of_config(model_type, c)       # its owner, else the family its config's facts say
     dflt = fam.defaults.get(model_type, {})     # ModelSpec fields its code fixes where config.json is silent
-    fields = dict(**_latent_and_dense(c, dflt),
+    fields = dict(**_dense_layers(c),
         model_type=model_type, num_layers=c.int("num_hidden_layers", 1, 1 << 16),
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         vocab_size=c.int("vocab_size", 1, _BIG),
@@ -302,29 +296,21 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         max_position_embeddings=c.int("max_position_embeddings", 1, _BIG, default=None),
         intermediate_size=c.int("intermediate_size", 0, 1 << 24, default=0),
         moe_intermediate_size=c.int("moe_intermediate_size", 0, 1 << 24, default=0),
-        extra=_extra(c, model_type, hidden))
+        extra=_extra(fam, c, model_type, hidden))
     return ModelSpec(**{**fields, **fam.fixed.get(model_type, {})})    # the fields its code fixes, whatever
 
 
-def _extra(c: _Config, model_type: str, hidden: int) -> dict:
+def _extra(fam: Family, c: _Config, model_type: str, hidden: int) -> dict:
     """`ModelSpec.extra`: the family's config facts, and the RoPE per layer type where the config gives one."""
-    out = family_of(model_type).facts(c, model_type, hidden)
+    out = fam.facts(c, model_type, hidden)
     ropes = layer_rope_specs(c)
     return {**out, "layer_ropes": ropes} if ropes else out
 
 
-def _latent_and_dense(c: _Config, dflt: dict) -> dict:
-    """Which layers are dense (`first_k_dense_replace`, Qwen-MoE's `mlp_only_layers` and `decoder_sparse_step`),
-    and (MLA) the latent ranks and per-head splits (`dflt`: the family's defaults, RoPE over interleaved pairs)."""
-    out = {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0),
-           "mlp_only_layers": c.ints("mlp_only_layers", 0, 1 << 16),
-           "decoder_sparse_step": c.int("decoder_sparse_step", 1, 1 << 16, default=1)}
-    if c.has("kv_lora_rank"):
-        out.update(q_lora_rank=c.int("q_lora_rank", 1, 1 << 20, default=None),
-                   kv_lora_rank=c.int("kv_lora_rank", 1, 1 << 20),
-                   qk_nope_head_dim=c.int("qk_nope_head_dim", 0, 1 << 16),
-                   qk_rope_head_dim=c.int("qk_rope_head_dim", 1, 1 << 16),
-                   v_head_dim=c.int("v_head_dim", 1, 1 << 16),
-                   rope_interleave=c.bool("rope_interleave", dflt.get("rope_interleave", False)))
-    return out
+def _dense_layers(c: _Config) -> dict:
+    """Which layers of a MoE model are dense (`first_k_dense_replace`, Qwen-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`)."""
+    return {"first_k_dense_replace": c.int("first_k_dense_replace", 0, 1 << 16, default=0),
+            "mlp_only_layers": c.ints("mlp_only_layers", 0, 1 << 16),
+            "decoder_sparse_step": c.int("decoder_sparse_step", 1, 1 << 16, default=1)}
 

@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping
 
 from ..base import Family, lazy
 from . import points
-from .spec import OPTIONAL_INPUTS, derived_weight, is_latent as _is_latent, latent_inputs, latent_op, shapes
+from .spec import (OPTIONAL_INPUTS, derived_weight, facts, is_latent as _is_latent, latent_inputs, latent_op, shapes,
+                   states_latent)
 
 _SIGMOID = {"scoring_func": "sigmoid"}      # DeepSeek-V3 and GLM-4.5 routers are sigmoid in code, not in config
 
@@ -49,9 +50,11 @@ FAMILY = Family(
     verified={"hf": "DeepSeek-V3, GLM-4.5: every point, replayed",
               "megatron": "DeepSeek-V3 (MLASelfAttention, local spec, TP 1 and 2), GLM-4.5 (one rank): every point",
               "sglang": "DeepSeek-V3 (TP 1 and 2, absorbed decode), GLM-4.5 (TP 1): every point the trace holds"},
-    # HF's DeepseekV3Attention rotates interleaved pairs unless the config says otherwise (V2's does not)
-    claims=lambda spec: _is_latent(spec),
-    defaults={"deepseek_v3": {**_SIGMOID, "rope_interleave": True}, "glm4_moe": _SIGMOID},
+    # a model_type no family owns whose config states a kv latent (Kimi-K2's kimi_k2) reads and replays as MLA
+    claims_config=states_latent,
+    claims=_is_latent,
+    defaults={"deepseek_v3": _SIGMOID, "glm4_moe": _SIGMOID},
+    facts=facts,
     points=points.POINTS,
     remarks=points.REMARKS,
     shapes=shapes,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...replay.not_replayable import NotReplayable
-from .spec import LATENT_NORM_EPS, softmax_scale
+from .spec import LATENT_NORM_EPS, latent, softmax_scale
 
 if TYPE_CHECKING:      # torch loads with the replay's ops
     import torch
@@ -102,8 +102,9 @@ class LatentOps:
         """RoPE of MLA's rope dims x [rows, heads, rope_dim] at `positions` [rows]."""
         import torch
         from ...replay.rope import apply_rope, rope_inv_freq
-        rspec = replace(spec, head_dim=spec.qk_rope_head_dim)
-        if not spec.rope_interleave:
+        m = latent(spec)
+        rspec = replace(spec, head_dim=m.qk_rope_head_dim)
+        if not m.rope_interleave:
             return apply_rope(x, positions, rspec)
         inv, scale = rope_inv_freq(rspec)
         ang = positions.to(torch.float64)[:, None] * inv.to(x.device)[None, :]
@@ -126,24 +127,24 @@ class LatentOps:
         return self.f.rms_norm(feeds["attn.q_a"], w, LATENT_NORM_EPS)
 
     def kv_a_norm(self, ref, layer, feeds, rows, tokens):
-        latent = feeds["attn.kv_a"][:, :ref.spec.kv_lora_rank]       # k_pe is not normalised
-        return self.f.rms_norm(latent, ref.weights(layer).get("self_attn.kv_a_layernorm.weight"), LATENT_NORM_EPS)
+        kv = feeds["attn.kv_a"][:, :latent(ref.spec).kv_lora_rank]       # k_pe is not normalised
+        return self.f.rms_norm(kv, ref.weights(layer).get("self_attn.kv_a_layernorm.weight"), LATENT_NORM_EPS)
 
     def kv_b(self, ref, layer, feeds, rows, tokens):
         return heads(self._proj(ref, layer, feeds["attn.kv_a_norm"], "kv_b_proj"), ref.spec)
 
     def q(self, ref, layer, feeds, rows, tokens):
-        if ref.spec.q_lora_rank:
+        if latent(ref.spec).q_lora_rank:
             return heads(self._proj(ref, layer, feeds["attn.q_a_norm"], "q_b_proj"), ref.spec)
         return heads(self._proj(ref, layer, feeds["attn_norm"], "q_proj"), ref.spec)
 
     def q_rope(self, ref, layer, feeds, rows, tokens):
         q = feeds["attn.q"]
-        return self.rope(heads(q, ref.spec)[..., ref.spec.qk_nope_head_dim:], _positions(rows, q), ref.spec)
+        return self.rope(heads(q, ref.spec)[..., latent(ref.spec).qk_nope_head_dim:], _positions(rows, q), ref.spec)
 
     def k_rope(self, ref, layer, feeds, rows, tokens):
         kv = feeds["attn.kv_a"]
-        return self.rope(kv[:, ref.spec.kv_lora_rank:][:, None, :], _positions(rows, kv), ref.spec)
+        return self.rope(kv[:, latent(ref.spec).kv_lora_rank:][:, None, :], _positions(rows, kv), ref.spec)
 
     def core(self, ref, layer, feeds, rows, tokens):
         """Per sample, every query row over the keys at positions 0..p (reference.attend_by_sample, in query
@@ -151,13 +152,14 @@ class LatentOps:
         that ran an absorbed path (an engine's decode: kv_b never materialised) reads k_nope and v up-projected
         exactly from the recorded latent, for every key: in exact arithmetic the absorbed attention is this."""
         import torch
-        s, nope = ref.spec, ref.spec.qk_nope_head_dim
+        s, m = ref.spec, latent(ref.spec)
+        nope = m.qk_nope_head_dim
         q = torch.cat([heads(feeds["attn.q"], s)[..., :nope], heads(feeds["attn.q_rope"], s)], dim=-1)
         kv_b, up, present = key_values(ref, layer, feeds, self._proj)
         k_pe = feeds["attn.k_rope"].reshape(kv_b.shape[0], 1, -1).expand(-1, s.num_attention_heads, -1)
         absorbed = (absorbed_queries(rows, feeds["__kv_rows__"], present, q.device) if up is not None
                     else torch.zeros(len(rows), dtype=torch.bool))
-        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape[0], s.num_attention_heads * m.v_head_dim, dtype=q.dtype, device=q.device)
         for sel, kv in ((~absorbed, kv_b), (absorbed, up)):
             idx = sel.nonzero().flatten().tolist()
             if idx:

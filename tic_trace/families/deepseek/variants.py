@@ -17,7 +17,7 @@ from ...replay.attention_kernels import softmax_bf16 as _softmax_bf16
 from ...replay.attention_ops import each_sample
 from ...replay.variants import Variant, VariantInput, _norm_variants, rotate
 from .ops import absorbed_queries, heads as _heads, kv_b_present
-from .spec import LATENT_NORM_EPS, softmax_scale
+from .spec import LATENT_NORM_EPS, latent as _latent, softmax_scale
 
 _NORMS = {"attn.q_a_norm": ("attn.q_a", "self_attn.q_a_layernorm.weight"),
           "attn.kv_a_norm": ("attn.kv_a", "self_attn.kv_a_layernorm.weight")}
@@ -28,7 +28,7 @@ def _latent_norm_variants() -> list[Variant]:
     at the latent norms' own eps."""
     def latent(v: VariantInput) -> VariantInput:
         feed, _ = _NORMS[v.point]
-        x = v.feeds[feed][:, :v.spec.kv_lora_rank] if v.point == "attn.kv_a_norm" else v.feeds[feed]
+        x = v.feeds[feed][:, :_latent(v.spec).kv_lora_rank] if v.point == "attn.kv_a_norm" else v.feeds[feed]
         return replace(v, feeds={feed: x})
 
     base = _norm_variants(None, lambda v: v.w(_NORMS[v.point][1]), eps=lambda v: LATENT_NORM_EPS)
@@ -38,17 +38,17 @@ def _latent_norm_variants() -> list[Variant]:
 def _rope_input(v: VariantInput) -> torch.Tensor:
     """The rope dims the point rotates, de-interleaved where the model's RoPE is over interleaved pairs (HF
     reorders them before a rotate-half RoPE; so do the engines' interleaved kernels)."""
-    s = v.spec
+    m = _latent(v.spec)
     if v.point == "attn.q_rope":
-        x = _heads(v.feeds["attn.q"], s)[..., s.qk_nope_head_dim:]
+        x = _heads(v.feeds["attn.q"], v.spec)[..., m.qk_nope_head_dim:]
     else:
-        x = v.feeds["attn.kv_a"][:, s.kv_lora_rank:][:, None, :]
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if s.rope_interleave else x
+        x = v.feeds["attn.kv_a"][:, m.kv_lora_rank:][:, None, :]
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1) if m.rope_interleave else x
 
 
 def _latent_rope(fp32_tables: bool):
     def run(v: VariantInput) -> torch.Tensor:     # the rope dims are the whole of what is rotated
-        return rotate(v, _rope_input(v), fp32_tables, replace(v.spec, head_dim=v.spec.qk_rope_head_dim))
+        return rotate(v, _rope_input(v), fp32_tables, replace(v.spec, head_dim=_latent(v.spec).qk_rope_head_dim))
     return run
 
 
@@ -58,9 +58,9 @@ def _latent_attention(kernel, same_v_dim: bool = False):
     (torch's fused SDPA; otherwise it falls back to the math path, a variant of its own). A query that ran an
     absorbed path (ops.absorbed_queries) runs the absorbed attention instead (_absorbed)."""
     def run(v: VariantInput) -> torch.Tensor:
-        s, dt = v.spec, v.dtype
-        nope = s.qk_nope_head_dim
-        if same_v_dim and s.v_head_dim != nope + s.qk_rope_head_dim:
+        s, m, dt = v.spec, _latent(v.spec), v.dtype
+        nope = m.qk_nope_head_dim
+        if same_v_dim and m.v_head_dim != nope + m.qk_rope_head_dim:
             raise NotImplementedError("the fused kernel needs v's head dim to be q's")
         q_nope, q_rope = _heads(v.feeds["attn.q"], s)[..., :nope], _heads(v.feeds["attn.q_rope"], s)
         kv_b = _heads(v.feeds["attn.kv_b"], s)
@@ -68,7 +68,7 @@ def _latent_attention(kernel, same_v_dim: bool = False):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k, vv = torch.cat([kv_b[..., :nope], k_pe.expand(-1, s.num_attention_heads, -1)], dim=-1), kv_b[..., nope:]
         absorbed = absorbed_queries(v.rows, v.feeds["__kv_rows__"], kv_b_present(v.feeds), q.device)
-        out = torch.empty(q.shape[0], s.num_attention_heads * s.v_head_dim, dtype=dt, device=q.device)
+        out = torch.empty(q.shape[0], s.num_attention_heads * m.v_head_dim, dtype=dt, device=q.device)
         for qi_all, qpos_all, kidx, kpos in each_sample(v.rows, v.feeds["__kv_rows__"], q.device):
             which = absorbed[torch.tensor(qi_all, device=q.device)]
             for sel in (~which, which):
@@ -92,11 +92,11 @@ def _absorbed(v: VariantInput, kernel, q_nope, q_rope, kidx, k_pe, mask) -> torc
     """MLA's absorbed attention in the side's dtype (an engine's decode: the latent cache never decompressed):
     q_nope folded into the latent space by kv_b_proj's k rows (w_kc), attention over [latent | k_pe] with the
     latent as the value, the result taken out by its v rows (w_vc); each product rounded to the dtype."""
-    s, dt, heads, nope = v.spec, v.dtype, v.spec.num_attention_heads, v.spec.qk_nope_head_dim
+    s, dt, heads, nope = v.spec, v.dtype, v.spec.num_attention_heads, _latent(v.spec).qk_nope_head_dim
     if "attn.kv_a_norm" not in v.feeds:
         raise NotImplementedError("an absorbed path's query without the recorded kv latent")
     latent = v.feeds["attn.kv_a_norm"][kidx]
-    w = v.w("self_attn.kv_b_proj.weight").reshape(heads, nope + s.v_head_dim, -1).to(dt)
+    w = v.w("self_attn.kv_b_proj.weight").reshape(heads, nope + _latent(s).v_head_dim, -1).to(dt)
     q_lat = torch.einsum("rhn,hnl->rhl", q_nope.to(dt), w[:, :nope])
     qs = torch.cat([q_lat, q_rope.to(dt)], dim=-1).transpose(0, 1)[None]
     ks = torch.cat([latent, k_pe[:, 0]], dim=-1).to(dt)[None, None].expand(1, heads, -1, -1)
