@@ -222,3 +222,106 @@ def test_terminal_json_and_html_show_the_split(runs):
     assert "no cause (every part under 0.001 nats or 5% of the metric)" in con.export_text()
     refused = _report(reconcile(Side("megatron", []), _engine(eng, "clean"))).to_json()
     assert "not made — megatron recorded no used log-probs" in render_html(refused)
+
+
+def _mixed(name, arrays, runs, sampling_of):
+    """One side whose samples come from different runs (sample s from runs[s]), each stating its own run's
+    sampling parameters (sampling_of(run)): the requests of one rollout at two temperatures."""
+    used, logits = [], {}
+    for s, run in enumerate(runs):
+        one = used_side(name, arrays, run, sampling_of(run))
+        used.append(one.used[s])
+        logits[key(s)] = one.logits[key(s)]
+    return Side(name, used, logits)
+
+
+def test_a_side_stating_two_temperatures_is_fingerprinted_per_group(runs):
+    """The engine's sample 0 was sampled at T = 0.7 (and says so), samples 1 and 2 at T = 1; the trainer scored all
+    three with --rollout-temperature 1. One semantics over all the engine's rows matches neither group: the split
+    must move each row by its own group's semantics."""
+    from tic_trace.compare.logprob_semantics import Semantics, recompute
+    from tic_trace.compare.reconcile import join, slime_weights
+    eng, tr = runs
+    engine = _mixed("sglang", eng, ["t07", "clean", "clean"],
+                    lambda run: Sampling(0.7 if run == "t07" else 1.0, 1.0, -1, 0.0, "sglang output_token_logprobs"))
+    trainer = _mixed("megatron", tr, ["t07", "clean", "clean"],
+                     lambda run: Sampling(1.0, 1.0, -1, 0.0, "slime compute_log_prob"))
+    r = reconcile(trainer, engine)
+    _adds_up(r)
+    # what the rows' own groups imply: D2 = u_A - u_B + l_B(s_B) - l_B(raw), s_B the row's group's semantics
+    rows = join(trainer, engine, SlimeReduction())
+    w, sem = slime_weights(rows.keys, SlimeReduction()), []
+    for s, _ in rows.keys:
+        sem.append(Semantics(temperature=0.7) if s == key(0) else Semantics())
+    z, t = np.stack(rows.z["b"]), rows.tok["b"]
+    own = np.array([recompute(z[i:i + 1], t[i:i + 1], x)[0] for i, x in enumerate(sem)])
+    d0 = rows.u["a"] - rows.u["b"]
+    d2 = d0 + own - recompute(z, t, Semantics())
+    want = float(np.sum(w * np.abs(d0)) - np.sum(w * np.abs(d2)))
+    sem_part = _part(r, "semantics")
+    assert want > 0.01 and math.isclose(sem_part["value"], want, rel_tol=1e-6), (sem_part, want)
+    assert sem_part["share"] > 0.99 and abs(_part(r, "residual")["value"]) < 1e-5, r["parts"]
+    b = r["sides"]["b"]
+    assert [(g["stated"], g["verdict"], g["best"]["name"], g["samples"], g["rows"]) for g in b["groups"]] == [
+        ("T = 0.7", "match", "temperature", 1, RESPONSE), ("T = 1", "match", "raw", 2, 2 * RESPONSE)], b
+    assert b["groups"][0]["best"]["temperature"] == 0.7 and b["verdict"] == "match"
+    assert "groups" not in r["sides"]["a"] and r["sides"]["a"]["best"]["name"] == "raw"   # one group: as before
+    assert "logits / T, T = 0.7) on the 1 sample stating T = 0.7" in sem_part["summary"]
+    assert "sglang's samples state 2 different sampling parameters: each group fingerprinted" in " ".join(r["notes"])
+    assert r["common"]["name"] == "raw"
+    from tic_trace.report.reconcile_lines import reconciliation_lines
+    lines = reconciliation_lines({"reconciliation": r})
+    assert any(x.startswith("    B [T = 0.7; 1 sample]: sglang's log-probs are over the full distribution "
+                            "(logits / T, T = 0.7)") for x in lines), lines
+    assert any(x.startswith("    B [T = 1; 2 samples]: sglang's log-probs are over the full distribution "
+                            "(the raw logits") for x in lines), lines
+    assert not any(x.startswith("    A [") for x in lines)      # the trainer has one group: one line, as before
+
+
+def test_routing_replay_part_says_whether_r3_was_off_or_not_recorded(runs):
+    from tic_trace.compare.reconcile_parts import R3State
+    from tic_trace.report.reconcile_lines import part_line
+    eng, tr = runs
+    off = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), r3_state=R3State(False))
+    rr = _part(off, "routing_replay")
+    assert rr["state"] == rr["summary"] == "R3 off (--use-rollout-routing-replay not set): no routing-replay part"
+    assert rr["missing"] == "" and rr["value"] == 0
+    assert part_line(rr).endswith("0 rows — R3 off (--use-rollout-routing-replay not set): no routing-replay part")
+    why = "no routed experts were recorded under rollout_00000/routing_replay/"
+    on = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"), r3_state=R3State(True, why))
+    rr = _part(on, "routing_replay")
+    assert rr["missing"] == f"routing replay not checked: R3 on (--use-rollout-routing-replay) but {why}"
+    assert "state" not in rr and part_line(rr).endswith(f"— not measured: {rr['missing']}")
+    assert off["metric"] == on["metric"] and _part(off, "forward")["value"] == _part(on, "forward")["value"]
+    unknown = reconcile(_trainer(tr, "r3"), _engine(eng, "clean"))        # the API without a word: as before
+    assert _part(unknown, "routing_replay")["missing"] == "routing replay not checked"
+
+
+def test_slime_report_reads_r3_from_the_megatron_manifest(tmp_path):
+    """slime-report's reconciliation takes R3 on or off from slime's flag as the Megatron side's manifest
+    records it (integrations/slime/megatron_hooks.py), and says why it has no check when it was on."""
+    from conftest import trace_hf
+    from tic_trace.compare.reconcile_parts import R3State
+    from tic_trace.testing.hf_models import build_hf_model, sample_tokens, tiny_qwen3_config
+    from tic_trace.tools.slime_reconcile import r3_state, routing_replay
+    from tic_trace.view.align import CanonicalView
+    model, ids = build_hf_model(tiny_qwen3_config(moe=False, num_hidden_layers=1)), sample_tokens(1, 4)
+    views = {}
+    for flag in (False, True, None):
+        d = tmp_path / f"r3_{flag}" / "megatron"
+        slime = {"rollout_id": 0} if flag is None else {"rollout_id": 0, "use_rollout_routing_replay": flag}
+        trace_hf(model, d, ids, manifest={"slime": slime})
+        views[flag] = CanonicalView(str(d))
+    rdir = tmp_path / "r3_True"
+    r3, note = routing_replay(rdir, {"megatron": views[True], "sglang": views[True]})
+    assert r3 is None and note is None                                    # nothing recorded
+    assert r3_state(tmp_path / "r3_False", views[False], r3, note) == R3State(False)
+    on = r3_state(rdir, views[True], r3, note)
+    assert on.on and "no routed experts were recorded under r3_True/routing_replay/" in on.why
+    (rdir / "routing_replay").mkdir()
+    (rdir / "routing_replay" / "rank00000.routed_experts.msgpack").write_bytes(b"not msgpack")
+    r3, note = routing_replay(rdir, {"megatron": views[True], "sglang": views[True]})
+    assert r3 is None and note
+    bad = r3_state(rdir, views[True], r3, note)
+    assert bad.on and bad.why.startswith("its record cannot be read (") and "rank00000" in bad.why
+    assert r3_state(tmp_path / "r3_None", views[None], None, None) is None    # the manifest does not say

@@ -169,6 +169,10 @@ def test_slime_report_reconciles_slimes_metric(run, tmp_path):
     assert "though it states" not in rec["sides"]["a"]["summary"]
     assert abs(parts["forward"]["value"]) < 1e-5 and not parts["tokens"]["significant"]
     assert [c.split(":")[0] for c in rec["causes"]] == ["semantics"]
+    # R3 off for this run: the Megatron side's manifest records slime's flag, and the part says so (not "not checked")
+    assert open_trace(run["path"] / "rollout_00001" / "megatron").manifest["slime"]["use_rollout_routing_replay"] is False
+    assert parts["routing_replay"]["state"] == "R3 off (--use-rollout-routing-replay not set): no routing-replay part"
+    assert parts["routing_replay"]["missing"] == ""
     # rollout 0: both sides took their log-probs at T = 0.9: nothing to explain
     rc, rep = slime_report(run, 0, tmp_path / "r0.json")
     rec = rep["reconciliation"]

@@ -30,7 +30,7 @@ def reconciliation(rdir: Path, sides: Mapping[str, Path], views: Mapping[str, An
     a, b = (Side(label, used[name].entries, _logits_rows(views[name], used[name].entries)) for name, label in SIDES)
     r3, r3_note = routing_replay(rdir, views)
     out = reconcile(a, b, r3=r3, finder=finder, reduction=_reduction(views["megatron"], used["megatron"].entries),
-                    recorded=recorded)
+                    recorded=recorded, r3_state=r3_state(rdir, views["megatron"], r3, r3_note))
     notes = [f"{name}: {n}" for name, _ in SIDES for n in used[name].notes]
     notes += [f"{name}: {used[name].ignored} in used_logprobs/ are no part of the record (not read)"
               for name, _ in SIDES if used[name].ignored]
@@ -82,3 +82,20 @@ def routing_replay(rdir: Path, views: Mapping[str, Any]) -> tuple[Any, str | Non
         return check_rollout(rdir, views["megatron"], views["sglang"]), None
     except (TraceFormatError, ValueError) as e:
         return None, f"routing replay not checked: {e}"
+
+
+def r3_state(rdir: Path, megatron_view, r3: Any, note: str | None) -> Any:
+    """Why there is no routing-replay check (compare.reconcile_parts.R3State): R3 off for the run, as the Megatron
+    side's manifest records slime's flag, or on with nothing recorded or readable. None with a check, or where
+    the manifest does not say (a trace recorded before the flag was)."""
+    from tic_trace.compare.reconcile_parts import R3State
+    slime = megatron_view.trace.manifest.get("slime")
+    on = slime.get("use_rollout_routing_replay") if isinstance(slime, dict) else None
+    if r3 is not None or not isinstance(on, bool):
+        return None
+    if not on:
+        return R3State(False)
+    if note:
+        return R3State(True, f"its record cannot be read ({note.removeprefix('routing replay not checked: ')})")
+    return R3State(True, f"no routed experts were recorded under {Path(rdir).name}/routing_replay/ (did a traced "
+                         "sample reach slime's fill_routing_replay?)")

@@ -76,7 +76,9 @@ class _Session:
                                 # slime's --hf-checkpoint: the exact reference of `slime-report` (docs/replay.md)
                                 "hf_checkpoint": _hf_checkpoint(a),
                                 # how slime reduces train_rollout_logprob_abs_diff (the reconciliation's weights)
-                                "calculate_per_token_loss": bool(getattr(a, "calculate_per_token_loss", False))}},
+                                "calculate_per_token_loss": bool(getattr(a, "calculate_per_token_loss", False)),
+                                # R3 on or off: the reconciliation's routing-replay part says which
+                                "use_rollout_routing_replay": bool(getattr(a, "use_rollout_routing_replay", False))}},
             run=self.run)
         try:
             self.tracer.start()

@@ -9,7 +9,8 @@ sequence of per-row differences splits it into parts that add up exactly:
   tokens          rows whose token ids differ (a template shift moves every later token): their whole gap
   unmeasured      rows without a traced logits row on a side (or whose token a semantics filters out): not split
   semantics       D0 -> D2 = (u_A - l_A(s_A) + l_A(c)) - (u_B - l_B(s_B) + l_B(c)): each side's used log-prob
-                  moved from its own semantics s to a common one c, recomputed from its own traced logits
+                  moved from its own semantics s to a common one c, recomputed from its own traced logits (s:
+                  the fingerprint of the row's group of samples stating the same parameters, reconcile_groups.py)
   residual        D2 -> D3 = l_A(c) - l_B(c): each side's used log-prob off its own traced logits under any
                   known semantics (its deviation from the closest candidate)
   routing_replay  the forward's gap D3 on rows whose applied experts differ (R3, compare/routing_replay.py)
@@ -26,8 +27,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..store.used_logprobs import UsedLogprobs
-from .logprob_semantics import MATCH_TOL, SemanticsMatch, Semantics, fingerprint, recompute_many
-from .reconcile_parts import Ctx, part, result, unavailable
+from .logprob_semantics import MATCH_TOL, Semantics, recompute_many
+from .reconcile_groups import SideFit, fit_side
+from .reconcile_parts import Ctx, R3State, part, result, unavailable
 
 ORDER = ("tokens", "unmeasured", "semantics", "residual", "routing_replay", "forward")
 LogitsRows = tuple[np.ndarray, np.ndarray]     # (row positions int [m], logits float [m, V]) of one sample
@@ -111,26 +113,6 @@ def join(a: Side, b: Side, red: SlimeReduction) -> _Rows:
                  slime_weights(keys, red), {"a": len(set(ia) - set(ib)), "b": len(set(ib) - set(ia))})
 
 
-def _fingerprint(name: str, side: Side, other: Side, rows: _Rows, s: str, mask: np.ndarray,
-                 tol: float) -> SemanticsMatch:
-    idx = np.nonzero(mask)[0]
-    z = np.stack([rows.z[s][i] for i in idx]) if len(idx) else np.zeros((0, 1))
-    stated = {}
-    for u in (*side.used, *other.used):       # each distinct statement once (extra is a dict: not hashable)
-        stated.setdefault((u.sampling.temperature, u.sampling.top_p, u.sampling.top_k, u.sampling.min_p), u.sampling)
-    m = fingerprint(name, z, rows.tok[s][idx], rows.u[s][idx], list(stated.values()),
-                    missing=int(sum(r is None for r in rows.z[s])), tol=tol)
-    own = {(u.sampling.temperature, u.sampling.top_p, u.sampling.top_k, u.sampling.min_p) for u in side.used}
-    temps = {u.sampling.temperature for u in side.used}
-    if None not in temps:       # every request states its temperature: a match at another one is worth saying
-        m.stated_temperatures = tuple(sorted({None if float(t) == 1.0 else float(t) for t in temps},
-                                             key=lambda t: -1.0 if t is None else t))
-    if len(own) > 1:
-        m.notes.append(f"{name}'s samples state {len(own)} different sampling parameters: one semantics is fitted "
-                       "to all of its rows")
-    return m
-
-
 def _lps(rows: _Rows, s: str, idx: np.ndarray, sems: Sequence[Semantics]) -> list[np.ndarray]:
     if not len(idx):
         return [np.zeros(0) for _ in sems]
@@ -160,39 +142,43 @@ def _r3_token_rows(r3: Any) -> tuple[set[tuple[str, int]] | None, list[str]]:
     return {(str(s), int(p) + 1) for s, p in r3}, notes
 
 
-def _common(fa: SemanticsMatch, fb: SemanticsMatch) -> Semantics | None:
-    """The semantics both sides are moved to: the trainer's (what the loss uses), else the engine's."""
-    for f in (fa, fb):
-        if f.verdict == "match":
-            return f.semantics
-    return fa.semantics or fb.semantics
+def _common(fa: SideFit, fb: SideFit, n: int) -> list[Semantics | None]:
+    """The semantics each row's two sides are moved to: the trainer's (what the loss uses), else the engine's,
+    each from the row's own group."""
+    sa, sb, va, vb = fa.per_row(n), fb.per_row(n), fa.verdict_of(n), fb.verdict_of(n)
+    return [a if x == "match" else b if y == "match" else (a or b) for a, b, x, y in zip(sa, sb, va, vb)]
 
 
-def _stages(rows: _Rows, measured: np.ndarray, sems: dict, common: Semantics) -> tuple[dict, np.ndarray]:
+def _stages(rows: _Rows, measured: np.ndarray, sems: dict, common: list) -> tuple[dict, np.ndarray]:
     """D2 and D3 over every joined row (0 off `measured`), and the measured rows whose token a semantics
-    filters out (-inf: they cannot be split)."""
-    idx = np.nonzero(measured)[0]
-    own, com = {}, {}
-    for s in "ab":
-        own[s], com[s] = _lps(rows, s, idx, [sems[s], common])
-    ok = np.all([np.isfinite(x) for x in (*own.values(), *com.values())], axis=0) if len(idx) else np.zeros(0, bool)
+    filters out (-inf: they cannot be split). `sems`: side letter -> each row's semantics (its group's)."""
     d = {k: np.zeros(len(rows.keys)) for k in ("d2", "d3")}
-    aligned = {s: rows.u[s][idx] - own[s] + com[s] for s in "ab"}
-    with np.errstate(invalid="ignore"):
-        d["d2"][idx] = np.where(ok, aligned["a"] - aligned["b"], 0.0)
-        d["d3"][idx] = np.where(ok, com["a"] - com["b"], 0.0)
     filtered = np.zeros(len(rows.keys), bool)
-    filtered[idx[~ok]] = True
+    cells: dict[tuple, list[int]] = {}
+    for i in np.nonzero(measured)[0]:         # rows sharing both sides' semantics and the common one
+        cells.setdefault((sems["a"][i], sems["b"][i], common[i]), []).append(int(i))
+    for (sa, sb, c), ix in cells.items():
+        idx = np.array(ix, dtype=np.int64)
+        own, com = {}, {}
+        for s, sem in (("a", sa), ("b", sb)):
+            own[s], com[s] = _lps(rows, s, idx, [sem, c])
+        ok = np.all([np.isfinite(x) for x in (*own.values(), *com.values())], axis=0)
+        aligned = {s: rows.u[s][idx] - own[s] + com[s] for s in "ab"}
+        with np.errstate(invalid="ignore"):
+            d["d2"][idx] = np.where(ok, aligned["a"] - aligned["b"], 0.0)
+            d["d3"][idx] = np.where(ok, com["a"] - com["b"], 0.0)
+        filtered[idx[~ok]] = True
     return d, filtered
 
 
 def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | None = None,
               reduction: SlimeReduction = SlimeReduction(), common: Semantics | None = None,
-              tol: float = MATCH_TOL, recorded: float | None = None) -> dict:
+              tol: float = MATCH_TOL, recorded: float | None = None, r3_state: R3State | None = None) -> dict:
     """The reconciliation of slime's metric between `trainer` (side A, the reference) and `engine` (side B):
     the report's `reconciliation` field (report/schema.py). `r3`: the routing-replay check (an R3Check or the
-    forward rows whose applied experts differ; None: R3 off or not checked). `finder`: the finder's report
-    (JSON dict), cited in the forward part. `recorded`: slime's own logged value, shown beside ours."""
+    forward rows whose applied experts differ; None: not checked, and `r3_state` says why: R3 off for the run,
+    or on with nothing recorded or readable). `finder`: the finder's report (JSON dict), cited in the forward
+    part. `recorded`: slime's own logged value, shown beside ours."""
     for s in (trainer, engine):
         if not s.used:
             return unavailable(f"{s.name} recorded no used log-probs: slime's metric needs both sides' (was the "
@@ -205,11 +191,13 @@ def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | 
     tok_own = rows.tok["a"] != rows.tok["b"]
     tok = _after_first(rows.keys, tok_own)
     have = np.array([za is not None and zb is not None for za, zb in zip(rows.z["a"], rows.z["b"])])
-    fa = _fingerprint(trainer.name, trainer, engine, rows, "a", ~tok & have, tol)
-    fb = _fingerprint(engine.name, engine, trainer, rows, "b", ~tok & have, tol)
-    c = common or _common(fa, fb)
-    measured = ~tok & have & (c is not None)
-    d, filtered = (_stages(rows, measured, {"a": fa.semantics, "b": fb.semantics}, c) if measured.any()
+    fa = fit_side(trainer.name, trainer, engine, rows, "a", ~tok & have, tol)
+    fb = fit_side(engine.name, engine, trainer, rows, "b", ~tok & have, tol)
+    n = len(rows.keys)
+    sems = {"a": fa.per_row(n), "b": fb.per_row(n)}
+    c = [common] * n if common is not None else _common(fa, fb, n)
+    measured = ~tok & have & np.array([None not in x for x in zip(sems["a"], sems["b"], c)], dtype=bool)
+    d, filtered = (_stages(rows, measured, sems, c) if measured.any()
                    else ({"d2": np.zeros(len(rows.keys)), "d3": np.zeros(len(rows.keys))}, np.zeros(len(rows.keys), bool)))
     measured &= ~filtered
     r3rows, notes = _r3_token_rows(r3)
@@ -222,6 +210,7 @@ def reconcile(trainer: Side, engine: Side, *, r3: Any = None, finder: Mapping | 
     levels = [total, m(d0, ~tok), m(d0, measured), m(d["d2"], measured), m(d["d3"], measured),
               m(d["d3"], measured & ~q), 0.0]
     values = dict(zip(ORDER, [levels[i] - levels[i + 1] for i in range(len(ORDER))]))
-    ctx = Ctx(rows, tok, tok_own, have, filtered, measured, q, r3rows, trainer, engine, fa, fb, c, finder, total, tol)
+    ctx = Ctx(rows, tok, tok_own, have, filtered, measured, q, r3rows, trainer, engine, fa, fb, c, finder, total, tol,
+              r3_state)
     parts = [part(ctx, name, values[name]) for name in ORDER]
     return result(ctx, parts, reduction, recorded, notes + list(dict.fromkeys(fa.notes + fb.notes)))

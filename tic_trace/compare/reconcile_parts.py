@@ -7,9 +7,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .logprob_semantics import Semantics, SemanticsMatch
+from .reconcile_groups import SideFit
 
 SHARE_MIN = 0.05         # a part under this share of the metric (or under the tolerance in nats) is not a cause
+R3_FLAG = "--use-rollout-routing-replay"
+
+
+@dataclass(frozen=True)
+class R3State:
+    """Why no routing-replay check was given: `on` False, R3 was off for the run (slime's flag not set: there is
+    no routing-replay part to measure); True, it was on but nothing was recorded or readable (`why`)."""
+    on: bool
+    why: str = ""
 
 
 @dataclass
@@ -24,12 +33,13 @@ class Ctx:
     r3rows: set | None
     trainer: Any
     engine: Any
-    fa: SemanticsMatch
-    fb: SemanticsMatch
-    common: Semantics | None
+    fa: SideFit
+    fb: SideFit
+    common: list                    # each joined row's common semantics (None: none to align to)
     finder: Mapping | None
     total: float
     tol: float
+    r3_state: R3State | None = None
 
 
 @dataclass
@@ -43,9 +53,13 @@ class Part:
     missing: str                     # what it could not measure ("": nothing)
     significant: bool
     summary: str
+    state: str = ""                  # why the part is empty by the run's settings (R3 off), shown on its line
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if not d["state"]:
+            del d["state"]
+        return d
 
 
 def _samples(c: Ctx, sel: np.ndarray) -> int:
@@ -77,7 +91,7 @@ def _unmeasured(c: Ctx) -> tuple[np.ndarray, str, str]:
             ((za, c.trainer.name), (zb, c.engine.name)) if n]
     if c.filtered.any():
         miss.append(f"{int(c.filtered.sum())} rows whose token a side's semantics or the common one filters out")
-    if c.common is None and c.have.any():
+    if any(h and not t and x is None for h, t, x in zip(c.have, c.tok, c.common)):
         miss.append("no semantics to align the sides to")
     text = ("every row with the same tokens was split" if not sel.any() else
             f"{int(sel.sum())} rows not split: " + "; ".join(miss))
@@ -85,19 +99,20 @@ def _unmeasured(c: Ctx) -> tuple[np.ndarray, str, str]:
 
 
 def _semantics(c: Ctx) -> tuple[np.ndarray, str, str]:
-    sa, sb = c.fa.semantics, c.fb.semantics
-    if sa is None or sb is None:
-        return c.measured, "a side's semantics not measured", "not measured: " + (c.fa.summary if sa is None else c.fb.summary)
-    if sa == sb:
-        text = f"both sides' log-probs are {sa.describe()}"
+    if not c.fa.measured or not c.fb.measured:
+        return c.measured, "a side's semantics not measured", "not measured: " + (
+            c.fa.summary if not c.fa.measured else c.fb.summary)
+    da, db = c.fa.describe(), c.fb.describe()
+    if da == db:
+        text = f"both sides' log-probs are {da}"
     else:
-        text = f"{c.engine.name}'s log-probs are {sb.describe()}; {c.trainer.name}'s are {sa.describe()}"
+        text = f"{c.engine.name}'s log-probs are {db}; {c.trainer.name}'s are {da}"
     q = [f"{f.side} {f.verdict}" for f in (c.fa, c.fb) if f.verdict != "match"]
     return c.measured, "", text + (f" ({', '.join(q)}: see the fingerprints)" if q else "")
 
 
 def _residual(c: Ctx) -> tuple[np.ndarray, str, str]:
-    each = [f"{f.side} {f.best.mean:.2g} (max {f.best.max:.2g})" for f in (c.fa, c.fb) if f.best]
+    each = [f"{f.side} {fit[0]:.2g} (max {fit[1]:.2g})" for f in (c.fa, c.fb) if (fit := f.fit())]
     off = [f.side for f in (c.fa, c.fb) if f.verdict == "none"]
     text = ("each side's used log-probs against its own traced logits under its semantics, mean |Δ| nats: "
             + ", ".join(each))
@@ -108,7 +123,13 @@ def _residual(c: Ctx) -> tuple[np.ndarray, str, str]:
 
 def _routing(c: Ctx) -> tuple[np.ndarray, str, str]:
     if c.r3rows is None:
-        return c.q, "routing replay not checked", "not checked (R3 off, or no routing-replay check given)"
+        st = c.r3_state
+        if st is None:
+            return c.q, "routing replay not checked", "not checked (R3 off, or no routing-replay check given)"
+        if not st.on:
+            return c.q, "", f"R3 off ({R3_FLAG} not set): no routing-replay part"
+        why = f"routing replay not checked: R3 on ({R3_FLAG}) but {st.why}"
+        return c.q, why, why
     outside = len(c.r3rows) - int(c.q.sum())
     text = (f"the forward's gap on {int(c.q.sum())} token rows whose logits row ran other experts than the "
             "rollout's" if c.q.any() else "no split row ran other experts than the rollout's")
@@ -142,7 +163,8 @@ def part(c: Ctx, name: str, value: float) -> Part:
     sel, missing, text = _PARTS[name](c)
     share = value / c.total if c.total else None
     sig = bool(abs(value) > c.tol and (share is None or abs(share) >= SHARE_MIN))
-    return Part(name, value, share, int(sel.sum()), _samples(c, sel), missing, sig, text)
+    off = name == "routing_replay" and c.r3rows is None and c.r3_state is not None and not c.r3_state.on
+    return Part(name, value, share, int(sel.sum()), _samples(c, sel), missing, sig, text, text if off else "")
 
 
 def result(c: Ctx, parts: list[Part], reduction: Any, recorded: float | None, notes: list[str]) -> dict:
@@ -159,13 +181,21 @@ def result(c: Ctx, parts: list[Part], reduction: Any, recorded: float | None, no
         "rows": len(rows.keys), "samples": len({k[0] for k in rows.keys}),
         "only": {"a": rows.only["a"], "b": rows.only["b"]},
         "sides": {"a": {"name": c.trainer.name, **c.fa.to_json()}, "b": {"name": c.engine.name, **c.fb.to_json()}},
-        "common": c.common.to_json() if c.common else None,
+        **_commons(c.common),
         "order": [p.name for p in parts], "parts": [p.to_json() for p in parts],
         "residual": next(p.value for p in parts if p.name == "residual"),
         "causes": causes, "tol": c.tol, "notes": notes,
         "covered": ("measured over the traced samples; slime's logged value averages every sample of the step, "
                     "the same number when every sample is traced"),
     }
+
+
+def _commons(common: list) -> dict:
+    """The semantics the sides were moved to: one ("common"), or one per group of rows ("commons")."""
+    distinct = list(dict.fromkeys(x for x in common if x is not None))
+    if len(distinct) > 1:
+        return {"common": None, "commons": [x.to_json() for x in distinct]}
+    return {"common": distinct[0].to_json() if distinct else None}
 
 
 def unavailable(reason: str, trainer: Any, engine: Any, recorded: float | None) -> dict:

@@ -53,15 +53,26 @@ def part_line(p: dict) -> str:
     line = f"  {name:<15} {_g(p.get('value')):>9} {_pct(p.get('share')):>5}  {p.get('rows')} rows"
     if p.get("significant"):
         line += f" — {p.get('summary')}"
+    if p.get("state"):
+        line += f" — {p.get('state')}"
     if p.get("missing"):
         line += f" — not measured: {p.get('missing')}"
     return line
 
 
 def side_lines(rec: dict) -> list[str]:
+    """Each side's fingerprint; a side whose samples state several sampling parameters, one line per group."""
     sides = rec.get("sides") if isinstance(rec.get("sides"), dict) else {}
-    return [f"  {k.upper()}: {v.get('summary')}" for k, v in sorted(sides.items())
-            if isinstance(v, dict) and v.get("summary")]
+    out = []
+    for k, v in sorted(sides.items()):
+        if not isinstance(v, dict) or not v.get("summary"):
+            continue
+        out.append(f"  {k.upper()}: {v.get('summary')}")
+        groups = v.get("groups") if isinstance(v.get("groups"), list) else []
+        out += [f"    {k.upper()} [{g.get('stated')}; {g.get('samples')} sample{'' if g.get('samples') == 1 else 's'}]: "
+                f"{g.get('summary')}"
+                for g in groups if isinstance(g, dict) and g.get("summary")]
+    return out
 
 
 def reconciliation_lines(report: dict) -> list[str]:
