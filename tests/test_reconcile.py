@@ -276,6 +276,16 @@ def test_a_side_stating_two_temperatures_is_fingerprinted_per_group(runs):
     assert any(x.startswith("    B [T = 1; 2 samples]: sglang's log-probs are over the full distribution "
                             "(the raw logits") for x in lines), lines
     assert not any(x.startswith("    A [") for x in lines)      # the trainer has one group: one line, as before
+    from tic_trace.report.html import render_html
+    page = render_html(_report(r).to_json())
+    assert "B [T = 0.7; 1 sample]: sglang&#x27;s log-probs are over the full distribution" in page
+    # the trainer following each request's temperature (--rollout-temperature per group): each row's common
+    # semantics is its own group's, and nothing is left to explain
+    both = reconcile(_mixed("megatron", tr, ["t07_scaled", "clean", "clean"],
+                            lambda run: Sampling(0.7 if run == "t07_scaled" else 1.0, 1.0, -1, 0.0, "slime")), engine)
+    _adds_up(both)
+    assert both["metric"] < 1e-5 and both["causes"] == [], both["parts"]
+    assert both["common"] is None and [c["name"] for c in both["commons"]] == ["temperature", "raw"]
 
 
 def test_routing_replay_part_says_whether_r3_was_off_or_not_recorded(runs):
