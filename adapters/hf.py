@@ -37,6 +37,8 @@ def _taps() -> dict[str, tuple[str, ...]]:
 
 _TAPS = _taps()
 _TOKEN_DIMS = {part: d for n in _FAM for part, d in n.tables.get("token_dims", {}).items()}
+# config attributes a family names its numerics settings by (Gemma's activation), recorded beside the base's
+_NUMERICS = tuple(k for n in _FAM for k in n.tables.get("numerics", ()))
 
 # the base rows (families/transformer/names.py), then each family's rows (each for its architectures)
 POINTS = tuple(pm for n in _FAM for pm in n.points)
@@ -130,8 +132,7 @@ class HFAdapter(Adapter):
         cfg = getattr(models[0], "config", None)
         if cfg is None:
             return {}
-        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act",
-                                   "hidden_activation"))       # Gemma's name for it
+        out = plain_settings(cfg, ("_attn_implementation", "_experts_implementation", "hidden_act", *_NUMERICS))
         return {k.lstrip("_"): v for k, v in out.items()}
 
     def rows_from_forward(self, tracer: Any, args: tuple, kwargs: dict):

@@ -45,6 +45,10 @@ def _no_facts(c: Any, model_type: str, hidden: int) -> dict:
     return {}
 
 
+def _no_config_defaults(c: Any, model_type: str) -> dict:
+    return {}
+
+
 def _no_shape(rest: str, spec: Any) -> list | None:
     return None
 
@@ -136,6 +140,9 @@ class Family:
     defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # ModelSpec field values its code fixes whatever config.json says, by model_type (Mixtral's renormalised top-k)
     fixed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # ModelSpec field values where config.json does not state the field's own key, read from a key of the
+    # family's own: (c, model_type) -> dict, `c` as for `facts` (Gemma states its activation as `hidden_activation`)
+    config_defaults: Callable[[Any, str], dict] = _no_config_defaults
     # ModelSpec.extra from config.json: (c, model_type, hidden_size) -> dict, `c` model_spec's typed reader of the
     # text config (c.int / c.num / c.bool / c.str / c.raw / c.has / c.error). The core adds `layer_ropes`; the
     # sliding windows are the family's to read (`replay.layer_types.windows`), since layer_types may mean other

@@ -274,15 +274,15 @@ def model_spec(cfg: Any, where: str = "config.json") -> ModelSpec:
         raise c.error("num_experts_per_tok", f"an integer from 1 to the number of experts ({experts})", topk)
     model_type = c.str("model_type", "")
     fam = family_of_config(model_type, c)       # its owner, else the family its config's facts say
-    dflt = fam.defaults.get(model_type, {})     # ModelSpec fields its code fixes where config.json is silent
+    # ModelSpec fields its code fixes where config.json is silent, or that its config states under its own key
+    dflt = {**fam.defaults.get(model_type, {}), **fam.config_defaults(c, model_type)}
     fields = dict(**_dense_layers(c),
         model_type=model_type, num_layers=c.int("num_hidden_layers", 1, 1 << 16),
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         vocab_size=c.int("vocab_size", 1, _BIG),
         # eps >= 0: a negative one makes the normalisation's square root undefined (a non-finite reference)
         rms_norm_eps=c.num("rms_norm_eps", 0.0, 1.0, default=1e-6),
-        # Gemma names its activation `hidden_activation`
-        rope=_rope_spec(c), hidden_act=c.str("hidden_act", "") or c.str("hidden_activation", "silu"),
+        rope=_rope_spec(c), hidden_act=c.str("hidden_act", "") or dflt.get("hidden_act", "silu"),
         attention_bias=c.bool("attention_bias", dflt.get("attention_bias", False)),
         tie_word_embeddings=c.bool("tie_word_embeddings", False),
         num_experts=experts, num_experts_per_tok=topk,

@@ -29,6 +29,7 @@ FAMILY = Family(
     points=points.POINTS,
     weight_points=spec.HF_WEIGHT_POINTS,
     facts=spec.facts,
+    config_defaults=spec.config_defaults,
     ops=lazy(__name__, ".ops", "ops"),
     inputs_of=spec.inputs_of,
     op_of=spec.op_of,

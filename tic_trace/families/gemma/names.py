@@ -102,7 +102,9 @@ def names() -> dict[str, FrameworkNames]:
             # (point, class) pairs whose base row these rows replace; modules whose inputs are recorded (`mid`)
             "overridden": _overridden(HF_POINTS), "record_inputs": ("re:\\.pre_feedforward_layernorm$",),
             # the record holding the logits (the model's output, after Gemma 2's final soft-cap): logits_to_keep's
-            "logits_records": ("<root>:out['logits']",)}),
+            "logits_records": ("<root>:out['logits']",),
+            # config attributes recorded as numerics settings: its activation, which its configs name so
+            "numerics": ("hidden_activation",)}),
         "sglang": FrameworkNames(points=SGLANG_POINTS, architectures=SGLANG_ARCHITECTURES, tables={
             # module paths (layer index written N) each class's rows rely on, by table name
             "modules": {"gemma2": _SGLANG_MODULES,

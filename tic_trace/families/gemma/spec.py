@@ -8,6 +8,8 @@
 - `attn_softcap`, `final_softcap`: cap * tanh(x / cap) of the scores, of the logits (Gemma 2);
 - `layer_types`, `sliding_window`: always read (`replay.layer_types.windows`): Gemma alternates sliding and full
   attention layers; Gemma 3's RoPE per layer type is the core's (`layer_ropes`).
+
+Its activation (`ModelSpec.hidden_act`) is stated as `hidden_activation` (`config_defaults`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ def facts(c: Any, model_type: str, hidden: int) -> dict:
                final_softcap=c.num("final_logit_softcapping", 0.0, 1e9, default=None, lo_open=True))
     out.update(windows(c, typed=True))
     return out
+
+
+def config_defaults(c: Any, model_type: str) -> dict:
+    """The activation a Gemma config names `hidden_activation` (where it states no `hidden_act`: model_spec)."""
+    return {"hidden_act": c.str("hidden_activation", "silu")} if c.has("hidden_activation") else {}
 
 
 # point -> the (1 + w) RMSNorm's weight (relative to model.layers.N, or the model's)
