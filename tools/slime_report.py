@@ -52,39 +52,12 @@ def slime_report(args, console) -> int:
     from tic_trace.report.terminal import render_terminal
     from tic_trace.tools.outputs import refuse_inside, write_reports
     from tic_trace.tools.progress import progress
-    from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT, architecture_refusal
-    from tic_trace.integrations.slime.config import rollout_dir
     from tic_trace.tools.options import tolerance
 
-    base = Path(args.dir)
-    rdir = rollout_dir(base, args.rollout_id)
-    if not base.is_dir():
-        console.print(error_line(f"{base} does not exist: give the --tic-trace-dir of the slime run "
-                                 "(default {--save}/tic_trace)"), soft_wrap=True)
-        return 2
-    if not rdir.is_dir():
-        have = sorted(p.name for p in base.glob("rollout_*") if p.is_dir())
-        console.print(error_line(f"no traces of rollout {args.rollout_id}: {rdir} does not exist. "
-                                 f"Traced rollouts here: {', '.join(have) or 'none'}. Check --tic-trace-rollout-ids "
-                                 "and that the run reached that rollout."), soft_wrap=True)
-        return 2
-    sides = {"megatron": rdir / "megatron", "sglang": rdir / "sglang"}
-    why = {
-        "megatron": "the train ranks wrote nothing. Check that --tic-trace was on for the train actors (their "
-                    "args carry custom_megatron_*_hook_path = tic_trace.integrations.slime.*), that tic_trace is "
-                    "importable on the train nodes, that the rollout was trained, and that this directory is "
-                    "shared by the train nodes.",
-        "sglang": "the SGLang servers wrote nothing. Check that tic_trace is importable in the SGLang server "
-                  "processes (Ray runtime env: PYTHONPATH or pip install on the rollout nodes), that the "
-                  "engines got --sglang-forward-hooks (not external engines, no --sglang-config override), "
-                  "that requests carried rid '<rollout>-<sample index>' (slime >= v0.3.1), and that this "
-                  "directory is shared by the rollout nodes.",
-    }
-    for name, p in sides.items():
-        if not (p / "manifest.msgpack").is_file():
-            state = "does not exist" if not p.exists() else "holds no trace (no manifest.msgpack)"
-            console.print(error_line(f"{name} side missing: {p} {state}: {why[name]}"), soft_wrap=True)
-            return 2
+    found = _rollout_sides(args, console)
+    if isinstance(found, int):
+        return found
+    base, rdir, sides = found
     va, vb = CanonicalView(str(sides["megatron"])), CanonicalView(str(sides["sglang"]))
     ref_dir, ref_note = _reference_dir(args, va)
     # the run's own checkpoint is an input too (the CLI checked the inputs named on the command line)
@@ -123,6 +96,49 @@ def slime_report(args, console) -> int:
     _print_worst(console, report)
     render_terminal({**report, "worst_tokens": []}, console)
     write_reports(report, console, getattr(args, "json", None), getattr(args, "html", None))
+    return _exit_code(report, console)
+
+
+def _rollout_sides(args, console) -> tuple[Path, Path, dict[str, Path]] | int:
+    """The run directory, the rollout's directory and its two sides' trace directories; or, printed, what is
+    missing and what to check, and the exit code 2."""
+    from tic_trace.integrations.slime.config import rollout_dir
+    from tic_trace.report.schema import EXIT_ERROR
+    base = Path(args.dir)
+    rdir = rollout_dir(base, args.rollout_id)
+    if not base.is_dir():
+        console.print(error_line(f"{base} does not exist: give the --tic-trace-dir of the slime run "
+                                 "(default {--save}/tic_trace)"), soft_wrap=True)
+        return EXIT_ERROR
+    if not rdir.is_dir():
+        have = sorted(p.name for p in base.glob("rollout_*") if p.is_dir())
+        console.print(error_line(f"no traces of rollout {args.rollout_id}: {rdir} does not exist. "
+                                 f"Traced rollouts here: {', '.join(have) or 'none'}. Check --tic-trace-rollout-ids "
+                                 "and that the run reached that rollout."), soft_wrap=True)
+        return EXIT_ERROR
+    sides = {"megatron": rdir / "megatron", "sglang": rdir / "sglang"}
+    why = {
+        "megatron": "the train ranks wrote nothing. Check that --tic-trace was on for the train actors (their "
+                    "args carry custom_megatron_*_hook_path = tic_trace.integrations.slime.*), that tic_trace is "
+                    "importable on the train nodes, that the rollout was trained, and that this directory is "
+                    "shared by the train nodes.",
+        "sglang": "the SGLang servers wrote nothing. Check that tic_trace is importable in the SGLang server "
+                  "processes (Ray runtime env: PYTHONPATH or pip install on the rollout nodes), that the "
+                  "engines got --sglang-forward-hooks (not external engines, no --sglang-config override), "
+                  "that requests carried rid '<rollout>-<sample index>' (slime >= v0.3.1), and that this "
+                  "directory is shared by the rollout nodes.",
+    }
+    for name, p in sides.items():
+        if not (p / "manifest.msgpack").is_file():
+            state = "does not exist" if not p.exists() else "holds no trace (no manifest.msgpack)"
+            console.print(error_line(f"{name} side missing: {p} {state}: {why[name]}"), soft_wrap=True)
+            return EXIT_ERROR
+    return base, rdir, sides
+
+
+def _exit_code(report: dict, console) -> int:
+    """The CLI's exit code for the report; a rollout whose sides share no row says what to check."""
+    from tic_trace.report.schema import EXIT_ERROR, EXIT_NOT_COMPARABLE, VERDICT_EXIT, architecture_refusal
     if report["verdict"] == "not_comparable" and architecture_refusal(report):
         return EXIT_NOT_COMPARABLE           # the headline names the architecture
     if report["verdict"] == "not_comparable" or not (report.get("rows") or {}).get("matched"):
