@@ -149,11 +149,21 @@ def slime_report(run, rollout_id: int, out: Path, *extra: str) -> tuple[int, dic
 def test_slime_report_reconciles_slimes_metric(run, tmp_path):
     """Rollout 1: the engine returned the log-probs of the original logits while the trainer divided by
     rollout_temperature. The report recomputes slime's logged metric from the recorded log-probs and puts it
-    all on the semantics, naming both; the forward's part is float noise (the finder: consistent)."""
+    all on the semantics, naming both; the forward's part is float noise (every canonical point consistent), so
+    the first divergence is the used-log-prob stage after the graph, its cause the semantics; a saved report read
+    back (`report --from-json`, which re-judges) says the same."""
+    from tic_trace.tools.cli import main as cli_main
     logged = run["logged"][1]
     rc, rep = slime_report(run, 1, tmp_path / "r1.json", "--slime-metric", repr(logged))
     rec = rep["reconciliation"]
-    assert rc == 0 and rep["verdict"] == "consistent"
+    assert rc == 1 and rep["verdict"] == "divergent"
+    assert all(p["status"] in ("ok", "over") for p in rep["points"])
+    fd = rep["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("used_logprob", "semantics") and "T = 0.9" in fd["summary"]
+    assert [f["cause"] for f in rep["findings"] if f["divergent"]] == ["semantics"]
+    assert cli_main(["report", "x", "--from-json", str(tmp_path / "r1.json"), "--json", str(tmp_path / "b.json")]) == 1
+    back = json.loads((tmp_path / "b.json").read_text())
+    assert back["first_divergence"] == fd and back["findings"] == rep["findings"]
     assert rec["recorded"] == logged and rec["metric"] == pytest.approx(logged, rel=1e-5)
     assert rec["rows"] == 8 and rec["samples"] == 2 and rec["only"] == {"a": 0, "b": 0}
     # the masked first tokens weigh 0: without the masks the same rows give another number

@@ -85,12 +85,15 @@ def slime_report(args, console) -> int:
         rep = find_divergence(va, vb, tolerance=tolerance(args), worst_tokens=getattr(args, "worst_tokens", 8),
                               reference=reference, workers=n, backend=backend, progress=step,
                               allow_unverified=getattr(args, "allow_unverified", False))
+    # slime's own metric split into its parts (issue 37); those outside the forward are the used-log-prob stage's
+    from tic_trace.compare.used_logprob_stage import judge_used_logprobs
+    from tic_trace.tools.slime_reconcile import reconciliation
+    rep.reconciliation = reconciliation(rdir, sides, {"megatron": va, "sglang": vb}, rep.to_json(),
+                                        getattr(args, "slime_metric", None))
+    judge_used_logprobs(rep)
     report = rep.to_json()
     report["slime"] = {"dir": str(base), "rollout_id": int(args.rollout_id),
                        "a": str(sides["megatron"]), "b": str(sides["sglang"]), "reference": ref_dir}
-    from tic_trace.tools.slime_reconcile import reconciliation      # slime's own metric, split (issue 37)
-    report["reconciliation"] = reconciliation(rdir, sides, {"megatron": va, "sglang": vb}, report,
-                                              getattr(args, "slime_metric", None))
     console.print(text(f"slime rollout {args.rollout_id}: A = Megatron {sides['megatron']}  B = SGLang {sides['sglang']}"))
     console.print(text(ref_note, style="dim"))
     _print_worst(console, report)

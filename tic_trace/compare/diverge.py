@@ -30,6 +30,7 @@ from .measure_workers import measure_all
 from .row_errors import RowErrors, row_label as _label
 from .shares import attribution_of, check_attribution_tokens, recredited
 from .identity_notes import incomplete_run_notes, layers_text, with_incomplete_runs
+from .used_logprob_stage import judge_used_logprobs
 from .verdict import Assessment, assess
 
 REPORT_SCHEMA = SCHEMA_ID
@@ -464,6 +465,7 @@ def rejudge(report: dict, tolerance: Tolerance | None = None, *, accept_near_tie
     rep.verdict, rep.findings, rep.notes = v.verdict, v.findings, kept + v.notes
     if isinstance(rep.attribution, dict) and "unavailable" not in rep.attribution:
         rep.attribution = recredited(rep.attribution, rep.findings)
+    judge_used_logprobs(rep)        # the stage after the graph: its findings come from the saved reconciliation
     new = _settings(tol, accept, marg, None, precision)
     rep.settings = {**saved, **new}
     return rep.to_json()

@@ -29,6 +29,12 @@ CAUSES = {
     "intrinsic": "one side's op is further from the exact op on its own inputs than clean implementations are",
     "precision": "the sides compute a point's output in different precisions (fp32 on one, bf16 on the other)",
     "weights": "the parameters behind a point differ bit for bit between the sides (or from the checkpoint)",
+    # the used-log-prob stage, after the canonical graph (compare/used_logprob_stage.py; docs/reconcile.md)
+    "semantics": "the sides take the log-probs they use under different semantics (temperature, top-k / top-p "
+                 "renormalisation, raw or processed logits)",
+    "tokens": "the log-probs the sides use are of different tokens (a template or tokenisation shift)",
+    "used_logprobs": "a side's used log-probs are not its own traced logits under any known semantics",
+    "routing_replay": "routing replay (R3) is on, but the trainer did not apply the rollout's experts",
 }
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",

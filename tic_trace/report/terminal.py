@@ -191,7 +191,7 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
                      style="dim"))
-    if fd:
+    if fd and fd.get("point") in BY_NAME:     # a canonical point (not the used-log-prob stage after the graph)
         point, layer = fd["point"], fd["layer"]
         c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
                      + (f", layer {layer}" if layer is not None else "")))
@@ -324,7 +324,7 @@ def _points_table(c: Console, report: dict) -> None:
 
 def _ops(c: Console, fd: dict | None) -> None:
     ops = (fd or {}).get("ops") or {}
-    if not fd or not ops:
+    if not fd or not ops or fd.get("point") not in BY_NAME:     # the used-log-prob stage runs no op
         return
     a, b = ops.get("a") or [], ops.get("b") or []
     if not a and not b:
