@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..report.schema import FirstDivergence, Finding, Report
-
-#: the stage's key in findings and the first divergence (after every canonical point in dataflow order)
-STAGE = "used_logprob"
+from ..report.schema import USED_LOGPROB_STAGE as STAGE, FirstDivergence, Finding, Report
 
 # The reconciliation's parts outside the forward, in its order, and the class of cause each makes (the forward
 # part's cause is the finder's own; `unmeasured` is coverage, never a cause).

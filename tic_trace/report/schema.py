@@ -36,6 +36,11 @@ CAUSES = {
     "used_logprobs": "a side's used log-probs are not its own traced logits under any known semantics",
     "routing_replay": "routing replay (R3) is on, but the trainer did not apply the rollout's experts",
 }
+# The stage after the canonical graph where the log-probs each side used are judged (compare/used_logprob_stage.py):
+# the key of its findings and, where the forward is consistent, of the first divergence.
+USED_LOGPROB_STAGE = "used_logprob"
+USED_LOGPROB_MEANING = ("the log-probs each side used (the engine's returned ones, the trainer's), after the "
+                        "canonical graph")
 NOTE_KINDS = {"accumulated_noise": "points over tolerance only because below-tolerance noise accumulated",
               "not_replayed": "points the exact replay could not judge (the A-B rule alone decides there)",
               "structure": "the two models differ in structure (another number of layers or of routed experts): "

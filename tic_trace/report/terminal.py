@@ -18,7 +18,7 @@ from .bounds import TERMINAL, bounded, omitted_lines
 from .coverage import coverage_line
 from .reconcile_lines import reconciliation_lines
 from .lines import blocking_line, contract_line, identity_sentence, precision_caveat, side_hint, ulp_na, ulp_text
-from .schema import architecture_refusal, num, unverified_sides
+from .schema import USED_LOGPROB_MEANING, USED_LOGPROB_STAGE, architecture_refusal, num, unverified_sides
 from .text import text, visible
 
 _STATUS_STYLE = {"ok": "green", "over": "yellow", "divergent": "bold red", "not_comparable": "dim"}
@@ -191,7 +191,9 @@ def render_terminal(report: dict, console: Console | None = None, *, all_points:
     if not contract and "contract" in report and not architecture_refusal(report):
         c.print(text("contract: versions, model config, numerics settings, point dtypes and weight hashes agree",
                      style="dim"))
-    if fd and fd.get("point") in BY_NAME:     # a canonical point (not the used-log-prob stage after the graph)
+    if fd and fd.get("point") == USED_LOGPROB_STAGE:
+        c.print(text(f"  stage   {USED_LOGPROB_STAGE} — {USED_LOGPROB_MEANING}"))
+    elif fd and fd.get("point") in BY_NAME:
         point, layer = fd["point"], fd["layer"]
         c.print(text(f"  point   {point} — {BY_NAME[point].meaning if point in BY_NAME else ''}"
                      + (f", layer {layer}" if layer is not None else "")))

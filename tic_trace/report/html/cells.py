@@ -7,7 +7,7 @@ import math
 import re
 
 from ...graph.canonical import BY_NAME, is_ids, order_key, parse_key
-from ..schema import num as _decode
+from ..schema import USED_LOGPROB_MEANING, USED_LOGPROB_STAGE, num as _decode
 from ..text import visible
 from .style import STATUS_LABEL, STATUSES
 
@@ -161,6 +161,8 @@ def _key_sort(k: str):
 
 
 def _meaning(point) -> str:
+    if point == USED_LOGPROB_STAGE:
+        return USED_LOGPROB_MEANING
     ps = BY_NAME.get(point) if isinstance(point, str) else None
     return ps.meaning if ps else ""
 
