@@ -12,7 +12,7 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("tic_trace.slime")
 
@@ -99,6 +99,19 @@ def warn_once(key: str, msg: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         log.warning(msg)
+
+
+def wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable], *, required: bool = False) -> bool:
+    """Replace ``owner.name`` (a module's function, a class's method, a client's method) by ``wrap(orig)``,
+    marked as tic-trace's, unless it is already tic-trace's or missing (an AttributeError if `required`): every
+    hook into slime patches this way, so a second install never wraps a wrapper."""
+    orig = getattr(owner, name) if required else getattr(owner, name, None)
+    if orig is None or getattr(orig, "_tic_trace", False):
+        return False
+    new = wrap(orig)
+    new._tic_trace = True
+    setattr(owner, name, new)
+    return True
 
 
 def _truthy(v: Any) -> bool:

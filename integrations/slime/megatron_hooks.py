@@ -19,6 +19,7 @@ from typing import Any
 
 from tic_trace.integrations.slime.config import (
     chained_hook, enabled, mode_for, rollout_dir, sample_key, selected, traced, tracer_points_mode, warn_once,
+    wrap_once,
 )
 from tic_trace.integrations.slime.version import check_megatron_side
 
@@ -282,44 +283,46 @@ def _patch_train_actor() -> None:
     if "actor" in _PATCHED:
         return
     cls = importlib.import_module("slime.backends.megatron_utils.actor").MegatronTrainRayActor
-    orig = cls.train_actor
-    if not getattr(orig, "_tic_trace", False):
-        @functools.wraps(orig)
-        def train_actor(self, rollout_id, *a, **kw):
-            _S.rollout_id = int(rollout_id)
-            try:
-                return orig(self, rollout_id, *a, **kw)
-            finally:
-                try:
-                    _end_session()
-                except Exception:  # noqa: BLE001
-                    _S.session = None
-        train_actor._tic_trace = True
-        cls.train_actor = train_actor
+    wrap_once(cls, "train_actor", _publishing_rollout_id, required=True)
     _PATCHED.add("actor")
+
+
+def _publishing_rollout_id(orig):
+    @functools.wraps(orig)
+    def train_actor(self, rollout_id, *a, **kw):
+        _S.rollout_id = int(rollout_id)
+        try:
+            return orig(self, rollout_id, *a, **kw)
+        finally:
+            try:
+                _end_session()
+            except Exception:  # noqa: BLE001
+                _S.session = None
+    return train_actor
 
 
 @_guard
 def _patch_get_batch() -> None:
     if "get_batch" in _PATCHED:
         return
-    model_mod = importlib.import_module("slime.backends.megatron_utils.model")
-    orig = model_mod.get_batch
-    if not getattr(orig, "_tic_trace", False):
-        @functools.wraps(orig)
-        def get_batch(data_iterator, keys, *a, **kw):
-            sess = _S.session
-            if sess is None:
-                return orig(data_iterator, keys, *a, **kw)
-            indices = _upcoming_sample_indices(data_iterator)
-            batch = orig(data_iterator, keys, *a, **kw)
-            # Started once the batch is built: its packing ops are not the model's.
-            _begin_micro_batch(sess, indices)
-            sess.loss_masks = batch.get("loss_masks") if isinstance(batch, dict) else None
-            return batch
-        get_batch._tic_trace = True
-        model_mod.get_batch = get_batch
+    wrap_once(importlib.import_module("slime.backends.megatron_utils.model"), "get_batch", _naming_micro_batch,
+              required=True)
     _PATCHED.add("get_batch")
+
+
+def _naming_micro_batch(orig):
+    @functools.wraps(orig)
+    def get_batch(data_iterator, keys, *a, **kw):
+        sess = _S.session
+        if sess is None:
+            return orig(data_iterator, keys, *a, **kw)
+        indices = _upcoming_sample_indices(data_iterator)
+        batch = orig(data_iterator, keys, *a, **kw)
+        # Started once the batch is built: its packing ops are not the model's.
+        _begin_micro_batch(sess, indices)
+        sess.loss_masks = batch.get("loss_masks") if isinstance(batch, dict) else None
+        return batch
+    return get_batch
 
 
 #: Modules that call slime's get_log_probs_and_entropy by a name of their own: the actor's compute_log_prob
@@ -335,11 +338,7 @@ def _patch_log_probs() -> None:
     if "log_probs" in _PATCHED:
         return
     for name in LOG_PROB_MODULES:
-        mod = importlib.import_module(name)
-        orig = getattr(mod, "get_log_probs_and_entropy", None)
-        if orig is None or getattr(orig, "_tic_trace", False):
-            continue
-        setattr(mod, "get_log_probs_and_entropy", _recording_log_probs(orig))
+        wrap_once(importlib.import_module(name), "get_log_probs_and_entropy", _recording_log_probs)
     _PATCHED.add("log_probs")
 
 
@@ -351,7 +350,6 @@ def _recording_log_probs(orig):
         if sess is not None and sess.keys is not None:
             _record_log_probs(sess, kw, res)
         return res
-    get_log_probs_and_entropy._tic_trace = True
     return get_log_probs_and_entropy
 
 

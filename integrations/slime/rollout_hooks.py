@@ -14,7 +14,9 @@ import inspect
 import sys
 import threading
 
-from tic_trace.integrations.slime.config import chained_hook, enabled, sample_key, selected, traced, warn_once
+from tic_trace.integrations.slime.config import (
+    chained_hook, enabled, sample_key, selected, traced, warn_once, wrap_once,
+)
 
 #: The thread ``slime/rollout/fully_async_rollout.py`` (``AsyncRolloutWorker.start``) generates from.
 FULLY_ASYNC_THREAD = "fully-async-rollout"
@@ -144,10 +146,7 @@ def install_rid_injection() -> None:
                 mod = importlib.import_module(name)
             except ImportError:
                 continue
-        orig = getattr(mod, "post", None)
-        if orig is None or getattr(orig, "_tic_trace", False):
-            continue
-        setattr(mod, "post", _rid_post(orig))
+        wrap_once(mod, "post", _rid_post)
     try:
         _wrap_stream(sys.modules.get(POST_MODULES[0]))
     except Exception as e:  # noqa: BLE001 - post still carries the rid
@@ -158,11 +157,10 @@ def _wrap_stream(http_utils) -> None:
     """slime's streaming generate (``sglang_streaming_rollout.generate_streaming``) sends its ``/generate`` through
     ``http_utils._http_client.stream("POST", url, json=payload)``: the client's ``stream`` gets the rid too (the
     client is made once by ``init_http_client``; a new one is wrapped at the next traced sample)."""
-    client = getattr(http_utils, "_http_client", None)
-    orig = getattr(client, "stream", None)
-    if orig is None or getattr(orig, "_tic_trace", False):
-        return
+    wrap_once(getattr(http_utils, "_http_client", None), "stream", _rid_stream)
 
+
+def _rid_stream(orig):
     @functools.wraps(orig)
     def stream(method, url, *a, **kw):
         rid, body = _RID.get(), kw.get("json")
@@ -170,8 +168,7 @@ def _wrap_stream(http_utils) -> None:
                 and _is_generate(url):
             kw["json"] = {**body, "rid": rid}
         return orig(method, url, *a, **kw)
-    stream._tic_trace = True
-    client.stream = stream
+    return stream
 
 
 def _is_generate(url) -> bool:
@@ -193,7 +190,6 @@ def _rid_post(orig):
             if _ANSWERS.get() is not None:
                 _ANSWERS.get()[0] += 1
         return out
-    post._tic_trace = True
     return post
 
 

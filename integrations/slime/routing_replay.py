@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from tic_trace.integrations.slime.budget import ROUTING_REPLAY as SUBDIR   # the disk budget prunes it
 from tic_trace.integrations.slime.config import (
-    enabled, mode_for, rollout_dir, sample_key, selected, traced, warn_once,
+    enabled, mode_for, rollout_dir, sample_key, selected, traced, warn_once, wrap_once,
 )
 
 _INSTALLED: set[str] = set()
@@ -65,9 +65,7 @@ def install() -> None:
     except Exception as e:  # noqa: BLE001 - tracing never stops training
         warn_once("r3-import", f"tic-trace: routing replay not recorded: {type(e).__name__}: {e}")
         return
-    orig = getattr(cls, "fill_routing_replay", None)
-    if orig is not None and not getattr(orig, "_tic_trace", False):
-        cls.fill_routing_replay = _wrap(orig)
+    wrap_once(cls, "fill_routing_replay", _wrap)
     _INSTALLED.add("fill")
 
 
@@ -76,7 +74,6 @@ def _wrap(orig: Callable) -> Callable:
     def fill_routing_replay(self, data_iterator, num_microbatches, rollout_data, *a, **kw):
         _record_guarded(getattr(self, "args", None), rollout_data)
         return orig(self, data_iterator, num_microbatches, rollout_data, *a, **kw)
-    fill_routing_replay._tic_trace = True
     return fill_routing_replay
 
 
