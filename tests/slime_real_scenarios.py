@@ -28,6 +28,17 @@ def _integration():
     return importlib.import_module(INTEGRATION)
 
 
+def _flow_argv(out: Path, ckpt, config, rollout_ids: str, max_samples: int) -> list[str]:
+    """slime's arguments of a traced flow (rollout, reference and log-prob passes on Megatron, a constant reward),
+    tracing `rollout_ids` with `max_samples` samples each into out/traces; the reference model in out/ref."""
+    (out / "ref").mkdir()
+    return sr.base_argv(ckpt, config) + [
+        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", rollout_ids,
+        "--tic-trace-max-samples", str(max_samples), "--kl-coef", "0.01", "--ref-load", str(out / "ref"),
+        "--lr", "0.0", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
+        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4"]
+
+
 def _checkpoint(out: Path):
     hf = build_hf_model(tiny_qwen3_config(moe=True), seed=0)
     return hf, sr.write_checkpoint(hf.config, out / "hf")
@@ -192,12 +203,7 @@ def scenario_flow(out: Path) -> dict:
     from tic_trace.testing.faults import plant
     ts = _integration()
     hf, ckpt = _checkpoint(out)
-    (out / "ref").mkdir()
-    argv = sr.base_argv(ckpt, hf.config) + [
-        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1",
-        "--tic-trace-max-samples", "2", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
-        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
+    argv = _flow_argv(out, ckpt, hf.config, "0,1", 2) + [
         # the user's own hooks: --tic-trace keeps them and calls them with slime's arguments
         "--custom-megatron-init-path", "tic_trace.testing.slime_real.user_init",
         "--custom-megatron-before-log-prob-hook-path", "tic_trace.testing.slime_real.user_before_log_prob",
@@ -253,13 +259,7 @@ def scenario_logprobs(out: Path) -> dict:
     from tic_trace.testing import sglang_cpu as sc
     ts = _integration()
     hf, ckpt = _checkpoint(out)
-    (out / "ref").mkdir()
-    argv = sr.base_argv(ckpt, hf.config) + [
-        "--tic-trace", "--tic-trace-dir", str(out / "traces"), "--tic-trace-rollout-ids", "0,1,2,3",
-        "--tic-trace-max-samples", "1", "--kl-coef", "0.01", "--ref-load", str(out / "ref"), "--lr", "0.0",
-        "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--custom-rm-path",
-        "tic_trace.testing.slime_real.constant_reward", "--sglang-server-concurrency", "4",
-        "--rollout-temperature", "0.9"]
+    argv = _flow_argv(out, ckpt, hf.config, "0,1,2,3", 1) + ["--rollout-temperature", "0.9"]
     args = ts.configure(sr.parse_args(argv, ts.add_arguments))
     _start_engine_and_trainer(args)
     result = {"samples": {}, "trainer_log_probs": {}, "logged": _logged_metric(), "requests": {}}
